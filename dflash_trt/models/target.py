@@ -1,0 +1,157 @@
+"""Target LLM in our own torch code: Llama / SmolLM2, Qwen2 (q/k/v bias) and Qwen3 (per-head
+q_norm / k_norm). Fused q|k|v and gate|up GEMMs; the KV cache is owned by the runtime.
+
+The forward returns logits for the requested rows and the target features: the outputs of
+the layers listed in ``capture`` (HF ``hidden_states[i + 1]``), concatenated on the last axis,
+which the DFlash drafter reads (paper §3.1, "KV injection").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import TargetConfig
+from .layers import AttentionMetadata, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, cached_attention
+
+
+class TargetAttention(nn.Module):
+    """Self-attention over the paged-free contiguous cache (see ``layers.cached_attention``)."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
+        self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, kv, meta: AttentionMetadata) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q = q.view(b, t, self.h, self.d)
+        k = k.view(b, t, self.hkv, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)
+        return self.o(cached_attention(q, k, v.view(b, t, self.hkv, self.d), kv, meta))
+
+
+class TargetLayer(nn.Module):
+    """Pre-norm decoder layer: attention then gated MLP, each with a residual."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = TargetAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, kv, meta):
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv, meta)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass
+class TargetOutput:
+    """Result of :meth:`TargetModel.forward`.
+
+    Attributes:
+        logits: ``[B, n, vocab]`` in the model dtype, for the rows picked by ``logits_index``
+            (all ``T`` positions when it is None).
+        features: ``[B, T, len(capture) * hidden]`` target features, or None when nothing was
+            captured.
+    """
+
+    logits: torch.Tensor
+    features: torch.Tensor | None
+
+
+class TargetModel(nn.Module):
+    """Decoder-only target LLM.
+
+    Parameter names are ours (fused ``qkv`` / ``gate_up``); :meth:`load_hf_state_dict` maps HF
+    Llama/Qwen names onto them.
+    """
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(TargetLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        capture: tuple[int, ...] = (),
+        logits_index: torch.Tensor | None = None,
+    ) -> TargetOutput:
+        """Run ``input_ids`` (int64 ``[B, T]``) through the model, writing their K/V into ``kv_cache``.
+
+        Args:
+            meta: positions, cache slots and mask for these tokens.
+            kv_cache: one ``(k, v)`` buffer pair per layer, ``[B, Hkv, slots, D]``.
+            capture: target layer ids whose outputs make the features (HF ``hidden_states[i+1]``;
+                the last layer's output is taken after the final norm, as HF does).
+            logits_index: optional int64 ``[B, n]`` positions in ``T`` to compute logits for.
+        """
+        x = self.embed(input_ids)
+        cos, sin = self.rope(meta.positions, x.dtype)
+        captured = {}
+        wanted = set(capture)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache[i], meta)
+            if i in wanted and i != last:
+                captured[i] = x
+        x = self.norm(x)
+        if last in wanted:
+            captured[last] = x
+        features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        if logits_index is not None:
+            x = x.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        return TargetOutput(logits=self.lm_head(x), features=features)
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load HF Llama/Qwen2/Qwen3 weights (``model.layers.N.self_attn.q_proj.weight`` ...).
+
+        Raises:
+            KeyError: a required tensor is missing.
+            ValueError: a tensor has the wrong shape.
+        """
+        own = self.state_dict()
+        out: dict[str, torch.Tensor] = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
+        if not self.cfg.tie_word_embeddings:
+            out["lm_head.weight"] = sd["lm_head.weight"]
+        for i in range(self.cfg.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            out[f"layers.{i}.attn_norm.weight"] = sd[p + "input_layernorm.weight"]
+            out[f"layers.{i}.mlp_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+            out[f"layers.{i}.attn.qkv.weight"] = torch.cat([sd[a + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")])
+            if self.cfg.attention_bias:
+                out[f"layers.{i}.attn.qkv.bias"] = torch.cat([sd[a + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")])
+            out[f"layers.{i}.attn.o.weight"] = sd[a + "o_proj.weight"]
+            if self.cfg.qk_norm:
+                out[f"layers.{i}.attn.q_norm.weight"] = sd[a + "q_norm.weight"]
+                out[f"layers.{i}.attn.k_norm.weight"] = sd[a + "k_norm.weight"]
+            m = p + "mlp."
+            out[f"layers.{i}.mlp.gate_up.weight"] = torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])
+            out[f"layers.{i}.mlp.down.weight"] = sd[m + "down_proj.weight"]
+        for name, t in out.items():
+            if own[name].shape != t.shape:
+                raise ValueError(f"{name}: expected shape {tuple(own[name].shape)}, got {tuple(t.shape)}")
+        if self.cfg.tie_word_embeddings:
+            out["lm_head.weight"] = out["embed.weight"]
+        self.load_state_dict(out, strict=True)

@@ -1,0 +1,46 @@
+"""KV cache buffers for the target and the drafter's context K/V.
+
+One contiguous slab per layer, indexed by absolute position: slot ``p`` holds the K/V of the
+token at position ``p`` of that row. Rolling back rejected draft positions costs nothing:
+the runtime keeps each row's committed length, later writes overwrite the stale slots, and
+the attention mask hides anything at or past a query's own position. The last slot is a
+trash slot that padded tokens write into.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Per-layer K/V buffers, each ``[batch, num_kv_heads, capacity + 1, head_dim]``.
+
+    Args:
+        num_layers: attention layers (one ``(k, v)`` pair each).
+        batch: rows (sequences).
+        num_kv_heads, head_dim: K/V head shape.
+        capacity: positions per row; position ``capacity`` is the trash slot.
+        dtype: storage dtype (the model's compute dtype).
+
+    Memory: ``2 * num_layers * batch * num_kv_heads * (capacity + 1) * head_dim`` elements.
+    """
+
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (batch, num_kv_heads, capacity + 1, head_dim)
+        self.capacity = capacity
+        self.layers = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+
+    @property
+    def trash_slot(self) -> int:
+        return self.capacity
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Drop finished rows: keep only ``rows`` (int64 indices), in that order (one copy)."""
+        self.layers = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.layers]
+
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)

@@ -1,0 +1,98 @@
+"""Sampling parameters and the target-side token choice used in verification.
+
+DFlash drafts greedily; with temperature > 0 the target samples each block position from its
+own (temperature / top-k / top-p processed) distribution and a draft token is accepted while
+it equals the target's sample. For a one-hot draft distribution this is exactly rejection
+sampling (Leviathan et al. 2023, §2.3), so the output distribution equals the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import DFlashError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings.
+
+    Attributes:
+        temperature: 0 for greedy (argmax); > 0 divides the logits.
+        top_p: nucleus mass in (0, 1]; 1 disables.
+        top_k: keep the k most likely tokens; 0 disables.
+        seed: seed of this request's own generator (None: nondeterministic).
+
+    Raises:
+        DFlashError: negative temperature, top_p outside (0, 1], negative top_k.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise DFlashError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise DFlashError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise DFlashError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def make_generator(self) -> torch.Generator | None:
+        if self.greedy:
+            return None
+        g = torch.Generator()
+        g.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        return g
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution the target samples from: fp32 ``[..., vocab]`` probabilities after
+    temperature, then top-k, then top-p (the order HF and vLLM use)."""
+    scores = logits.float() / params.temperature
+    vocab = scores.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Target's token at each position: argmax when greedy, else one sample per position.
+
+    Args:
+        logits: ``[T, vocab]`` for one request.
+    Returns:
+        int64 ``[T]``.
+    """
+    if params.greedy:
+        return logits.argmax(-1)
+    return torch.multinomial(target_probs(logits, params), 1, generator=generator).squeeze(-1)
+
+
+def accepted_lengths(drafts: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
+    """Number of leading draft tokens the target accepts, per row.
+
+    Args:
+        drafts: int64 ``[B, K-1]`` draft tokens (block slots 1..K-1).
+        target_tokens: int64 ``[B, K]`` the target's choice after each block slot.
+    Returns:
+        int64 ``[B]`` in ``0..K-1``; the committed tokens are ``drafts[:a]`` plus the bonus
+        token ``target_tokens[a]``.
+    """
+    return (drafts == target_tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
