@@ -1,0 +1,81 @@
+"""Peers on the real SmolLM2 target and real GSM8K prompts, greedy, fp32: transformers'
+``generate`` (``hf``) must equal a plain greedy loop over the model's forward (full recompute,
+no cache), token for token, and ``prompt-lookup`` must equal ``hf``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_trt.bench.datasets import chat_prompt_ids, load_prompts
+from dflash_trt.bench.peers import PEERS, PeerResult, run_peer
+from dflash_trt.errors import DFlashError
+
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2):
+    return [chat_prompt_ids(smollm2.tokenizer, t) for t in load_prompts("gsm8k", 2)]
+
+
+@pytest.fixture(scope="module")
+def hf_result(smollm2, prompts):
+    return run_peer("hf", smollm2.path, prompts, MAX_NEW, torch.float32, smollm2.stop_token_ids)
+
+
+def greedy_no_cache(model, ids: list[int], n: int, stops) -> tuple[list[int], list[float]]:
+    """Plain greedy loop: full forward over the whole sequence each step. Returns the new
+    tokens and the top-2 logit margin at every step."""
+    out, margins = [], []
+    seq = list(ids)
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([seq]), use_cache=False, logits_to_keep=1).logits[0, -1]
+            top = logits.topk(2)
+            margins.append(float(top.values[0] - top.values[1]))
+            t = int(top.indices[0])
+            out.append(t)
+            seq.append(t)
+            if t in stops:
+                break
+    return out, margins
+
+
+def test_hf_peer_equals_plain_greedy(smollm2, prompts, hf_result):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2.path), dtype=torch.float32).eval()
+    assert isinstance(hf_result, PeerResult) and hf_result.name == "hf"
+    assert len(hf_result.outputs) == len(prompts)
+    for p, got in zip(prompts, hf_result.outputs):
+        ref, margins = greedy_no_cache(model, p, MAX_NEW, set(smollm2.stop_token_ids))
+        assert got == ref, f"hf peer {got} != plain greedy {ref} (top-2 margins {margins})"
+        assert all(type(t) is int for t in got)
+    assert hf_result.new_tokens == sum(map(len, hf_result.outputs)) == 2 * MAX_NEW
+    assert hf_result.wall_s > 0 and hf_result.tokens_per_s == pytest.approx(hf_result.new_tokens / hf_result.wall_s)
+
+
+def test_prompt_lookup_equals_hf(smollm2, prompts, hf_result):
+    res = run_peer("prompt-lookup", smollm2.path, prompts, MAX_NEW, torch.float32, smollm2.stop_token_ids)
+    assert res.name == "prompt-lookup"
+    assert res.outputs == hf_result.outputs
+    assert res.new_tokens == hf_result.new_tokens and res.wall_s > 0
+
+
+def test_stops_after_stop_token(smollm2, prompts, hf_result):
+    # Make the 3rd greedy token of prompt 0 a stop token: output is cut right after it.
+    stop = hf_result.outputs[0][2]
+    res = run_peer("hf", smollm2.path, prompts[:1], MAX_NEW, torch.float32, (stop,))
+    assert res.outputs == [hf_result.outputs[0][: hf_result.outputs[0].index(stop) + 1]]
+    assert res.outputs[0][-1] == stop and res.new_tokens == len(res.outputs[0])
+
+
+def test_bad_peer_args(smollm2, prompts):
+    assert PEERS == ("hf", "prompt-lookup")
+    with pytest.raises(DFlashError, match="unknown peer 'vllm'; choose from hf, prompt-lookup"):
+        run_peer("vllm", smollm2.path, prompts, MAX_NEW, torch.float32, smollm2.stop_token_ids)
+    with pytest.raises(DFlashError, match="max_new_tokens"):
+        run_peer("hf", smollm2.path, prompts, 0, torch.float32, smollm2.stop_token_ids)
+    with pytest.raises(DFlashError, match="config.json"):
+        run_peer("hf", smollm2.path / "missing", prompts, MAX_NEW, torch.float32, smollm2.stop_token_ids)
