@@ -50,7 +50,7 @@ def drafter_config_from_json(cfg: dict) -> DrafterConfig:
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         scaling = rope if rope and rope.get("rope_type", rope.get("type", "default")) != "default" else None
         n_target = int(get("num_target_layers"))
-        ids = d.get("target_layer_ids") or default_target_layer_ids(n_target, layers)
+        ids = d.get("target_layer_ids", cfg.get("target_layer_ids")) or default_target_layer_ids(n_target, layers)
         return DrafterConfig(
             hidden_size=int(cfg["hidden_size"]),
             intermediate_size=int(cfg["intermediate_size"]),

@@ -12,6 +12,14 @@ from ..errors import DFlashError
 
 #: target families with our own torch implementation, keyed by HF ``model_type``
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+#: RoPE scaling types ``layers.rope_inv_freq`` implements
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+def _check_rope_scaling(scaling: dict | None, what: str) -> None:
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise DFlashError(f"{what}: unsupported rope_type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,7 @@ class TargetConfig:
             raise DFlashError(
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
             )
+        _check_rope_scaling(self.rope_scaling, "target")
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "TargetConfig":
@@ -140,3 +149,6 @@ class DrafterConfig:
     max_position_embeddings: int = 4096
     attention_bias: bool = False
     extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_rope_scaling(self.rope_scaling, "drafter")
