@@ -1,6 +1,6 @@
 """Peers on the real SmolLM2 target and real GSM8K prompts, greedy, fp32: transformers'
-``generate`` (``hf``) must equal a plain greedy loop over the model's forward (full recompute,
-no cache), token for token, and ``prompt-lookup`` must equal ``hf``."""
+``generate`` (``hf``) must equal a plain greedy loop over the model's forward, token for
+token, and ``prompt-lookup`` must equal ``hf``."""
 
 from __future__ import annotations
 
@@ -24,19 +24,21 @@ def hf_result(smollm2, prompts):
     return run_peer("hf", smollm2.path, prompts, MAX_NEW, torch.float32, smollm2.stop_token_ids)
 
 
-def greedy_no_cache(model, ids: list[int], n: int, stops) -> tuple[list[int], list[float]]:
-    """Plain greedy loop: full forward over the whole sequence each step. Returns the new
-    tokens and the top-2 logit margin at every step."""
+def greedy_loop(model, ids: list[int], n: int, stops) -> tuple[list[int], list[float]]:
+    """Plain greedy loop over the model's forward (prefill, then one token per step with the
+    forward's own KV cache; no ``generate``). Returns the new tokens and the top-2 logit margin
+    at every step."""
     out, margins = [], []
-    seq = list(ids)
+    x, past = torch.tensor([ids]), None
     with torch.inference_mode():
         for _ in range(n):
-            logits = model(input_ids=torch.tensor([seq]), use_cache=False, logits_to_keep=1).logits[0, -1]
-            top = logits.topk(2)
+            res = model(input_ids=x, past_key_values=past, use_cache=True, logits_to_keep=1)
+            past = res.past_key_values
+            top = res.logits[0, -1].topk(2)
             margins.append(float(top.values[0] - top.values[1]))
             t = int(top.indices[0])
             out.append(t)
-            seq.append(t)
+            x = torch.tensor([[t]])
             if t in stops:
                 break
     return out, margins
@@ -49,7 +51,7 @@ def test_hf_peer_equals_plain_greedy(smollm2, prompts, hf_result):
     assert isinstance(hf_result, PeerResult) and hf_result.name == "hf"
     assert len(hf_result.outputs) == len(prompts)
     for p, got in zip(prompts, hf_result.outputs):
-        ref, margins = greedy_no_cache(model, p, MAX_NEW, set(smollm2.stop_token_ids))
+        ref, margins = greedy_loop(model, p, MAX_NEW, set(smollm2.stop_token_ids))
         assert got == ref, f"hf peer {got} != plain greedy {ref} (top-2 margins {margins})"
         assert all(type(t) is int for t in got)
     assert hf_result.new_tokens == sum(map(len, hf_result.outputs)) == 2 * MAX_NEW
