@@ -61,6 +61,9 @@ def convert_gguf(path: Path) -> Path:
     Raises:
         DFlashError: the file is not a readable GGUF of a supported family.
     """
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise DFlashError(f"{path} is not a GGUF file (bad magic bytes)")
     out = cache_root() / "gguf" / f"{path.stem}-{_file_key(path)}"
     if (out / "config.json").is_file():
         return out
