@@ -12,9 +12,7 @@ import pytest
 import torch
 
 from dflash_trt.bench.datasets import chat_prompt_ids, mixed_prompts
-from dflash_trt.models.layers import AttentionMetadata
-from dflash_trt.runtime.executor import DFlashEngine, Request
-from dflash_trt.runtime.kv_cache import KVCache
+from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request, first_divergence, top2_margin
 
 MAX_NEW = 24
 TIE = 1e-4
@@ -32,23 +30,11 @@ def reference(smollm2, prompts):
     return [engine.generate([Request(p, MAX_NEW)], 1)[0].output_ids for p in prompts]
 
 
-def top2_margin(model, ids: list[int]) -> float:
-    """Target's top-2 logit gap for the token after ``ids`` (fresh full forward)."""
-    cfg = model.cfg
-    T = len(ids)
-    cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, T, torch.float32)
-    pos = torch.arange(T).unsqueeze(0)
-    meta = AttentionMetadata(pos, pos, (torch.arange(T).view(1, 1, 1, -1) <= pos.view(1, 1, -1, 1)), T)
-    logits = model(torch.tensor([ids]), meta, cache.layers).logits[0, -1]
-    top = logits.topk(2).values
-    return float(top[0] - top[1])
-
-
 def check_same(model, prompt, ref, got) -> int:
     """0 if identical; 1 if they first differ at a numerical tie; fails otherwise."""
-    if got == ref:
+    i = first_divergence(ref, got)
+    if i is None:
         return 0
-    i = next((k for k, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
     margin = top2_margin(model, prompt + ref[:i])
     assert margin < TIE, f"mismatch at new token {i} with top-2 margin {margin:.3g} (not a tie): {ref} vs {got}"
     return 1
@@ -93,8 +79,6 @@ class OracleEngine(DFlashEngine):
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_high_acceptance_rollback(smollm2, random_drafter, prompts, reference, block_size):
     engine = OracleEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, prompts, reference)
-    from dflash_trt.runtime.executor import LoopStats
-
     stats = LoopStats(block_size)
     outs = [o.output_ids for o in engine.generate([Request(p, MAX_NEW) for p in prompts[:4]], block_size, stats=stats)]
     ties = sum(check_same(smollm2.model, p, r, o) for p, r, o in zip(prompts, reference, outs))

@@ -441,3 +441,22 @@ def test_load_weights_not_matching_config(saved):
     (saved / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DFlashError, match="missing weights"):
         load_drafter(saved)
+
+
+@pytest.mark.parametrize("extra", [
+    {"architectures": ["DFlash2DraftModel"]},
+    {"layer_types": ["full_attention", "sliding_attention"]},
+    {"is_causal": True},
+    {"input_embedding_scale": 2.0},
+    {"dflash_config": {"mask_token_id": 0, "output_multiplier": 0.5}},
+    {"final_logit_softcapping": 30.0},
+])
+def test_unsupported_zlab_variants_are_refused(extra):
+    from dflash_trt.checkpoints.zlab import drafter_config_from_json
+
+    cfg = {"architectures": ["DFlashDraftModel"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100,
+           "num_target_layers": 4, "dflash_config": {"mask_token_id": 0}}
+    drafter_config_from_json(cfg)  # the plain config is fine
+    with pytest.raises(DFlashError, match="not supported"):
+        drafter_config_from_json({**cfg, **extra})

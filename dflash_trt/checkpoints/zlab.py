@@ -27,6 +27,23 @@ from ..models.drafter import DFlashDrafter
 from .sources import load_safetensors_dir, read_json
 
 
+def _reject_unsupported(cfg: dict, d: dict) -> None:
+    """Refuse z-lab variants our drafter does not implement (they would draft badly, silently)."""
+    arch = cfg.get("architectures") or []
+    if any("DFlash2" in a for a in arch):
+        raise DFlashError(f"drafter architecture {arch} (DFlash2) is not supported; only DFlashDraftModel")
+    value = lambda k: d.get(k, cfg.get(k))  # noqa: E731  (z-lab reads dflash_config first)
+    if any(t != "full_attention" for t in value("layer_types") or []):
+        raise DFlashError("drafter uses sliding-attention layers (layer_types), which are not supported")
+    if value("is_causal"):
+        raise DFlashError("drafter sets is_causal; DFlash draft attention is non-causal and causal drafters are not supported")
+    for key in ("input_embedding_scale", "output_multiplier"):
+        if value(key) not in (None, 1, 1.0):
+            raise DFlashError(f"drafter sets {key}={value(key)}, which is not supported")
+    if value("final_logit_softcapping") not in (None, 0, 0.0):
+        raise DFlashError("drafter sets final_logit_softcapping, which is not supported")
+
+
 def drafter_config_from_json(cfg: dict) -> DrafterConfig:
     """Parse a z-lab ``config.json`` dict.
 
@@ -44,6 +61,7 @@ def drafter_config_from_json(cfg: dict) -> DrafterConfig:
             raise DFlashError(f"drafter config.json lacks {name!r}")
         return value
 
+    _reject_unsupported(cfg, d)
     try:
         heads = int(cfg["num_attention_heads"])
         layers = int(cfg["num_hidden_layers"])

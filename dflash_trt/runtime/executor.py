@@ -114,6 +114,29 @@ def _causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
     return (slots.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1))
 
 
+@torch.inference_mode()
+def top2_margin(model: TargetModel, ids: list[int]) -> float:
+    """Gap between the target's two largest logits for the token after ``ids`` (one fresh
+    full forward in the model's dtype). Used to tell a numerical tie from a real divergence
+    when two decoding runs differ."""
+    cfg = model.cfg
+    T = len(ids)
+    dtype = model.embed.weight.dtype
+    cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, T, dtype, model.embed.weight.device)
+    pos = torch.arange(T, device=cache.layers[0][0].device).unsqueeze(0)
+    logits = model(torch.tensor([ids], device=pos.device), AttentionMetadata(pos, pos, _causal_mask(pos, T), T),
+                   cache.layers, logits_index=pos[:, -1:]).logits[0, -1]
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length), None when equal."""
+    if a == b:
+        return None
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 class DFlashEngine:
     """Runs DFlash speculative decoding (or plain decoding) on a target and its drafter.
 
