@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/dflash-trt generate --prompt-from gsm8k:0 --max-new-tokens 96
 	$(BIN)/dflash-trt bench --dataset gsm8k --num-prompts 5 --max-new-tokens 64 \
-		--peers hf,prompt-lookup --json out/demo-bench.json
+		--peers hf,prompt-lookup --json out/demo-bench.json --plot out/demo-bench.png
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

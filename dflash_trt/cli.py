@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-prompts", type=int, default=10)
     b.add_argument("--json", dest="json_out", help="write the result JSON here")
     b.add_argument("--peers", default="", help="comma list of peers: hf,prompt-lookup")
+    b.add_argument("--plot", help="write a PNG (throughput per mode, acceptance per draft position)")
     _common(b)
 
     i = sub.add_parser("init-drafter", help="write a randomly initialised drafter matched to a target")
@@ -138,6 +139,10 @@ def cmd_bench(args) -> None:
     print(format_table(result))
     if args.json_out:
         print(f"wrote {args.json_out}")
+    if args.plot:
+        from .bench.plots import plot_bench
+
+        print(f"wrote {plot_bench(result, args.plot)}")
 
 
 def cmd_init_drafter(args) -> None:

@@ -96,7 +96,7 @@ def test_generate_streams_and_reports(tmp_path, random_drafter):
 def test_bench_json(tmp_path):
     out = tmp_path / "bench.json"
     proc = run("bench", "--dataset", "humaneval", "--num-prompts", "2", "--max-new-tokens", "8",
-               "--block-size", "4", "--peers", "hf", "--json", str(out))
+               "--block-size", "4", "--peers", "hf", "--json", str(out), "--plot", str(tmp_path / "b.png"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(out.read_text())
     for key in ("dataset", "num_prompts", "max_new_tokens", "block_size", "temperature", "target", "drafter",
@@ -109,6 +109,7 @@ def test_bench_json(tmp_path):
     assert 1.0 <= r["tau"] <= 4.0
     assert r["peers"]["hf"]["tokens_per_s"] > 0 and r["peers"]["hf"]["identical_to_ar"] is True
     assert "plain decoding" in proc.stdout and "peer: hf" in proc.stdout
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_init_drafter_writes_loadable_drafter(tmp_path):

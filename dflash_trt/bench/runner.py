@@ -49,9 +49,11 @@ def device_name() -> str:
 
 
 def _run_mode(engine: DFlashEngine, prompts: list[list[int]], cfg: BenchConfig, block_size: int, sampling: SamplingParams):
+    from tqdm import tqdm
+
     stats = LoopStats(block_size)
     outputs, wall = [], 0.0
-    for ids in prompts:
+    for ids in tqdm(prompts, desc=f"block size {block_size}", unit="prompt", leave=False, disable=None):
         req = Request(ids, cfg.max_new_tokens, sampling)
         t = time.perf_counter()
         out = engine.generate([req], block_size, stats=stats)[0]
