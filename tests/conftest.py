@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# One intra-op thread in the test process: the models here are small, and on a 2-core machine
+# 2 threads ran up to ~15x slower whenever another process was busy (OpenMP barriers wait for a
+# descheduled thread). CLI tests run the command in subprocesses with the default threads.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

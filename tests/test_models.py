@@ -32,16 +32,6 @@ PROMPTS = [
 FEATURE_LAYERS = (1, 15, 27, 29)  # 29 = SmolLM2's last layer: post-final-norm, like HF
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread for this module: on this 2-core machine, 2 threads run ~15x slower
-    whenever another process is busy (OpenMP barriers wait for a descheduled thread)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def causal_meta(pos: torch.Tensor, kv_len: int, write_slots: torch.Tensor | None = None) -> AttentionMetadata:
     """The runtime's metadata: slot j visible to a query at position p iff j <= p."""
     mask = torch.arange(kv_len).view(1, 1, 1, -1) <= pos.unsqueeze(1).unsqueeze(-1)

@@ -371,16 +371,6 @@ def passes(pval: float, tv: float, bound: float) -> bool:
     return pval > ALPHA and tv < bound
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These models are tiny: intra-op threads only add synchronisation, and on a loaded
-    2-core machine a 2-thread softmax of a [4, 4] tensor was measured at ~16 ms (vs ~1 us)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 _MODELS: dict[str, tuple] = {}
 
 

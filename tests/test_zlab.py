@@ -36,16 +36,6 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 32}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread for this module: on this 2-core machine, 2 threads run ~15x slower
-    whenever another process is busy (OpenMP barriers wait for a descheduled thread)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def tiny_target(**kw) -> TargetConfig:
     base = dict(family="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=8,
                 num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=128)
