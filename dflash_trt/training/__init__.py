@@ -1,0 +1,1 @@
+"""Drafter training for DFlash: self-distillation data (:mod:`.data`)."""

