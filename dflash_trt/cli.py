@@ -1,4 +1,4 @@
-"""``dflash-trt`` command line: ``generate``, ``bench``, ``init-drafter``.
+"""``dflash-trt`` command line: ``generate``, ``bench``, ``init-drafter``, ``train``.
 
 Errors a user can cause are printed as one line (``dflash-trt: error: ...``) with exit status 2.
 """
@@ -59,6 +59,29 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--mask-token-id", type=int, default=None)
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("--out", required=True)
+
+    t = sub.add_parser("train", help="train a DFlash drafter on self-distilled data (paper recipe)")
+    t.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
+    t.add_argument("--data", required=True, help="self-distillation data directory (see training/data.py)")
+    t.add_argument("--out", required=True, help="run directory: log, loss.png, checkpoints, final drafter/")
+    t.add_argument("--steps", type=int, required=True, help="optimizer steps (the LR schedule spans them)")
+    t.add_argument("--layers", type=int, default=1, help="decoder layers of a new drafter")
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--batch", type=int, default=4, help="sequences per step")
+    t.add_argument("--anchors", type=int, default=512, help="random anchors (blocks) per sequence")
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the steps")
+    t.add_argument("--gamma", type=float, default=None, help="loss decay (default: 7 for B=16, 4 for B=8)")
+    t.add_argument("--max-seq-len", type=int, default=2048)
+    t.add_argument("--save-every", type=int, default=500)
+    t.add_argument("--autocast", default="bf16", help="bf16 | fp16 | fp32 (no autocast)")
+    t.add_argument("--dtype", default="fp32", help="target dtype for the feature pass: fp32 | bf16")
+    t.add_argument("--export-dtype", default="bf16", help="dtype of the exported drafter: bf16 | fp32")
+    t.add_argument("--init-drafter", help="start from this z-lab drafter instead of a random one")
+    t.add_argument("--no-resume", action="store_true", help="refuse to continue a run found in --out")
+    t.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step")
+    t.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    t.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -160,7 +183,40 @@ def cmd_init_drafter(args) -> None:
           f"target_layer_ids {list(model.cfg.target_layer_ids)}, mask_token_id {mask}")
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "init-drafter": cmd_init_drafter}
+def cmd_train(args) -> None:
+    from .training.trainer import TrainConfig, read_log, train
+
+    cfg = TrainConfig(
+        steps=args.steps, batch=args.batch, anchors_per_seq=args.anchors, block_size=args.block_size,
+        num_layers=args.layers, lr=args.lr, warmup_frac=args.warmup, gamma=args.gamma, save_every=args.save_every,
+        seed=args.seed, autocast=args.autocast, max_seq_len=args.max_seq_len, export_dtype=args.export_dtype,
+        stop_after=args.stop_after,
+    )
+    cfg.validate()
+    if not os.path.isdir(args.data):
+        raise DFlashError(f"training data not found: {args.data}")
+    _setup_threads(args.threads)
+    try:
+        from .training.data import load_dataset
+    except ImportError as e:
+        raise DFlashError(f"the training data reader is not available ({e})") from None
+    from .checkpoints.loader import load_target, parse_dtype
+
+    samples = load_dataset(args.data)
+    target = load_target(args.target, parse_dtype(args.dtype))
+    print(f"training a drafter for {target.path.name} on {len(samples)} samples from {args.data}", file=sys.stderr)
+    out = train(target, samples, args.out, cfg, init_drafter_dir=args.init_drafter, resume=not args.no_resume)
+    recs = read_log(args.out)
+    tail = recs[-min(len(recs), 20):]
+    if tail:
+        loss = sum(r["loss"] for r in tail) / len(tail)
+        taus = [r["tau_est"] for r in tail if r["tau_est"] == r["tau_est"]]  # NaN: no full block
+        tau = sum(taus) / len(taus) if taus else float("nan")
+        print(f"step {recs[-1]['step']}: loss {loss:.3f}, tau_est {tau:.2f} (mean of the last {len(tail)} steps)")
+    print(f"wrote {out}")
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "init-drafter": cmd_init_drafter, "train": cmd_train}
 
 
 def main(argv: list[str] | None = None) -> int:

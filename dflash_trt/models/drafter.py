@@ -113,3 +113,88 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, cos, sin, kv_cache[i], meta)
         return self.norm(x)
+
+    def forward_train(
+        self,
+        block_embeds: torch.Tensor,
+        ctx_features: torch.Tensor,
+        ctx_positions: torch.Tensor,
+        anchors: torch.Tensor,
+        ctx_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Training forward: many blocks per sequence in ONE pass (paper §4 recipe).
+
+        Every block ``b`` is ``[token at anchor_b, MASK x (B-1)]`` at positions
+        ``anchor_b .. anchor_b + B - 1``. Per layer, the context K/V of all ``S`` positions is
+        computed once; block ``b`` sees context position ``p`` iff ``p < anchor_b`` (strictly
+        before the anchor, exactly what :meth:`forward` sees at inference when the block starts
+        at the last committed token) plus its own ``B`` slots (non-causal), never other blocks.
+        The result equals :meth:`forward` run block by block with a fresh cache holding the
+        context positions ``< anchor_b``.
+
+        Args:
+            block_embeds: ``[nb, B, hidden]`` (or ``[N, nb, B, hidden]`` for N sequences)
+                target embeddings of the blocks.
+            ctx_features: ``[S, F]`` (or ``[N, S, F]``) target features of the sequence.
+            ctx_positions: int64 ``[S]`` (or ``[N, S]``) their absolute positions.
+            anchors: int64 ``[nb]`` (or ``[N, nb]``) anchor position of each block.
+            ctx_valid: optional bool ``[S]`` (or ``[N, S]``); false marks padding, never seen.
+
+        Returns:
+            ``[nb, B, hidden]`` (or ``[N, nb, B, hidden]``) final normed hidden states.
+        """
+        single = block_embeds.dim() == 3
+        if single:
+            block_embeds, ctx_features = block_embeds.unsqueeze(0), ctx_features.unsqueeze(0)
+            ctx_positions, anchors = ctx_positions.unsqueeze(0), anchors.unsqueeze(0)
+            ctx_valid = ctx_valid.unsqueeze(0) if ctx_valid is not None else None
+        N, nb, B, H = block_embeds.shape
+        S = ctx_features.shape[1]
+        block_pos = (anchors.unsqueeze(-1) + torch.arange(B, device=anchors.device)).reshape(N, nb * B)
+        dtype = block_embeds.dtype
+        cos_c, sin_c = self.rope(ctx_positions, dtype) if S else (None, None)
+        cos_b, sin_b = self.rope(block_pos, dtype)
+        visible = ctx_positions.unsqueeze(1) < anchors.unsqueeze(-1)  # [N, nb, S]
+        if ctx_valid is not None:
+            visible = visible & ctx_valid.unsqueeze(1)
+        ctx = self.hidden_norm(self.fc(ctx_features))
+        x = block_embeds.reshape(N, nb * B, H)
+        for layer in self.layers:
+            h = layer.input_layernorm(x)
+            x = x + _train_attention(layer.self_attn, h, ctx, cos_c, sin_c, cos_b, sin_b, visible, nb, B)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        out = self.norm(x).view(N, nb, B, H)
+        return out[0] if single else out
+
+
+def _train_attention(attn: DrafterAttention, h, ctx, cos_c, sin_c, cos_b, sin_b, visible, nb: int, B: int):
+    """Attention of ``nb`` blocks of ``B`` queries over ``[shared context ; own block]``.
+
+    Scores against the context are one GEMM for all blocks (masked by ``visible``
+    ``[N, nb, S]``), scores within each block a batched ``B x B`` GEMM; one softmax over both.
+    Grouped-query heads are handled by viewing the queries as ``[N, Hkv, group, T, D]``
+    (query head ``i`` reads KV head ``i // group``, like SDPA's ``enable_gqa``).
+    """
+    N, T, _ = h.shape
+    S = ctx.shape[1]
+    hq, hkv, d = attn.h, attn.hkv, attn.d
+    g = hq // hkv
+    q = attn.q_norm(attn.q_proj(h).view(N, T, hq, d)).transpose(1, 2)
+    q = apply_rope(q, cos_b, sin_b).reshape(N, hkv, g, nb, B, d)
+    kb = attn.k_norm(attn.k_proj(h).view(N, T, hkv, d)).transpose(1, 2)
+    kb = apply_rope(kb, cos_b, sin_b).reshape(N, hkv, 1, nb, B, d)
+    vb = attn.v_proj(h).view(N, T, hkv, d).transpose(1, 2).reshape(N, hkv, 1, nb, B, d)
+    scale = d ** -0.5
+    s_blk = (q @ kb.transpose(-1, -2)) * scale  # [N, hkv, g, nb, B, B]
+    if S:
+        kc = attn.k_norm(attn.k_proj(ctx).view(N, S, hkv, d)).transpose(1, 2)
+        kc = apply_rope(kc, cos_c, sin_c).unsqueeze(2)  # [N, hkv, 1, S, d]
+        vc = attn.v_proj(ctx).view(N, S, hkv, d).transpose(1, 2).unsqueeze(2)
+        s_ctx = (q.reshape(N, hkv, g, T, d) @ kc.transpose(-1, -2)).view(N, hkv, g, nb, B, S) * scale
+        s_ctx = s_ctx.masked_fill(~visible.view(N, 1, 1, nb, 1, S), float("-inf"))
+        p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1).float(), dim=-1).to(vb.dtype)
+        out = (p[..., :S].reshape(N, hkv, g, T, S) @ vc).view(N, hkv, g, nb, B, d) + p[..., S:] @ vb
+    else:
+        out = torch.softmax(s_blk.float(), dim=-1).to(vb.dtype) @ vb
+    out = out.reshape(N, hq, T, d).transpose(1, 2).reshape(N, T, hq * d)
+    return attn.o_proj(out)
