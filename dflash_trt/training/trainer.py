@@ -1,0 +1,689 @@
+"""DFlash drafter training (paper arXiv:2602.06036 §4 recipe) on a frozen target.
+
+Per step, for ``batch`` sequences (prompt + target-generated response, ``loss_mask`` = 1 on
+the response):
+  * target features of every position, computed once per sequence with our ``TargetModel``
+    (layers ``drafter.cfg.target_layer_ids``, no grad; cached in memory across epochs);
+  * up to ``anchors_per_seq`` random anchors among the response positions; block ``b`` is
+    ``[token at anchor_b, MASK x (B-1)]`` embedded with the target's frozen embedding, at
+    positions ``anchor_b .. anchor_b + B - 1``; it sees the context positions strictly before
+    its anchor (what the runtime's drafter sees when the block starts at the last committed
+    token) and its own block, non-causally;
+  * ONE drafter forward for all blocks of all sequences (:meth:`DFlashDrafter.forward_train`);
+  * slot ``k`` (1..B-1) is labelled with the token at ``anchor + k`` (same-position labels);
+    the anchor slot, slots past the sequence and slots outside the response are ignored;
+  * loss = sum_k w_k CE_k / sum_k w_k with ``w_k = exp(-(k-1)/gamma)`` (gamma 7 for B=16,
+    4 for B=8), CE through the target's frozen LM head, computed only at supervised slots in
+    row chunks (logits never held whole: the 49K-vocabulary head dominates a step);
+  * AdamW (lr 6e-4), linear warmup over ``warmup_frac`` of the steps then cosine decay,
+    gradient clipping at 1.0. The target (embedding and LM head included) stays frozen.
+
+Output directory::
+
+    log.jsonl          one JSON line per step: loss, lr, acc per slot, tau_est, timings
+    loss.png           loss and tau_est curves
+    train_config.json  the effective TrainConfig
+    ckpt-000500/       z-lab drafter (fp32 master weights) + train_state.pt (optimizer,
+                       scheduler, step, RNG states); the newest one is resumed from
+    drafter/           the final drafter, z-lab format (``export_dtype``)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoints.loader import LoadedTarget, default_mask_token_id, parse_dtype
+from ..checkpoints.zlab import init_drafter, load_drafter, save_drafter, validate_pair
+from ..errors import DFlashError
+from ..models.drafter import DFlashDrafter
+from ..models.layers import AttentionMetadata
+from ..models.target import TargetModel
+from ..runtime.kv_cache import KVCache
+
+IGNORE = -100
+CKPT_RE = re.compile(r"^ckpt-(\d{6,})$")
+
+
+@dataclass
+class TrainConfig:
+    """Settings of one training run (defaults: the paper's recipe where it gives one).
+
+    Attributes:
+        steps: optimizer steps in the whole run (the LR schedule spans them).
+        batch: sequences per step (all their blocks go through one drafter forward).
+        anchors_per_seq: random anchors (blocks) per sequence; capped by the sequence's
+            response positions (paper: 512).
+        block_size: B, tokens per block, anchor included (new drafters; an initial drafter
+            given to :func:`train` keeps its own).
+        num_layers: decoder layers of a new drafter.
+        lr, warmup_frac, min_lr_ratio: peak LR, warmup fraction, final LR / peak (cosine).
+        weight_decay, betas: AdamW settings.
+        grad_clip: max global gradient norm (0 disables).
+        gamma: loss decay ``w_k = exp(-(k-1)/gamma)``; None: 7 for B=16, 4 for B=8, linear
+            in B in between and beyond (at least 1).
+        save_every: checkpoint every this many steps (and at the end).
+        keep_checkpoints: newest checkpoints kept (0 keeps all).
+        seed: drafter init, data order and anchor sampling.
+        autocast: ``bf16`` (bf16 autocast; about twice as fast on CPUs with AVX512-BF16/AMX),
+            ``fp16`` or ``fp32`` (no autocast). Master weights and optimizer stay fp32.
+        max_seq_len: sequences are cut to this many tokens.
+        mask_token_id: MASK token of a new drafter (None: the tokenizer's mask/unk token).
+        target_layer_ids: target layers a new drafter reads (None: the z-lab default spread).
+        cache_features: keep target features in memory (bf16 under autocast, else fp32) so
+            each sequence costs one target forward in the whole run.
+        feature_cache_gb: memory cap of that cache; past it features are recomputed.
+        ce_chunk: supervised rows per LM-head chunk (bounds the logits' memory).
+        export_dtype: dtype of the final ``drafter/`` (``bf16`` / ``fp32``).
+        stop_after: stop (with a checkpoint) once this step is done, schedule unchanged
+            (for time-boxed runs; resume later continues).
+        progress: show a tqdm progress bar.
+    """
+
+    steps: int = 1000
+    batch: int = 4
+    anchors_per_seq: int = 512
+    block_size: int = 16
+    num_layers: int = 1
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    gamma: float | None = None
+    save_every: int = 500
+    keep_checkpoints: int = 3
+    seed: int = 0
+    autocast: str = "bf16"
+    max_seq_len: int = 2048
+    mask_token_id: int | None = None
+    target_layer_ids: tuple[int, ...] | None = None
+    cache_features: bool = True
+    feature_cache_gb: float = 4.0
+    ce_chunk: int = 256
+    export_dtype: str = "bf16"
+    stop_after: int | None = None
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raises DFlashError on impossible settings."""
+        checks = [
+            (self.steps >= 1, f"steps must be >= 1, got {self.steps}"),
+            (self.batch >= 1, f"batch must be >= 1, got {self.batch}"),
+            (self.anchors_per_seq >= 1, f"anchors per sequence must be >= 1, got {self.anchors_per_seq}"),
+            (self.block_size >= 2, f"block size must be >= 2, got {self.block_size}"),
+            (self.num_layers >= 1, f"layers must be >= 1, got {self.num_layers}"),
+            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (0 <= self.warmup_frac < 1, f"warmup_frac must be in [0, 1), got {self.warmup_frac}"),
+            (self.grad_clip >= 0, f"grad_clip must be >= 0, got {self.grad_clip}"),
+            (self.gamma is None or self.gamma > 0, f"gamma must be > 0, got {self.gamma}"),
+            (self.save_every >= 1, f"save_every must be >= 1, got {self.save_every}"),
+            (self.max_seq_len >= 2, f"max_seq_len must be >= 2, got {self.max_seq_len}"),
+            (self.ce_chunk >= 1, f"ce_chunk must be >= 1, got {self.ce_chunk}"),
+            (self.autocast in ("bf16", "fp16", "fp32"), f"autocast must be bf16, fp16 or fp32, got {self.autocast!r}"),
+            (self.stop_after is None or self.stop_after >= 1, f"stop_after must be >= 1, got {self.stop_after}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise DFlashError(msg)
+        parse_dtype(self.export_dtype)
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss-decay gamma of the paper: 7 for B=16, 4 for B=8; linear in B otherwise (>= 1)."""
+    return max(1.0, 4.0 + 3.0 * (block_size - 8) / 8.0)
+
+
+def slot_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
+    """fp32 ``[B-1]``: ``exp(-(k-1)/gamma)`` for slots k = 1..B-1."""
+    g = gamma if gamma is not None else default_gamma(block_size)
+    return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / g)
+
+
+# --------------------------------------------------------------------------------------------
+# data: sequences, target features, batches
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainSequence:
+    """One training sequence after cutting: ids and response mask (int64 / bool ``[S]``) and
+    the anchor candidates (response positions with a supervised next token)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    candidates: torch.Tensor
+
+
+def prepare_sequences(samples: Sequence, vocab_size: int, max_seq_len: int) -> list[TrainSequence]:
+    """Turn samples (objects with ``input_ids`` and ``loss_mask`` lists) into sequences;
+    samples without any anchor candidate are dropped.
+
+    Raises:
+        DFlashError: no samples, ragged sample, token ids outside the vocabulary, or no sample
+            with a response of at least 2 tokens.
+    """
+    if not samples:
+        raise DFlashError("no training samples")
+    out = []
+    for n, s in enumerate(samples):
+        ids, mask = list(s.input_ids), list(s.loss_mask)
+        if len(ids) != len(mask):
+            raise DFlashError(f"sample {n}: input_ids ({len(ids)}) and loss_mask ({len(mask)}) differ in length")
+        ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+        if not ids:
+            continue
+        t = torch.tensor(ids, dtype=torch.long)
+        if int(t.min()) < 0 or int(t.max()) >= vocab_size:
+            raise DFlashError(f"sample {n}: token ids outside the target's vocabulary (0..{vocab_size - 1})")
+        m = torch.tensor(mask, dtype=torch.bool)
+        cand = torch.nonzero(m[:-1] & m[1:]).flatten()  # anchor a in the response, a + 1 supervised
+        if cand.numel():
+            out.append(TrainSequence(t, m, cand))
+    if not out:
+        raise DFlashError("no training sample has a response of at least 2 tokens (loss_mask)")
+    return out
+
+
+@torch.inference_mode()
+def target_features(model: TargetModel, seqs: list[torch.Tensor], capture: Sequence[int]) -> list[torch.Tensor]:
+    """Target features of each sequence, ``[S_i, len(capture) * hidden]`` in the model dtype.
+
+    Same values as ``TargetModel.forward(..., capture)`` (HF ``hidden_states[i + 1]``, the last
+    layer's after the final norm) but runs only the layers up to ``max(capture)`` and no LM
+    head; sequences are right-padded into one batch (causal attention: padding is harmless).
+    """
+    cfg = model.cfg
+    dev = model.embed.weight.device
+    n, S = len(seqs), max(len(s) for s in seqs)
+    upto = max(capture) + 1
+    ids = torch.zeros(n, S, dtype=torch.long, device=dev)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s.to(dev)
+    pos = torch.arange(S, device=dev).expand(n, S)
+    mask = (torch.arange(S, device=dev).view(1, -1) <= torch.arange(S, device=dev).view(-1, 1)).expand(n, 1, S, S)
+    cache = KVCache(upto, n, cfg.num_kv_heads, cfg.head_dim, S, model.embed.weight.dtype, dev)
+    meta = AttentionMetadata(pos, pos, mask, S)
+    x = model.embed(ids)
+    cos, sin = model.rope(pos, x.dtype)
+    captured = {}
+    for i in range(upto):
+        x = model.layers[i](x, cos, sin, cache.layers[i], meta)
+        if i in capture:
+            captured[i] = model.norm(x) if i == cfg.num_layers - 1 else x
+    feats = torch.cat([captured[i] for i in capture], dim=-1)
+    return [feats[i, : len(s)].clone() for i, s in enumerate(seqs)]
+
+
+class FeatureStore:
+    """Target features per sequence index, computed on first use and cached up to a budget."""
+
+    def __init__(self, model: TargetModel, seqs: list[TrainSequence], capture: Sequence[int], dtype: torch.dtype,
+                 cache: bool, budget_bytes: float):
+        self.model, self.seqs, self.capture, self.dtype = model, seqs, tuple(capture), dtype
+        self.cache_on, self.budget = cache, budget_bytes
+        self.cache: dict[int, torch.Tensor] = {}
+        self.bytes = 0
+        self.target_s = 0.0
+
+    def get(self, idx: list[int]) -> list[torch.Tensor]:
+        missing = [i for i in dict.fromkeys(idx) if i not in self.cache]
+        fresh = {}
+        if missing:
+            t = time.perf_counter()
+            # sort by length so padding stays small; batches of at most 8 sequences
+            order = sorted(missing, key=lambda i: len(self.seqs[i].ids))
+            for c in range(0, len(order), 8):
+                part = order[c: c + 8]
+                for i, f in zip(part, target_features(self.model, [self.seqs[i].ids for i in part], self.capture)):
+                    fresh[i] = f.to(self.dtype)
+            self.target_s += time.perf_counter() - t
+            if self.cache_on:
+                for i, f in fresh.items():
+                    size = f.numel() * f.element_size()
+                    if self.bytes + size <= self.budget:
+                        self.cache[i] = f
+                        self.bytes += size
+        return [self.cache[i] if i in self.cache else fresh[i] for i in idx]
+
+
+@dataclass
+class Batch:
+    """Tensors of one training step (N sequences, nb blocks each, block size B).
+
+    Attributes:
+        features: ``[N, S, F]`` target features (zero padding).
+        positions, valid: int64 / bool ``[N, S]``.
+        anchors: int64 ``[N, nb]`` (padding blocks: anchor 0, no labels).
+        block_ids: int64 ``[N, nb, B]`` anchor token then MASK ids.
+        labels: int64 ``[N, nb, B-1]`` token at ``anchor + k`` or ``IGNORE``.
+        tokens: sequence tokens in the batch.
+    """
+
+    features: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+    anchors: torch.Tensor
+    block_ids: torch.Tensor
+    labels: torch.Tensor
+    tokens: int
+
+
+def sample_anchors(seq: TrainSequence, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Up to ``n`` distinct random anchor positions among ``seq.candidates``, sorted."""
+    c = seq.candidates
+    if c.numel() <= n:
+        return c.clone()
+    return c[torch.randperm(c.numel(), generator=gen)[:n]].sort().values
+
+
+def build_batch(seqs: list[TrainSequence], feats: list[torch.Tensor], anchors_per_seq: int, block_size: int,
+                mask_token_id: int, gen: torch.Generator, device: torch.device | str = "cpu") -> Batch:
+    """Sample anchors and lay out one step's tensors (see :class:`Batch`)."""
+    N, B = len(seqs), block_size
+    S = max(len(s.ids) for s in seqs)
+    Fdim = feats[0].shape[-1]
+    chosen = [sample_anchors(s, anchors_per_seq, gen) for s in seqs]
+    nb = max(len(a) for a in chosen)
+    features = torch.zeros(N, S, Fdim, dtype=feats[0].dtype)
+    valid = torch.zeros(N, S, dtype=torch.bool)
+    anchors = torch.zeros(N, nb, dtype=torch.long)
+    block_ids = torch.full((N, nb, B), mask_token_id, dtype=torch.long)
+    labels = torch.full((N, nb, B - 1), IGNORE, dtype=torch.long)
+    offs = torch.arange(1, B)
+    for i, (s, f, a) in enumerate(zip(seqs, feats, chosen)):
+        L, m = len(s.ids), len(a)
+        features[i, :L] = f
+        valid[i, :L] = True
+        anchors[i, :m] = a
+        block_ids[i, :m, 0] = s.ids[a]
+        lp = a.unsqueeze(1) + offs  # [m, B-1] label positions
+        inside = lp < L
+        lpc = lp.clamp(max=L - 1)
+        ok = inside & s.mask[lpc]
+        labels[i, :m] = torch.where(ok, s.ids[lpc], IGNORE)
+    positions = torch.arange(S).expand(N, S).contiguous()
+    return Batch(features.to(device), positions.to(device), valid.to(device), anchors.to(device),
+                 block_ids.to(device), labels.to(device), int(sum(len(s.ids) for s in seqs)))
+
+
+# --------------------------------------------------------------------------------------------
+# loss
+# --------------------------------------------------------------------------------------------
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    """Weighted CE through a frozen LM head, in row chunks, gradient computed in the forward.
+
+    ``forward(h [M, H], W [V, H], labels [M], weights [M], chunk, dtype)`` returns
+    ``(sum_m w_m CE_m, argmax [M])``. Each chunk's logits live only while its loss and its
+    gradient ``((softmax - onehot) * w) @ W`` are computed: two GEMMs per chunk (the same as
+    forward + backward w.r.t. ``h``), memory ``chunk x V``. ``W`` gets no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, h, W, labels, weights, chunk, dtype):
+        # One fused softmax per chunk (torch's standalone exp / logsumexp are several times
+        # slower on CPU); CE = -log p[label], recomputed exactly where p[label] underflows.
+        with torch.autocast(h.device.type, enabled=False):
+            Wc = W if W.dtype == dtype else W.to(dtype)
+            total = torch.zeros((), dtype=torch.float32, device=h.device)
+            grad = torch.empty_like(h)
+            pred = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
+            for s in range(0, h.shape[0], chunk):
+                logits = h[s: s + chunk].to(dtype) @ Wc.t()
+                y, w = labels[s: s + chunk], weights[s: s + chunk]
+                r = torch.arange(len(y), device=h.device)
+                p = torch.softmax(logits, dim=-1, dtype=torch.float32)
+                pred[s: s + chunk] = p.argmax(-1)
+                p_y = p[r, y]
+                ce = -torch.log(p_y)
+                tiny = p_y < 1e-30
+                if bool(tiny.any()):
+                    lt = logits[tiny].float()
+                    ce[tiny] = torch.logsumexp(lt, dim=-1) - lt.gather(1, y[tiny].unsqueeze(1)).squeeze(1)
+                total += (ce * w).sum()
+                p[r, y] -= 1.0
+                p.mul_(w.unsqueeze(1))
+                grad[s: s + chunk] = (p.to(dtype) @ Wc).to(h.dtype)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(pred)
+        return total, pred
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_pred):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_total.to(grad.dtype), None, None, None, None, None
+
+
+@dataclass
+class StepStats:
+    loss: float
+    acc: list[float]
+    tau_est: float
+    supervised: int
+
+
+def compute_loss(drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Tensor, batch: Batch,
+                 weights: torch.Tensor, amp: torch.dtype | None, ce_chunk: int = 256
+                 ) -> tuple[torch.Tensor, StepStats]:
+    """Weighted same-position CE of one batch (see the module docstring).
+
+    Args:
+        embed_w, head_w: the target's frozen embedding and LM-head weights (``head_w`` may
+            be a pre-cast copy in the autocast dtype).
+        weights: ``[B-1]`` slot weights.
+        amp: autocast dtype, or None for full fp32.
+
+    Returns:
+        the loss (a scalar with grad) and its statistics: accuracy per slot (argmax equals
+        the label), ``tau_est`` (1 + mean accepted prefix over blocks whose B-1 slots are all
+        supervised: the tau this batch would give under greedy verification), supervised slots.
+    """
+    dev = embed_w.device
+    embeds = F.embedding(batch.block_ids, embed_w)
+    with torch.autocast(dev.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
+        hidden = drafter.forward_train(embeds, batch.features.float() if amp is None else batch.features,
+                                       batch.positions, batch.anchors, batch.valid)
+    sup = batch.labels != IGNORE  # [N, nb, B-1]
+    rows = hidden[:, :, 1:][sup]  # [M, H]
+    y = batch.labels[sup]
+    w = weights.to(dev).expand_as(batch.labels)[sup]
+    denom = w.sum().clamp_min(1e-12)
+    total, pred = _HeadCrossEntropy.apply(rows, head_w, y, w, ce_chunk, amp or torch.float32)
+    loss = total / denom
+    with torch.no_grad():
+        correct = torch.zeros_like(sup)
+        correct[sup] = pred == y
+        per_slot = sup.sum((0, 1)).clamp_min(1)
+        acc = (correct.sum((0, 1)) / per_slot).tolist()
+        full = sup.all(-1)
+        if bool(full.any()):
+            run = correct[full].long().cumprod(-1).sum(-1).float()
+            tau = 1.0 + float(run.mean())
+        else:
+            tau = float("nan")
+    return loss, StepStats(float(loss.detach()), acc, tau, int(sup.sum()))
+
+
+# --------------------------------------------------------------------------------------------
+# schedule, checkpoints, log
+# --------------------------------------------------------------------------------------------
+
+
+def lr_lambda(steps: int, warmup_frac: float, min_ratio: float):
+    """Linear warmup over ``ceil(warmup_frac * steps)`` steps, then cosine to ``min_ratio``."""
+    warm = math.ceil(warmup_frac * steps)
+
+    def f(step: int) -> float:  # step = number of optimizer steps already taken
+        if step < warm:
+            return (step + 1) / warm
+        t = min(1.0, (step - warm) / max(1, steps - warm))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+    return f
+
+
+def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints (with ``train_state.pt``) as ``(step, path)``, oldest first."""
+    found = []
+    if out_dir.is_dir():
+        for p in out_dir.iterdir():
+            m = CKPT_RE.match(p.name)
+            if m and (p / "train_state.pt").is_file() and (p / "config.json").is_file():
+                found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def _save_checkpoint(out_dir: Path, step: int, drafter, opt, sched, cfg: TrainConfig) -> Path:
+    final = out_dir / f"ckpt-{step:06d}"
+    tmp = out_dir / f".ckpt-{step:06d}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_drafter(drafter, tmp)
+    state = {
+        "step": step,
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        "config": asdict(cfg),
+    }
+    torch.save(state, tmp / "train_state.pt")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    if cfg.keep_checkpoints > 0:
+        for _, old in list_checkpoints(out_dir)[: -cfg.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _rewrite_log(log: Path, upto: int) -> None:
+    """Keep only the log lines of steps <= ``upto`` (resume after a crash past a checkpoint)."""
+    if not log.is_file():
+        return
+    keep = []
+    for line in log.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= upto:
+                keep.append(line)
+        except json.JSONDecodeError:
+            break
+    log.write_text("".join(k + "\n" for k in keep))
+
+
+def read_log(out_dir: str | os.PathLike) -> list[dict]:
+    """The records of ``out_dir/log.jsonl``."""
+    log = Path(out_dir) / "log.jsonl"
+    if not log.is_file():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def plot_loss(out_dir: str | os.PathLike) -> Path | None:
+    """Plot ``log.jsonl`` (loss with an EMA; tau_est and slot-1 accuracy) to ``loss.png``."""
+    recs = read_log(out_dir)
+    if not recs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in recs]
+    loss = [r["loss"] for r in recs]
+    ema, e = [], loss[0]
+    for v in loss:
+        e = 0.95 * e + 0.05 * v
+        ema.append(e)
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    a1.plot(steps, loss, lw=0.6, alpha=0.5, label="loss")
+    a1.plot(steps, ema, lw=1.5, label="EMA 0.95")
+    a1.set_ylabel("weighted CE")
+    a1.set_yscale("log")
+    a1.legend()
+    a1.grid(alpha=0.3)
+    a2.plot(steps, [r.get("tau_est", float("nan")) for r in recs], lw=0.8, label="tau_est (batch)")
+    a2.plot(steps, [1 + r["acc"][0] if r.get("acc") else float("nan") for r in recs], lw=0.8, label="1 + acc slot 1")
+    a2.set_xlabel("step")
+    a2.legend()
+    a2.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out_dir) / "loss.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the loop
+# --------------------------------------------------------------------------------------------
+
+
+def _batch_indices(step: int, batch: int, n: int, seed: int) -> list[int]:
+    """Sequence indices of 0-based ``step``: epoch-wise permutations seeded by (seed, epoch)."""
+    out, perms = [], {}
+    for j in range(batch):
+        flat = step * batch + j
+        epoch = flat // n
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        out.append(int(perms[epoch][flat % n]))
+    return out
+
+
+def _step_generator(seed: int, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed + 1) * 7_919_113 + step)
+
+
+def train(target: LoadedTarget, samples: Sequence, out_dir: str | os.PathLike, cfg: TrainConfig,
+          init_drafter_dir: str | os.PathLike | None = None, resume: bool = True) -> Path:
+    """Train a DFlash drafter for ``target`` on ``samples`` and export it to ``out_dir/drafter``.
+
+    Args:
+        target: the frozen target (its dtype is used for the feature pass).
+        samples: objects with ``input_ids`` and ``loss_mask`` (1 on response tokens).
+        out_dir: run directory (see the module docstring).
+        cfg: settings.
+        init_drafter_dir: start from this z-lab drafter instead of a random one (its layers,
+            block size, mask token and target layers win over ``cfg``).
+        resume: continue from the newest checkpoint in ``out_dir`` (a run that is already
+            finished is only re-exported).
+
+    Returns:
+        the path of the exported drafter.
+
+    Raises:
+        DFlashError: bad settings or data, an ``out_dir`` holding another run, a drafter that
+            does not fit the target.
+    """
+    cfg.validate()
+    out = Path(out_dir).expanduser()
+    model = target.model
+    dev = model.embed.weight.device
+    tcfg = model.cfg
+    ckpts = list_checkpoints(out)
+    if ckpts and not resume:
+        raise DFlashError(f"{out} already holds checkpoints; resume, or choose another output directory")
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(".ckpt-*.partial"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+    start = 0
+    state = None
+    if ckpts:
+        start, path = ckpts[-1]
+        drafter = load_drafter(path, torch.float32)
+        state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=False)
+    elif init_drafter_dir is not None:
+        drafter = load_drafter(init_drafter_dir, torch.float32)
+    else:
+        mask = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token_id(target.tokenizer, tcfg.vocab_size)
+        drafter = init_drafter(tcfg, cfg.num_layers, cfg.block_size, mask, seed=cfg.seed,
+                               target_layer_ids=list(cfg.target_layer_ids) if cfg.target_layer_ids else None)
+    validate_pair(tcfg, drafter.cfg)
+    dcfg = drafter.cfg
+    if state is not None and init_drafter_dir is None and (dcfg.block_size, dcfg.num_layers) != (cfg.block_size, cfg.num_layers):
+        raise DFlashError(f"{out} holds a run with block size {dcfg.block_size} and {dcfg.num_layers} layers, not "
+                          f"{cfg.block_size} and {cfg.num_layers}; use another output directory")
+    B = dcfg.block_size
+    drafter = drafter.to(dev).float().train()
+    model.requires_grad_(False)
+
+    seqs = prepare_sequences(samples, tcfg.vocab_size, cfg.max_seq_len)
+    amp = None if cfg.autocast == "fp32" else parse_dtype(cfg.autocast)
+    feat_dtype = amp or torch.float32
+    store = FeatureStore(model, seqs, dcfg.target_layer_ids, feat_dtype, cfg.cache_features, cfg.feature_cache_gb * 2**30)
+    embed_w = model.embed.weight.detach()
+    head_w = model.lm_head.weight.detach()
+    if amp is not None:
+        head_w = head_w.to(amp)
+    weights = slot_weights(B, cfg.gamma).to(dev)
+
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio))
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+    else:
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+    log = out / "log.jsonl"
+    _rewrite_log(log, start) if start else log.unlink(missing_ok=True)
+    effective = asdict(cfg) | {"block_size": B, "num_layers": dcfg.num_layers, "mask_token_id": dcfg.mask_token_id,
+                               "target_layer_ids": list(dcfg.target_layer_ids), "target": str(target.path),
+                               "sequences": len(seqs), "gamma": cfg.gamma or default_gamma(B)}
+    (out / "train_config.json").write_text(json.dumps(effective, indent=2, default=str) + "\n")
+
+    end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
+    step = start
+    last_saved = start
+    if start < end:
+        from tqdm import tqdm
+
+        bar = tqdm(total=end, initial=start, desc="train", unit="step", disable=not cfg.progress,
+                   dynamic_ncols=True, file=sys.stderr)
+        t_run = time.perf_counter()
+        try:
+            with log.open("a") as logf:
+                while step < end:
+                    t0 = time.perf_counter()
+                    idx = _batch_indices(step, cfg.batch, len(seqs), cfg.seed)
+                    feats = store.get(idx)
+                    t1 = time.perf_counter()
+                    batch = build_batch([seqs[i] for i in idx], feats, cfg.anchors_per_seq, B, dcfg.mask_token_id,
+                                        _step_generator(cfg.seed, step), dev)
+                    loss, st = compute_loss(drafter, embed_w, head_w, batch, weights, amp, cfg.ce_chunk)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    gnorm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+                                  if cfg.grad_clip > 0 else 0.0)
+                    lr = opt.param_groups[0]["lr"]
+                    opt.step()
+                    sched.step()
+                    step += 1
+                    dt = time.perf_counter() - t0
+                    rec = {"step": step, "loss": round(st.loss, 5), "lr": lr, "grad_norm": round(gnorm, 4),
+                           "tau_est": round(st.tau_est, 4), "acc": [round(a, 4) for a in st.acc],
+                           "tokens": batch.tokens, "supervised": st.supervised, "blocks": int(batch.anchors.numel()),
+                           "step_s": round(dt, 4), "target_s": round(t1 - t0, 4),
+                           "elapsed_s": round(time.perf_counter() - t_run, 2)}
+                    logf.write(json.dumps(rec) + "\n")
+                    logf.flush()
+                    bar.set_postfix(loss=f"{st.loss:.3f}", tau=f"{st.tau_est:.2f}", lr=f"{lr:.1e}", refresh=False)
+                    bar.update(1)
+                    if step % cfg.save_every == 0 or step == end:
+                        _save_checkpoint(out, step, drafter, opt, sched, cfg)
+                        last_saved = step
+                        plot_loss(out)
+        except KeyboardInterrupt:
+            if step > last_saved:
+                _save_checkpoint(out, step, drafter, opt, sched, cfg)
+                plot_loss(out)
+            raise
+        finally:
+            bar.close()
+    plot_loss(out)
+    final = out / "drafter"
+    tmp = out / ".drafter.new"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_drafter(drafter.eval(), tmp, parse_dtype(cfg.export_dtype))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final

@@ -1,0 +1,313 @@
+"""Drafter training (``dflash_trt.training.trainer``, ``DFlashDrafter.forward_train``, ``dflash-trt train``).
+
+* the training forward (all anchors of a sequence in one pass, context strictly before each
+  anchor) equals the inference path (``DFlashDrafter.forward`` with a fresh cache holding the
+  context positions < anchor, and ``DFlashEngine.draft``'s tokens), fp32, on real SmolLM2
+  features; the trainer's truncated feature pass equals ``TargetModel.forward``'s features;
+* the chunked LM-head cross entropy equals plain autograd; the batch layout (anchors only in
+  the response, labels only on response tokens inside the sequence);
+* 30 steps on 8 short real-text sequences lower the loss on a fixed batch clearly;
+* checkpoint + resume reproduces an uninterrupted run exactly (weights and optimizer state);
+* the exported drafter loads with ``load_drafter`` and decodes losslessly; ``dflash-trt train``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dflash_trt.checkpoints.loader import default_mask_token_id
+from dflash_trt.checkpoints.zlab import init_drafter, load_drafter
+from dflash_trt.errors import DFlashError
+from dflash_trt.models.layers import AttentionMetadata
+from dflash_trt.runtime.executor import DFlashEngine, Request, _causal_mask, first_divergence, top2_margin
+from dflash_trt.runtime.kv_cache import KVCache
+from dflash_trt.training import trainer as T
+
+SENTENCES = [
+    "The train left the station at dawn, carrying farmers and their baskets to the market in town.",
+    "Bees collect nectar from flowers and turn it into honey, which they store in wax cells.",
+    "A good night's sleep helps the brain sort memories and keeps the body healthy.",
+    "The library opens at nine, and the children's corner fills up quickly on Saturdays.",
+    "Rain fell all afternoon, so we stayed inside, played cards and baked bread.",
+    "Mountains form when plates of the earth's crust push against each other for millions of years.",
+    "To make tea, boil water, pour it over the leaves, and wait three to five minutes.",
+    "The old lighthouse still guides fishing boats home through the fog every night.",
+]
+QUESTIONS = ["Tell me something.", "Write one sentence.", "Say anything.", "Go on."]
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+@pytest.fixture(scope="module")
+def samples(smollm2):
+    """Chat-formatted question (masked out) + a real sentence as the response."""
+    from dflash_trt.bench.datasets import chat_prompt_ids
+
+    tok = smollm2.tokenizer
+    out = []
+    for i, s in enumerate(SENTENCES):
+        p = chat_prompt_ids(tok, QUESTIONS[i % len(QUESTIONS)])
+        r = tok.encode(s) + [tok.eos_token_id]
+        out.append(Sample(p + r, [0] * len(p) + [1] * len(r)))
+    return out
+
+
+def mask_id(smollm2) -> int:
+    return default_mask_token_id(smollm2.tokenizer, smollm2.model.cfg.vocab_size)
+
+
+def rough_drafter(smollm2, layers: int, block: int, seed: int):
+    """A random drafter far from the identity (std 0.02 would hide attention/masking bugs)."""
+    model = init_drafter(smollm2.model.cfg, layers, block, mask_id(smollm2), seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return model
+
+
+def full_features(model, ids: list[int], capture) -> torch.Tensor:
+    """Features from the runtime's own target forward (``TargetModel.forward``)."""
+    cfg = model.cfg
+    S = len(ids)
+    cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, S, torch.float32)
+    pos = torch.arange(S).unsqueeze(0)
+    out = model(torch.tensor([ids]), AttentionMetadata(pos, pos, _causal_mask(pos, S), S), cache.layers,
+                tuple(capture), logits_index=pos[:, -1:])
+    return out.features[0].clone()
+
+
+def inference_hidden(drafter, block_embeds, feats, anchor):
+    """``DFlashDrafter.forward`` the way ``DFlashEngine.draft`` calls it, fresh cache holding
+    the context positions < anchor; ``block_embeds`` ``[1, B, H]``."""
+    B = block_embeds.shape[1]
+    c = drafter.cfg
+    cache = KVCache(c.num_layers, 1, c.num_kv_heads, c.head_dim, anchor + B, torch.float32)
+    ctx_pos = torch.arange(anchor).unsqueeze(0)
+    block_pos = anchor + torch.arange(B).unsqueeze(0)
+    kv_len = anchor + B
+    mask = (torch.arange(kv_len).view(1, 1, 1, -1) < kv_len).expand(1, 1, B, kv_len)
+    pos = torch.cat([ctx_pos, block_pos], 1)
+    with torch.inference_mode():
+        return drafter(block_embeds, feats[:anchor].unsqueeze(0), AttentionMetadata(pos, pos, mask, kv_len), cache.layers)
+
+
+def test_forward_train_equals_inference(smollm2, samples):
+    target = smollm2.model
+    drafter = rough_drafter(smollm2, 2, 8, seed=3).eval()
+    B, H = drafter.cfg.block_size, target.cfg.hidden_size
+    capture = drafter.cfg.target_layer_ids
+    seqs = [samples[0].input_ids, samples[5].input_ids]
+    feats = [full_features(target, s, capture) for s in seqs]
+    ours = T.target_features(target, [torch.tensor(s) for s in seqs], capture)
+    fd = max(float((a - b).abs().max()) for a, b in zip(ours, feats))
+    assert fd < 1e-4, f"trainer feature pass differs from TargetModel.forward by {fd}"
+
+    engine = DFlashEngine(target, drafter, smollm2.stop_token_ids)
+    worst, tokens_checked = 0.0, 0
+    # one sequence alone (unbatched API), then both in one padded batch
+    S0 = len(seqs[0])
+    anchors0 = torch.tensor([1, 7, S0 // 2, S0 - 3, S0 - 1])
+    anchors1 = torch.tensor([2, len(seqs[1]) - 2, 11, 11, 0])  # duplicates and anchor 0 (no context) allowed
+    ids = [torch.tensor(s) for s in seqs]
+    blocks = []
+    for s, a in zip(ids, (anchors0, anchors1)):
+        blk = torch.full((len(a), B), drafter.cfg.mask_token_id)
+        blk[:, 0] = s[a]
+        blocks.append(blk)
+    with torch.no_grad():
+        single = drafter.forward_train(target.embed(blocks[0]), feats[0], torch.arange(S0), anchors0)
+        S = max(len(s) for s in seqs)
+        pf = torch.zeros(2, S, feats[0].shape[-1])
+        valid = torch.zeros(2, S, dtype=torch.bool)
+        for i, f in enumerate(feats):
+            pf[i, : len(f)] = f
+            pf[i, len(f):] = 50.0  # garbage padding must not leak
+            valid[i, : len(f)] = True
+        batched = drafter.forward_train(target.embed(torch.stack(blocks)), pf, torch.arange(S).expand(2, S),
+                                        torch.stack([anchors0, anchors1]), valid)
+    assert single.shape == (len(anchors0), B, H) and batched.shape == (2, len(anchors0), B, H)
+    for i, (s, f, anchors) in enumerate(zip(ids, feats, (anchors0, anchors1))):
+        for j, a in enumerate(anchors.tolist()):
+            want = inference_hidden(drafter, target.embed(blocks[i][j: j + 1]), f, a)[0]
+            worst = max(worst, float((batched[i, j] - want).abs().max()))
+            if i == 0:
+                worst = max(worst, float((single[j] - want).abs().max()))
+            if a == 0:
+                continue
+            # the engine's own draft call: its argmax tokens equal the LM head on our hidden states
+            with torch.inference_mode():
+                pos = torch.arange(a).unsqueeze(0)
+                dc = KVCache(drafter.cfg.num_layers, 1, drafter.cfg.num_kv_heads, drafter.cfg.head_dim, a + B, torch.float32)
+                got = engine.draft(blocks[i][j: j + 1].clone(), a + torch.arange(B).unsqueeze(0), pos,
+                                   torch.ones_like(pos, dtype=torch.bool), f[:a].unsqueeze(0), dc, torch.zeros(1))
+            assert got[0].tolist() == target.lm_head(batched[i, j, 1:]).argmax(-1).tolist()
+            tokens_checked += B - 1
+    print(f"\nforward_train vs inference forward, fp32, 2 layers, B={B}: max abs diff {worst:.3g} "
+          f"({tokens_checked} draft tokens equal to DFlashEngine.draft); feature pass diff {fd:.3g}")
+    assert worst < 1e-4
+
+
+def test_head_cross_entropy_matches_autograd():
+    g = torch.Generator().manual_seed(0)
+    M, Hd, V = 37, 16, 50
+    h = torch.randn(M, Hd, generator=g)
+    h[:3] *= 100  # some rows with p[label] underflowing to 0 (exact CE fallback)
+    h.requires_grad_(True)
+    W = torch.randn(V, Hd, generator=g)
+    y = torch.randint(0, V, (M,), generator=g)
+    w = torch.rand(M, generator=g)
+    total, pred = T._HeadCrossEntropy.apply(h, W, y, w, 8, torch.float32)
+    (total * 0.7).backward()
+    h2 = h.detach().clone().requires_grad_(True)
+    logits = h2 @ W.t()
+    per_row = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+    assert float(per_row.detach().max()) > 110  # exp(-110) underflows fp32: the fallback path ran
+    want = (per_row * w).sum()
+    (want * 0.7).backward()
+    assert torch.allclose(total, want, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(h.grad, h2.grad, rtol=1e-4, atol=1e-6)
+    assert pred.tolist() == logits.argmax(-1).tolist()
+
+
+def test_batch_layout_and_weights(samples):
+    assert T.default_gamma(16) == 7 and T.default_gamma(8) == 4
+    w = T.slot_weights(16)
+    assert w[0] == 1 and abs(float(w[7]) - torch.exp(torch.tensor(-1.0)).item()) < 1e-6
+    seqs = T.prepare_sequences(samples, 49152, 2048)
+    s = seqs[0]
+    start = s.mask.int().argmax().item()  # first response position
+    assert s.candidates.min() == start and s.candidates.max() == len(s.ids) - 2
+    feats = [torch.zeros(len(x.ids), 4) for x in seqs[:2]]
+    b = T.build_batch(seqs[:2], feats, 1000, 8, 7, torch.Generator().manual_seed(0))
+    nb = b.anchors.shape[1]
+    assert b.labels.shape == (2, nb, 7) and b.block_ids.shape == (2, nb, 8)
+    for i, x in enumerate(seqs[:2]):
+        n = len(x.candidates)  # 1000 > candidates: every response position is an anchor
+        assert b.anchors[i, :n].tolist() == x.candidates.tolist()
+        assert (b.block_ids[i, :n, 0] == x.ids[x.candidates]).all() and (b.block_ids[i, :, 1:] == 7).all()
+        for j, a in enumerate(x.candidates.tolist()):
+            for k in range(1, 8):
+                want = int(x.ids[a + k]) if a + k < len(x.ids) and x.mask[a + k] else T.IGNORE
+                assert int(b.labels[i, j, k - 1]) == want
+        assert (b.labels[i, n:] == T.IGNORE).all()
+    few = T.build_batch(seqs[:1], feats[:1], 5, 8, 7, torch.Generator().manual_seed(0))
+    assert few.anchors.shape == (1, 5) and set(few.anchors[0].tolist()) <= set(seqs[0].candidates.tolist())
+    with pytest.raises(DFlashError, match="no training sample"):
+        T.prepare_sequences([Sample([1, 2, 3], [0, 0, 1])], 49152, 2048)
+    with pytest.raises(DFlashError, match="vocabulary"):
+        T.prepare_sequences([Sample([1, 99999], [1, 1])], 49152, 2048)
+    with pytest.raises(DFlashError, match="batch"):
+        T.TrainConfig(batch=0).validate()
+
+
+def _fixed_batch_loss(smollm2, drafter, samples, B) -> float:
+    seqs = T.prepare_sequences(samples, smollm2.model.cfg.vocab_size, 2048)
+    feats = T.target_features(smollm2.model, [s.ids for s in seqs], drafter.cfg.target_layer_ids)
+    batch = T.build_batch(seqs, feats, 16, B, drafter.cfg.mask_token_id, torch.Generator().manual_seed(123))
+    with torch.no_grad():
+        loss, _ = T.compute_loss(drafter.float(), smollm2.model.embed.weight, smollm2.model.lm_head.weight,
+                                 batch, T.slot_weights(B), None)
+    return float(loss)
+
+
+@pytest.fixture(scope="module")
+def trained(smollm2, samples, tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "run"
+    cfg = T.TrainConfig(steps=30, batch=4, anchors_per_seq=16, block_size=8, num_layers=1, save_every=10,
+                        seed=0, export_dtype="fp32", progress=False)
+    path = T.train(smollm2, samples, out, cfg)
+    return out, path, cfg
+
+
+def test_loss_goes_down(smollm2, samples, trained):
+    out, path, cfg = trained
+    before = _fixed_batch_loss(smollm2, init_drafter(smollm2.model.cfg, 1, 8, mask_id(smollm2), seed=0), samples, 8)
+    after = _fixed_batch_loss(smollm2, load_drafter(path), samples, 8)
+    recs = T.read_log(out)
+    print(f"\n30 steps (1 layer, B=8, 4 seq x 16 anchors, bf16 autocast): fixed-batch loss {before:.3f} -> {after:.3f}; "
+          f"log loss {recs[0]['loss']:.3f} -> {recs[-1]['loss']:.3f}, {sum(r['step_s'] for r in recs) / len(recs):.2f} s/step")
+    assert [r["step"] for r in recs] == list(range(1, 31))
+    assert after < 0.5 * before
+    assert len(recs[-1]["acc"]) == 7 and recs[-1]["lr"] < recs[5]["lr"]
+    assert (out / "loss.png").stat().st_size > 1000
+    assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-000010", "ckpt-000020", "ckpt-000030"]
+
+
+def test_resume_reproduces_uninterrupted_run(smollm2, samples, tmp_path):
+    out = tmp_path / "run"
+    cfg = T.TrainConfig(steps=6, batch=2, anchors_per_seq=8, block_size=8, num_layers=1, save_every=3,
+                        seed=1, keep_checkpoints=0, progress=False)
+    T.train(smollm2, samples, out, cfg)
+    want = torch.load(out / "ckpt-000006" / "train_state.pt", weights_only=False)
+    want_w = load_drafter(out / "ckpt-000006").state_dict()
+    want_log = T.read_log(out)
+    # interrupted after step 3: drop everything later, then resume
+    shutil.rmtree(out / "ckpt-000006")
+    shutil.rmtree(out / "drafter")
+    T.train(smollm2, samples, out, cfg)
+    got = torch.load(out / "ckpt-000006" / "train_state.pt", weights_only=False)
+    got_w = load_drafter(out / "ckpt-000006").state_dict()
+    assert got["step"] == 6 and got["scheduler"]["last_epoch"] == 6
+    for k in want_w:
+        assert torch.equal(want_w[k], got_w[k]), k
+    for pid, st in want["optimizer"]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(st[name], got["optimizer"]["state"][pid][name]), (pid, name)
+    got_log = T.read_log(out)
+    assert [r["step"] for r in got_log] == list(range(1, 7))
+    assert [r["loss"] for r in got_log] == [r["loss"] for r in want_log]
+    # an existing run is not silently restarted or continued with another shape
+    with pytest.raises(DFlashError, match="already holds checkpoints"):
+        T.train(smollm2, samples, out, cfg, resume=False)
+    with pytest.raises(DFlashError, match="block size"):
+        T.train(smollm2, samples, out, T.TrainConfig(steps=6, block_size=4, progress=False))
+
+
+def test_exported_drafter_is_lossless(smollm2, trained):
+    from dflash_trt.bench.datasets import chat_prompt_ids
+
+    _, path, _ = trained
+    drafter = load_drafter(path)
+    assert drafter.cfg.block_size == 8 and drafter.cfg.num_layers == 1
+    plain = DFlashEngine(smollm2.model, None, smollm2.stop_token_ids)
+    engine = DFlashEngine(smollm2.model, drafter, smollm2.stop_token_ids)
+    prompts = [chat_prompt_ids(smollm2.tokenizer, q) for q in ("Name a color.", "Why do birds sing?")]
+    ref = [plain.generate([Request(p, 20)], 1)[0].output_ids for p in prompts]
+    got = [o.output_ids for o in engine.generate([Request(p, 20) for p in prompts], 8)]
+    for p, r, o in zip(prompts, ref, got):
+        i = first_divergence(r, o)
+        assert i is None or top2_margin(smollm2.model, p + r[:i]) < 1e-4, (r, o)
+
+
+def test_cli_train(smollm2, samples, tmp_path, monkeypatch, capsys):
+    from dflash_trt.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    fake = types.ModuleType("dflash_trt.training.data")
+    fake.load_dataset = lambda d: samples
+    monkeypatch.setitem(sys.modules, "dflash_trt.training.data", fake)
+    monkeypatch.setattr("dflash_trt.checkpoints.loader.load_target", lambda spec, dtype=None: smollm2)
+    out = tmp_path / "run"
+    rc = main(["train", "--data", str(data), "--out", str(out), "--steps", "2", "--layers", "1", "--block-size", "4",
+               "--batch", "2", "--anchors", "4", "--threads", "1"])
+    assert rc == 0, capsys.readouterr().err
+    assert "wrote" in capsys.readouterr().out
+    assert load_drafter(out / "drafter").cfg.block_size == 4
+    assert main(["train", "--data", str(data), "--out", str(out), "--steps", "0"]) == 2
+    assert main(["train", "--data", str(tmp_path / "nope"), "--out", str(out), "--steps", "3"]) == 2
+    assert "training data not found" in capsys.readouterr().err
