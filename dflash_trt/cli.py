@@ -1,4 +1,4 @@
-"""``dflash-trt`` command line: ``generate``, ``bench``, ``init-drafter``, ``train``.
+"""``dflash-trt`` command line: ``generate``, ``bench``, ``init-drafter``, ``distill``, ``train``.
 
 Errors a user can cause are printed as one line (``dflash-trt: error: ...``) with exit status 2.
 """
@@ -59,6 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--mask-token-id", type=int, default=None)
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("--out", required=True)
+
+    d = sub.add_parser("distill", help="make drafter training data: the target's own answers to ShareGPT prompts")
+    d.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
+    d.add_argument("--out", required=True, help="data directory (resumable: re-run to continue)")
+    d.add_argument("--num-prompts", type=int, default=1000, help="first-turn ShareGPT prompts to answer")
+    d.add_argument("--max-new-tokens", type=int, default=256)
+    d.add_argument("--batch", type=int, default=16, help="requests decoded together")
+    d.add_argument("--sampled-fraction", type=float, default=0.25, help="share answered at --temperature (rest greedy)")
+    d.add_argument("--temperature", type=float, default=0.7)
+    d.add_argument("--dtype", default="bf16", help="target dtype: fp32 | bf16")
+    d.add_argument("--threads", type=int, default=None)
+    d.add_argument("--seed", type=int, default=0)
 
     t = sub.add_parser("train", help="train a DFlash drafter on self-distilled data (paper recipe)")
     t.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -183,6 +195,24 @@ def cmd_init_drafter(args) -> None:
           f"target_layer_ids {list(model.cfg.target_layer_ids)}, mask_token_id {mask}")
 
 
+def cmd_distill(args) -> None:
+    from pathlib import Path
+
+    from .checkpoints.loader import load_target, parse_dtype
+    from .training.data import generate_dataset, sharegpt_prompts
+
+    if args.max_new_tokens < 1 or args.batch < 1:
+        raise DFlashError("--max-new-tokens and --batch must be >= 1")
+    if not 0 <= args.sampled_fraction <= 1:
+        raise DFlashError(f"--sampled-fraction must be in [0, 1], got {args.sampled_fraction}")
+    _setup_threads(args.threads)
+    prompts = sharegpt_prompts(args.num_prompts)
+    target = load_target(args.target, parse_dtype(args.dtype))
+    out = generate_dataset(target, prompts, Path(args.out), max_new_tokens=args.max_new_tokens, batch_size=args.batch,
+                           sampled_fraction=args.sampled_fraction, temperature=args.temperature, seed=args.seed)
+    print(f"wrote {out}")
+
+
 def cmd_train(args) -> None:
     from .training.trainer import TrainConfig, read_log, train
 
@@ -216,7 +246,8 @@ def cmd_train(args) -> None:
     print(f"wrote {out}")
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "init-drafter": cmd_init_drafter, "train": cmd_train}
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "init-drafter": cmd_init_drafter, "distill": cmd_distill,
+            "train": cmd_train}
 
 
 def main(argv: list[str] | None = None) -> int:

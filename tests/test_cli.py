@@ -120,3 +120,18 @@ def test_init_drafter_writes_loadable_drafter(tmp_path):
     d = load_drafter(out)
     assert d.cfg.num_layers == 1 and d.cfg.block_size == 8 and d.cfg.num_target_layers == 30
     assert "already exists" in error_line(run("init-drafter", "--out", str(out)))
+
+
+def test_distill_then_train(tmp_path):
+    """The training path from the command line: self-distilled data, a few steps, a drafter."""
+    data, run_dir = tmp_path / "data", tmp_path / "run"
+    proc = run("distill", "--out", str(data), "--num-prompts", "3", "--max-new-tokens", "6", "--batch", "3", "--dtype", "fp32")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (data / "manifest.json").is_file()
+    proc = run("train", "--data", str(data), "--out", str(run_dir), "--steps", "2", "--block-size", "4", "--anchors", "4",
+               "--batch", "2", "--save-every", "2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    from dflash_trt.checkpoints.zlab import load_drafter
+
+    assert load_drafter(run_dir / "drafter").cfg.block_size == 4
+    assert "must be in [0, 1]" in error_line(run("distill", "--out", str(tmp_path / "x"), "--sampled-fraction", "2"))
