@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dataset", default="gsm8k", help="gsm8k | humaneval | mtbench")
     b.add_argument("--num-prompts", type=int, default=10)
     b.add_argument("--json", dest="json_out", help="write the result JSON here")
-    b.add_argument("--peers", default="", help="comma list of peers: hf,prompt-lookup")
+    b.add_argument("--peers", default="", help="comma list of peers: hf, prompt-lookup, zlab (z-lab reference loop, same drafter)")
     b.add_argument("--plot", help="write a PNG (throughput per mode, acceptance per draft position)")
     _common(b)
 

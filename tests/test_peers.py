@@ -1,6 +1,6 @@
 """Peers on the real SmolLM2 target and real GSM8K prompts, greedy, fp32: transformers'
 ``generate`` (``hf``) must equal a plain greedy loop over the model's forward, token for
-token, and ``prompt-lookup`` must equal ``hf``."""
+token, and ``prompt-lookup`` and the z-lab reference loop must equal ``hf``."""
 
 from __future__ import annotations
 
@@ -65,6 +65,15 @@ def test_prompt_lookup_equals_hf(smollm2, prompts, hf_result):
     assert res.new_tokens == hf_result.new_tokens and res.wall_s > 0
 
 
+def test_zlab_reference_loop_equals_hf(smollm2, random_drafter, prompts, hf_result):
+    """The z-lab reference loop (PyPI ``dflash``) with our drafter's weights is lossless too."""
+    res = run_peer("zlab", smollm2.path, prompts, MAX_NEW, torch.float32, smollm2.stop_token_ids,
+                   drafter=random_drafter, block_size=4)
+    assert res.name == "zlab" and res.outputs == hf_result.outputs
+    with pytest.raises(DFlashError, match="needs a drafter"):
+        run_peer("zlab", smollm2.path, prompts, MAX_NEW, torch.float32, smollm2.stop_token_ids)
+
+
 def test_stops_after_stop_token(smollm2, prompts, hf_result):
     # Make the 3rd greedy token of prompt 0 a stop token: output is cut right after it.
     stop = hf_result.outputs[0][2]
@@ -74,8 +83,8 @@ def test_stops_after_stop_token(smollm2, prompts, hf_result):
 
 
 def test_bad_peer_args(smollm2, prompts):
-    assert PEERS == ("hf", "prompt-lookup")
-    with pytest.raises(DFlashError, match="unknown peer 'vllm'; choose from hf, prompt-lookup"):
+    assert PEERS == ("hf", "prompt-lookup", "zlab")
+    with pytest.raises(DFlashError, match="unknown peer 'vllm'; choose from hf, prompt-lookup, zlab"):
         run_peer("vllm", smollm2.path, prompts, MAX_NEW, torch.float32, smollm2.stop_token_ids)
     with pytest.raises(DFlashError, match="max_new_tokens"):
         run_peer("hf", smollm2.path, prompts, 0, torch.float32, smollm2.stop_token_ids)

@@ -19,11 +19,12 @@ import torch
 
 from ..errors import DFlashError
 
-PEERS = ("hf", "prompt-lookup")
+PEERS = ("hf", "prompt-lookup", "zlab")
 
 _PEER_KWARGS = {
     "hf": {},
     "prompt-lookup": {"prompt_lookup_num_tokens": 10},
+    "zlab": {},
 }
 
 WARMUP_NEW_TOKENS = 4
@@ -72,6 +73,29 @@ def _load_model(hf_dir: Path, dtype: torch.dtype, device):
     return model.to(device).eval()
 
 
+def _zlab_generator(target, drafter, dtype, device, stops: list[int], block_size: int | None):
+    """The z-lab reference loop bound to ``target`` and a z-lab copy of our ``drafter``."""
+    if drafter is None:
+        raise DFlashError("peer zlab needs a drafter")
+    try:
+        from dflash.model import DFlashDraftModel, dflash_generate
+    except ImportError:
+        raise DFlashError("peer zlab needs the z-lab reference: pip install --no-deps dflash==0.1.0") from None
+    from transformers import Qwen3Config
+
+    from ..checkpoints.zlab import drafter_config_to_json
+
+    ref = DFlashDraftModel(Qwen3Config(**drafter_config_to_json(drafter.cfg)))
+    ref.load_state_dict(drafter.state_dict(), strict=True)
+    ref = ref.to(device=device, dtype=dtype).eval()
+    K = block_size or drafter.cfg.block_size
+
+    def generate(x: torch.Tensor, n: int) -> torch.Tensor:
+        return dflash_generate(ref, target, x, n, stops, temperature=0.0, block_size=K)
+
+    return generate
+
+
 def run_peer(
     name: str,
     hf_dir: Path,
@@ -81,6 +105,8 @@ def run_peer(
     stop_token_ids: tuple[int, ...],
     *,
     device: str | torch.device = "cpu",
+    drafter=None,
+    block_size: int | None = None,
 ) -> PeerResult:
     """Run peer ``name`` greedily on ``prompts``, one at a time, and time it.
 
@@ -93,6 +119,10 @@ def run_peer(
         stop_token_ids: generation stops after any of these (it is kept as the last token).
             Empty means the model's own generation-config EOS.
         device: where to run the model (default CPU).
+        drafter: our ``DFlashDrafter``, needed by ``"zlab"``: the z-lab reference loop
+            (``dflash.model.dflash_generate``, PyPI ``dflash``) runs with the same weights on
+            the transformers target.
+        block_size: block size for ``"zlab"`` (default: the drafter's).
 
     Returns:
         :class:`PeerResult` with new tokens only, their total and the timed wall seconds.
@@ -130,7 +160,12 @@ def run_peer(
     def tensor(ids: list[int]) -> torch.Tensor:
         return torch.tensor([ids], dtype=torch.long, device=device)
 
+    if name == "zlab":
+        zlab_generate = _zlab_generator(model, drafter, dtype, device, stops, block_size)
+
     def generate(x: torch.Tensor, n: int) -> torch.Tensor:
+        if name == "zlab":
+            return zlab_generate(x, n)
         return model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, **kwargs)
 
     stop_set = set(stops)

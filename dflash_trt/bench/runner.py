@@ -103,7 +103,8 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     peers = {}
     for name in cfg.peers:
         progress(f"peer {name} ...")
-        res = run_peer(name, target.path, prompts, cfg.max_new_tokens, dtype, target.stop_token_ids)
+        res = run_peer(name, target.path, prompts, cfg.max_new_tokens, dtype, target.stop_token_ids,
+                       drafter=drafter, block_size=K)
         peers[name] = {"tokens_per_s": res.tokens_per_s, "speedup_vs_ar": res.tokens_per_s / ar_tps,
                        "identical_to_ar": res.outputs == ar_out if cfg.temperature == 0 else None}
     divergences = []
