@@ -32,10 +32,7 @@ PROMPTS = [
 FEATURE_LAYERS = (1, 15, 27, 29)  # 29 = SmolLM2's last layer: post-final-norm, like HF
 
 
-def causal_meta(pos: torch.Tensor, kv_len: int, write_slots: torch.Tensor | None = None) -> AttentionMetadata:
-    """The runtime's metadata: slot j visible to a query at position p iff j <= p."""
-    mask = torch.arange(kv_len).view(1, 1, 1, -1) <= pos.unsqueeze(1).unsqueeze(-1)
-    return AttentionMetadata(pos, pos if write_slots is None else write_slots, mask, kv_len)
+causal_meta = AttentionMetadata.causal  # the runtime's metadata: slot j visible at position p iff j <= p
 
 
 def new_cache(model: TargetModel, batch: int, capacity: int) -> KVCache:

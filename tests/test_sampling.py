@@ -233,9 +233,7 @@ def _tiny_models(case: Case, head_scale: float = 2.0, drafter_scale: float = 30.
 
 
 def _causal_meta(B: int, T: int) -> AttentionMetadata:
-    pos = torch.arange(T).expand(B, T)
-    mask = torch.arange(T).view(1, 1, 1, -1) <= pos.unsqueeze(1).unsqueeze(-1)
-    return AttentionMetadata(pos, pos, mask, T)
+    return AttentionMetadata.causal(torch.arange(T).expand(B, T), T)
 
 
 @torch.inference_mode()

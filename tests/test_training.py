@@ -25,7 +25,7 @@ from dflash_trt.checkpoints.loader import default_mask_token_id
 from dflash_trt.checkpoints.zlab import init_drafter, load_drafter
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.layers import AttentionMetadata
-from dflash_trt.runtime.executor import DFlashEngine, Request, _causal_mask, first_divergence, top2_margin
+from dflash_trt.runtime.executor import DFlashEngine, Request, first_divergence, top2_margin
 from dflash_trt.runtime.kv_cache import KVCache
 from dflash_trt.training import trainer as T
 
@@ -85,7 +85,7 @@ def full_features(model, ids: list[int], capture) -> torch.Tensor:
     S = len(ids)
     cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, S, torch.float32)
     pos = torch.arange(S).unsqueeze(0)
-    out = model(torch.tensor([ids]), AttentionMetadata(pos, pos, _causal_mask(pos, S), S), cache.layers,
+    out = model(torch.tensor([ids]), AttentionMetadata.causal(pos, S), cache.layers,
                 tuple(capture), logits_index=pos[:, -1:])
     return out.features[0].clone()
 

@@ -183,5 +183,4 @@ def run_peer(
                 torch.cuda.synchronize()
             wall += time.perf_counter() - t0
             outputs.append(_cut_at_stop(out[0, len(p):].tolist(), stop_set))
-    del model
     return PeerResult(name, outputs, sum(map(len, outputs)), wall)

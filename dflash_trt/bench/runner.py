@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoints.loader import load_pair
+from ..checkpoints.loader import load_pair, parse_dtype
 from ..errors import DFlashError
 from ..runtime.executor import DFlashEngine, LoopStats, Request, first_divergence, top2_margin
 from ..runtime.sampling import SamplingParams
@@ -78,8 +78,6 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     if cfg.max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
     sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
-    from ..checkpoints.loader import parse_dtype
-
     dtype = parse_dtype(cfg.dtype)
     texts = load_prompts(cfg.dataset, cfg.num_prompts)
     target, drafter = load_pair(cfg.target, cfg.drafter, dtype)

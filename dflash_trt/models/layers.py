@@ -105,6 +105,14 @@ class AttentionMetadata:
     mask: torch.Tensor
     kv_len: int
 
+    @classmethod
+    def causal(cls, positions: torch.Tensor, kv_len: int, write_slots: torch.Tensor | None = None) -> "AttentionMetadata":
+        """Causal attention by absolute position: slot j is visible to a query at position p
+        iff j <= p. ``write_slots`` defaults to ``positions``."""
+        slots = torch.arange(kv_len, device=positions.device)
+        mask = slots.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1)
+        return cls(positions, positions if write_slots is None else write_slots, mask, kv_len)
+
 
 def cached_attention(
     q: torch.Tensor,

@@ -61,12 +61,12 @@ class TargetOutput:
 
     Attributes:
         logits: ``[B, n, vocab]`` in the model dtype, for the rows picked by ``logits_index``
-            (all ``T`` positions when it is None).
+            (all ``T`` positions when it is None); None for a ``features_only`` forward.
         features: ``[B, T, len(capture) * hidden]`` target features, or None when nothing was
             captured.
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     features: torch.Tensor | None
 
 
@@ -96,6 +96,7 @@ class TargetModel(nn.Module):
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
         capture: tuple[int, ...] = (),
         logits_index: torch.Tensor | None = None,
+        features_only: bool = False,
     ) -> TargetOutput:
         """Run ``input_ids`` (int64 ``[B, T]``) through the model, writing their K/V into ``kv_cache``.
 
@@ -105,20 +106,23 @@ class TargetModel(nn.Module):
             capture: target layer ids whose outputs make the features (HF ``hidden_states[i+1]``;
                 the last layer's output is taken after the final norm, as HF does).
             logits_index: optional int64 ``[B, n]`` positions in ``T`` to compute logits for.
+            features_only: stop after the last captured layer and return no logits (``kv_cache``
+                then needs only ``max(capture) + 1`` layers).
         """
         x = self.embed(input_ids)
         cos, sin = self.rope(meta.positions, x.dtype)
         captured = {}
         wanted = set(capture)
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i], meta)
-            if i in wanted and i != last:
-                captured[i] = x
-        x = self.norm(x)
-        if last in wanted:
-            captured[last] = x
+        upto = max(capture) + 1 if features_only else len(self.layers)
+        for i in range(upto):
+            x = self.layers[i](x, cos, sin, kv_cache[i], meta)
+            if i in wanted:
+                captured[i] = self.norm(x) if i == last else x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        if features_only:
+            return TargetOutput(logits=None, features=features)
+        x = self.norm(x)
         if logits_index is not None:
             x = x.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         return TargetOutput(logits=self.lm_head(x), features=features)

@@ -108,12 +108,6 @@ class LoopStats:
 TokenCallback = Callable[[int, list[int]], None]
 
 
-def _causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """bool ``[B, 1, T, kv_len]``: slot j visible to a query at position p iff j <= p."""
-    slots = torch.arange(kv_len, device=positions.device)
-    return (slots.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1))
-
-
 @torch.inference_mode()
 def top2_margin(model: TargetModel, ids: list[int]) -> float:
     """Gap between the target's two largest logits for the token after ``ids`` (one fresh
@@ -124,7 +118,7 @@ def top2_margin(model: TargetModel, ids: list[int]) -> float:
     dtype = model.embed.weight.dtype
     cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, T, dtype, model.embed.weight.device)
     pos = torch.arange(T, device=cache.layers[0][0].device).unsqueeze(0)
-    logits = model(torch.tensor([ids], device=pos.device), AttentionMetadata(pos, pos, _causal_mask(pos, T), T),
+    logits = model(torch.tensor([ids], device=pos.device), AttentionMetadata.causal(pos, T),
                    cache.layers, logits_index=pos[:, -1:]).logits[0, -1]
     top = logits.float().topk(2).values
     return float(top[0] - top[1])
@@ -239,6 +233,7 @@ class DFlashEngine:
             dcache = KVCache(dc.num_layers, B, dc.num_kv_heads, dc.head_dim, capacity, self.dtype, dev)
             capture = tuple(dc.target_layer_ids)
         gens = [r.sampling.make_generator() for r in requests]
+        all_greedy = all(r.sampling.greedy for r in requests)
         stops = [set(r.stop_token_ids if r.stop_token_ids is not None else self.stop_token_ids) for r in requests]
         outputs: list[list[int]] = [[] for _ in requests]
         commits: list[list[int]] = [[] for _ in requests]
@@ -276,7 +271,7 @@ class DFlashEngine:
             ids[b, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, device=dev)
         pos = torch.arange(T, device=dev).expand(B, T)
         valid = pos < lens.unsqueeze(1)
-        meta = AttentionMetadata(pos, torch.where(valid, pos, tcache.trash_slot), _causal_mask(pos, T), T)
+        meta = AttentionMetadata.causal(pos, T, torch.where(valid, pos, tcache.trash_slot))
         out = self.target(ids, meta, tcache.layers, capture, logits_index=(lens - 1).unsqueeze(1))
         stats.prefill_s += time.perf_counter() - tp
         rows = torch.arange(B, device=dev)  # request index of each live batch row
@@ -314,10 +309,12 @@ class DFlashEngine:
                     stats.draft_s += time.perf_counter() - td
                     stats.draft_calls += 1
             tv = time.perf_counter()
-            out = self.target(block, AttentionMetadata(block_pos, block_pos, _causal_mask(block_pos, kv_len), kv_len), tcache.layers, capture)
-            choice = torch.stack([
-                choose_tokens(out.logits[i], requests[int(rows[i])].sampling, gens[int(rows[i])]) for i in range(n)
-            ]) if any(not requests[int(r)].sampling.greedy for r in rows) else out.logits.argmax(-1)
+            out = self.target(block, AttentionMetadata.causal(block_pos, kv_len), tcache.layers, capture)
+            if all_greedy:
+                choice = out.logits.argmax(-1)
+            else:
+                choice = torch.stack([choose_tokens(out.logits[i], requests[r].sampling, gens[r])
+                                      for i, r in enumerate(rows.tolist())])
             acc = accepted_lengths(block[:, 1:], choice)
             stats.verify_s += time.perf_counter() - tv
             stats.verify_calls += 1

@@ -203,9 +203,8 @@ def prepare_sequences(samples: Sequence, vocab_size: int, max_seq_len: int) -> l
 def target_features(model: TargetModel, seqs: list[torch.Tensor], capture: Sequence[int]) -> list[torch.Tensor]:
     """Target features of each sequence, ``[S_i, len(capture) * hidden]`` in the model dtype.
 
-    Same values as ``TargetModel.forward(..., capture)`` (HF ``hidden_states[i + 1]``, the last
-    layer's after the final norm) but runs only the layers up to ``max(capture)`` and no LM
-    head; sequences are right-padded into one batch (causal attention: padding is harmless).
+    One ``TargetModel.forward(..., features_only=True)`` (layers up to ``max(capture)``, no LM
+    head) over the sequences right-padded into one batch (causal attention: padding is harmless).
     """
     cfg = model.cfg
     dev = model.embed.weight.device
@@ -215,17 +214,8 @@ def target_features(model: TargetModel, seqs: list[torch.Tensor], capture: Seque
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = s.to(dev)
     pos = torch.arange(S, device=dev).expand(n, S)
-    mask = (torch.arange(S, device=dev).view(1, -1) <= torch.arange(S, device=dev).view(-1, 1)).expand(n, 1, S, S)
     cache = KVCache(upto, n, cfg.num_kv_heads, cfg.head_dim, S, model.embed.weight.dtype, dev)
-    meta = AttentionMetadata(pos, pos, mask, S)
-    x = model.embed(ids)
-    cos, sin = model.rope(pos, x.dtype)
-    captured = {}
-    for i in range(upto):
-        x = model.layers[i](x, cos, sin, cache.layers[i], meta)
-        if i in capture:
-            captured[i] = model.norm(x) if i == cfg.num_layers - 1 else x
-    feats = torch.cat([captured[i] for i in capture], dim=-1)
+    feats = model(ids, AttentionMetadata.causal(pos, S), cache.layers, tuple(capture), features_only=True).features
     return [feats[i, : len(s)].clone() for i, s in enumerate(seqs)]
 
 
