@@ -85,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the steps")
     t.add_argument("--gamma", type=float, default=None, help="loss decay (default: 7 for B=16, 4 for B=8)")
     t.add_argument("--max-seq-len", type=int, default=2048)
+    t.add_argument("--target-layers", default=None,
+                   help="comma-separated target layer ids a new drafter reads (default: the z-lab spread)")
+    t.add_argument("--sliding-window", type=int, default=None,
+                   help="a new drafter attends to the last W - 1 - k context positions at slot k (z-lab sliding layers)")
+    t.add_argument("--head-vocab", default="full",
+                   help="full | seen: CE over the whole vocabulary, or a sampled softmax over the tokens in the data")
+    t.add_argument("--reg-weight", type=float, default=0.0,
+                   help="weight of the pull towards the target's final hidden state (needs its last layer)")
     t.add_argument("--save-every", type=int, default=500)
     t.add_argument("--autocast", default="bf16", help="bf16 | fp16 | fp32 (no autocast)")
     t.add_argument("--dtype", default="fp32", help="target dtype for the feature pass: fp32 | bf16")
@@ -104,6 +112,16 @@ def _setup_threads(n: int | None) -> None:
         if n < 1:
             raise DFlashError(f"--threads must be >= 1, got {n}")
         torch.set_num_threads(n)
+
+
+def _int_list(text: str | None, flag: str) -> tuple[int, ...] | None:
+    """``"1,8,29"`` -> ``(1, 8, 29)``; None stays None."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise DFlashError(f"{flag} takes comma-separated integers, got {text!r}") from None
 
 
 def _dataset_prompt(spec: str) -> str:
@@ -220,7 +238,8 @@ def cmd_train(args) -> None:
         steps=args.steps, batch=args.batch, anchors_per_seq=args.anchors, block_size=args.block_size,
         num_layers=args.layers, lr=args.lr, warmup_frac=args.warmup, gamma=args.gamma, save_every=args.save_every,
         seed=args.seed, autocast=args.autocast, max_seq_len=args.max_seq_len, export_dtype=args.export_dtype,
-        stop_after=args.stop_after,
+        stop_after=args.stop_after, head_vocab=args.head_vocab, reg_weight=args.reg_weight,
+        target_layer_ids=_int_list(args.target_layers, "--target-layers"), sliding_window=args.sliding_window,
     )
     cfg.validate()
     if not os.path.isdir(args.data):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dflash_trt.checkpoints.loader import default_mask_token_id
 from dflash_trt.checkpoints.zlab import init_drafter, load_drafter
@@ -66,9 +67,9 @@ def mask_id(smollm2) -> int:
     return default_mask_token_id(smollm2.tokenizer, smollm2.model.cfg.vocab_size)
 
 
-def rough_drafter(smollm2, layers: int, block: int, seed: int):
+def rough_drafter(smollm2, layers: int, block: int, seed: int, sliding_window: int | None = None):
     """A random drafter far from the identity (std 0.02 would hide attention/masking bugs)."""
-    model = init_drafter(smollm2.model.cfg, layers, block, mask_id(smollm2), seed=seed)
+    model = init_drafter(smollm2.model.cfg, layers, block, mask_id(smollm2), seed=seed, sliding_window=sliding_window)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -100,14 +101,17 @@ def inference_hidden(drafter, block_embeds, feats, anchor):
     block_pos = anchor + torch.arange(B).unsqueeze(0)
     kv_len = anchor + B
     mask = (torch.arange(kv_len).view(1, 1, 1, -1) < kv_len).expand(1, 1, B, kv_len)
+    if c.sliding_window is not None:  # slot at position q sees keys p with q - p < W
+        mask = mask & (block_pos.view(1, 1, B, 1) - torch.arange(kv_len).view(1, 1, 1, -1) < c.sliding_window)
     pos = torch.cat([ctx_pos, block_pos], 1)
     with torch.inference_mode():
         return drafter(block_embeds, feats[:anchor].unsqueeze(0), AttentionMetadata(pos, pos, mask, kv_len), cache.layers)
 
 
-def test_forward_train_equals_inference(smollm2, samples):
+@pytest.mark.parametrize("window", [None, 12])
+def test_forward_train_equals_inference(smollm2, samples, window):
     target = smollm2.model
-    drafter = rough_drafter(smollm2, 2, 8, seed=3).eval()
+    drafter = rough_drafter(smollm2, 2, 8, seed=3, sliding_window=window).eval()
     B, H = drafter.cfg.block_size, target.cfg.hidden_size
     capture = drafter.cfg.target_layer_ids
     seqs = [samples[0].input_ids, samples[5].input_ids]
@@ -156,7 +160,7 @@ def test_forward_train_equals_inference(smollm2, samples):
                                    torch.ones_like(pos, dtype=torch.bool), f[:a].unsqueeze(0), dc, torch.zeros(1))
             assert got[0].tolist() == target.lm_head(batched[i, j, 1:]).argmax(-1).tolist()
             tokens_checked += B - 1
-    print(f"\nforward_train vs inference forward, fp32, 2 layers, B={B}: max abs diff {worst:.3g} "
+    print(f"\nforward_train vs inference forward, fp32, 2 layers, B={B}, window {window}: max abs diff {worst:.3g} "
           f"({tokens_checked} draft tokens equal to DFlashEngine.draft); feature pass diff {fd:.3g}")
     assert worst < 1e-4
 
@@ -222,6 +226,53 @@ def _fixed_batch_loss(smollm2, drafter, samples, B) -> float:
         loss, _ = T.compute_loss(drafter.float(), smollm2.model.embed.weight, smollm2.model.lm_head.weight,
                                  batch, T.slot_weights(B), None)
     return float(loss)
+
+
+def test_sampled_softmax_and_feature_regression(smollm2, samples):
+    """``head_vocab='seen'`` (softmax over a vocabulary subset) and ``reg_weight`` (pull towards
+    the target's final hidden state), checked against direct computations."""
+    target = smollm2.model
+    L = target.cfg.num_layers
+    drafter = init_drafter(target.cfg, 1, 8, mask_id(smollm2), seed=5, target_layer_ids=[3, L - 1]).float()
+    seqs = T.prepare_sequences(samples[:3], target.cfg.vocab_size, 2048)
+    feats = T.target_features(target, [s.ids for s in seqs], drafter.cfg.target_layer_ids)
+    batch = T.build_batch(seqs, feats, 8, 8, drafter.cfg.mask_token_id, torch.Generator().manual_seed(1))
+    E, W, w = target.embed.weight, target.lm_head.weight, T.slot_weights(8)
+    with torch.no_grad():
+        full, st_full = T.compute_loss(drafter, E, W, batch, w, None)
+        every, _ = T.compute_loss(drafter, E, W, batch, w, None, vocab=torch.arange(W.shape[0]))
+        seen = torch.zeros(W.shape[0], dtype=torch.bool)
+        for sq in seqs:
+            seen[sq.ids] = True
+        sub = T._step_vocab(seen, 100, torch.Generator().manual_seed(2))
+        part, _ = T.compute_loss(drafter, E, W, batch, w, None, vocab=sub)
+        reg, _ = T.compute_loss(drafter, E, W, batch, w, None, reg_weight=0.5)
+        # the regression term by hand: slot k of block b vs the final normed hidden at anchor + k - 1
+        hidden = drafter.forward_train(F.embedding(batch.block_ids, E), batch.features, batch.positions,
+                                       batch.anchors, batch.valid)
+        H = target.cfg.hidden_size
+        num = den = 0.0
+        for i in range(batch.labels.shape[0]):
+            for j in range(batch.labels.shape[1]):
+                for k in range(1, 8):
+                    if batch.labels[i, j, k - 1] == T.IGNORE:
+                        continue
+                    t = feats[i][batch.anchors[i, j] + k - 1, -H:]
+                    num += float(w[k - 1]) * float((hidden[i, j, k] - t).pow(2).mean() / t.pow(2).mean())
+                    den += float(w[k - 1])
+    # the last H feature columns are the target's final normed hidden state: its LM head gives the logits
+    ids = seqs[0].ids
+    cache = KVCache(L, 1, target.cfg.num_kv_heads, target.cfg.head_dim, len(ids), torch.float32)
+    pos = torch.arange(len(ids)).unsqueeze(0)
+    with torch.no_grad():
+        logits = target(ids.unsqueeze(0), AttentionMetadata.causal(pos, len(ids)), cache.layers).logits[0]
+        assert torch.allclose(target.lm_head(feats[0][:, -H:]), logits, atol=1e-3)
+    assert len(sub) == int(seen.sum()) + 100 and bool(seen[sub].sum() == seen.sum())
+    assert abs(float(every) - float(full)) < 1e-4
+    assert float(part) < float(full) - 1e-3  # fewer competitors: lower CE on the same logits
+    assert abs(float(reg) - float(full) - 0.5 * num / den) < 1e-3 * max(1.0, num / den)
+    with pytest.raises(DFlashError, match="outside the training vocabulary"), torch.no_grad():
+        T.compute_loss(drafter, E, W, batch, w, None, vocab=torch.arange(10))
 
 
 @pytest.fixture(scope="module")
@@ -304,10 +355,16 @@ def test_cli_train(smollm2, samples, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("dflash_trt.checkpoints.loader.load_target", lambda spec, dtype=None: smollm2)
     out = tmp_path / "run"
     rc = main(["train", "--data", str(data), "--out", str(out), "--steps", "2", "--layers", "1", "--block-size", "4",
-               "--batch", "2", "--anchors", "4", "--threads", "1"])
+               "--batch", "2", "--anchors", "4", "--threads", "1", "--target-layers", "2,29", "--sliding-window", "8",
+               "--head-vocab", "seen", "--reg-weight", "0.5"])
     assert rc == 0, capsys.readouterr().err
     assert "wrote" in capsys.readouterr().out
-    assert load_drafter(out / "drafter").cfg.block_size == 4
+    d = load_drafter(out / "drafter").cfg
+    assert (d.block_size, d.target_layer_ids, d.sliding_window) == (4, (2, 29), 8)
+    assert main(["train", "--data", str(data), "--out", str(tmp_path / "r2"), "--steps", "2",
+                 "--target-layers", "2,5", "--reg-weight", "1"]) == 2
+    assert "needs the target's last layer" in capsys.readouterr().err
+    assert main(["train", "--data", str(data), "--out", str(tmp_path / "r3"), "--steps", "2", "--target-layers", "a,b"]) == 2
     assert main(["train", "--data", str(data), "--out", str(out), "--steps", "0"]) == 2
     assert main(["train", "--data", str(tmp_path / "nope"), "--out", str(out), "--steps", "3"]) == 2
     assert "training data not found" in capsys.readouterr().err

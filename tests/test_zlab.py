@@ -43,9 +43,11 @@ def tiny_target(**kw) -> TargetConfig:
     return TargetConfig(**base)
 
 
-def make_drafter(target: TargetConfig, layers: int = 3, block: int = 8, seed: int = 0) -> DFlashDrafter:
+def make_drafter(target: TargetConfig, layers: int = 3, block: int = 8, seed: int = 0,
+                 sliding_window: int | None = None) -> DFlashDrafter:
     """A random drafter with non-trivial norms (unit norms would hide a missing norm)."""
-    model = init_drafter(target, layers, block, mask_token_id=target.vocab_size - 1, seed=seed)
+    model = init_drafter(target, layers, block, mask_token_id=target.vocab_size - 1, seed=seed,
+                         sliding_window=sliding_window)
     g = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -63,7 +65,8 @@ def fresh_cache(model: DFlashDrafter, batch: int, capacity: int) -> KVCache:
 
 def draft_call(model, cache, block, ctx, ctx_pos, start, ctx_valid=None):
     """One drafter call the way ``DFlashEngine.draft`` builds it (positions ``ctx_pos`` then
-    ``start..start+K-1``; slot j visible iff j < start + K; invalid context -> trash slot)."""
+    ``start..start+K-1``; slot j visible iff j < start + K, and with a sliding window W iff
+    the query position minus j is < W; invalid context -> trash slot)."""
     n, K, _ = block.shape
     start = torch.as_tensor(start).view(-1).expand(n)
     block_pos = start.unsqueeze(1) + torch.arange(K)
@@ -72,7 +75,10 @@ def draft_call(model, cache, block, ctx, ctx_pos, start, ctx_valid=None):
     kv_len = int(start.max()) + K
     pos = torch.cat([ctx_pos, block_pos], 1)
     slots = torch.cat([torch.where(ctx_valid, ctx_pos, cache.trash_slot), block_pos], 1)
-    mask = (torch.arange(kv_len).view(1, 1, 1, -1) < (start + K).view(-1, 1, 1, 1)).expand(n, 1, K, kv_len)
+    keys = torch.arange(kv_len).view(1, 1, 1, -1)
+    mask = (keys < (start + K).view(-1, 1, 1, 1)).expand(n, 1, K, kv_len)
+    if model.cfg.sliding_window is not None:
+        mask = mask & (block_pos.view(n, 1, K, 1) - keys < model.cfg.sliding_window)
     with torch.inference_mode():
         return model(block, ctx, AttentionMetadata(pos, slots, mask, kv_len), cache.layers)
 
@@ -98,10 +104,10 @@ def zlab_model(ours: DFlashDrafter):
     return ref
 
 
-@pytest.mark.parametrize("rope", [None, "llama3"])
-def test_drafter_matches_zlab_reference(rope):
+@pytest.mark.parametrize("rope,window", [(None, None), ("llama3", None), (None, 12)])
+def test_drafter_matches_zlab_reference(rope, window):
     target = tiny_target(rope_scaling=dict(LLAMA3_ROPE) if rope else None)
-    ours = make_drafter(target, layers=3, block=8, seed=1)
+    ours = make_drafter(target, layers=3, block=8, seed=1, sliding_window=window)
     ref = zlab_model(ours)
     if rope:
         inv = ref.rotary_emb.inv_freq.float()
@@ -117,21 +123,27 @@ def test_drafter_matches_zlab_reference(rope):
         want = ref(position_ids=pos, noise_embedding=noise, target_hidden=ctx, past_key_values=None, use_cache=False)
     got = draft_call(ours, fresh_cache(ours, 1, N + K), noise, ctx, pos[:, :N], N)
     d = max_diff(got, want)
-    print(f"\ndrafter vs z-lab DFlashDraftModel (rope={rope or 'default'}, N={N}, K={K}): max abs diff {d:.3g} "
+    if window:  # the window must matter: the same weights without it give other outputs
+        full = DFlashDrafter(dataclasses.replace(ours.cfg, sliding_window=None))
+        full.load_state_dict(ours.state_dict())
+        assert max_diff(draft_call(full, fresh_cache(full, 1, N + K), noise, ctx, pos[:, :N], N), want) > 1e-3
+    print(f"\ndrafter vs z-lab DFlashDraftModel (rope={rope or 'default'}, window={window}, N={N}, K={K}): max abs diff {d:.3g} "
           f"(max |out| {float(want.abs().max()):.2f})")
     assert got.shape == want.shape == (1, K, H)
     assert d < 1e-4
 
 
-def test_drafter_matches_zlab_with_cache_rounds():
+@pytest.mark.parametrize("window", [None, 9])
+def test_drafter_matches_zlab_with_cache_rounds(window):
     """Several rounds as in z-lab's ``dflash_generate``: its DynamicCache is cropped to the
     committed length and receives only the newly accepted context; ours is indexed by position
-    and gets the same new context. Block outputs agree every round."""
+    and gets the same new context. Block outputs agree every round (also with z-lab's
+    non-causal sliding layers)."""
     pytest.importorskip("dflash.model", reason="needs the z-lab reference: pip install --no-deps dflash==0.1.0")
     from dflash.model import _crop_to, _make_cache
 
     target = tiny_target()
-    ours = make_drafter(target, layers=2, block=6, seed=3)
+    ours = make_drafter(target, layers=2, block=6, seed=3, sliding_window=window)
     ref = zlab_model(ours)
     H, K = target.hidden_size, ours.cfg.block_size
     F = len(ours.cfg.target_layer_ids) * H
@@ -436,6 +448,8 @@ def test_load_weights_not_matching_config(saved):
 @pytest.mark.parametrize("extra", [
     {"architectures": ["DFlash2DraftModel"]},
     {"layer_types": ["full_attention", "sliding_attention"]},
+    {"layer_types": ["sliding_attention"], "sliding_window": 32},  # z-lab: sliding means causal by default
+    {"layer_types": ["chunked_attention"]},
     {"is_causal": True},
     {"input_embedding_scale": 2.0},
     {"dflash_config": {"mask_token_id": 0, "output_multiplier": 0.5}},

@@ -33,10 +33,18 @@ def _reject_unsupported(cfg: dict, d: dict) -> None:
     if any("DFlash2" in a for a in arch):
         raise DFlashError(f"drafter architecture {arch} (DFlash2) is not supported; only DFlashDraftModel")
     value = lambda k: d.get(k, cfg.get(k))  # noqa: E731  (z-lab reads dflash_config first)
-    if any(t != "full_attention" for t in value("layer_types") or []):
-        raise DFlashError("drafter uses sliding-attention layers (layer_types), which are not supported")
-    if value("is_causal"):
-        raise DFlashError("drafter sets is_causal; DFlash draft attention is non-causal and causal drafters are not supported")
+    types = list(value("layer_types") or [])
+    if types and len(set(types)) > 1:
+        raise DFlashError("drafter mixes full and sliding attention layers (layer_types), which is not supported")
+    if any(t not in ("full_attention", "sliding_attention") for t in types):
+        raise DFlashError(f"drafter layer_types {sorted(set(types))} are not supported")
+    sliding = bool(types) and types[0] == "sliding_attention"
+    if sliding and value("sliding_window") in (None, 0):
+        raise DFlashError("drafter has sliding_attention layers but no sliding_window")
+    # z-lab: sliding layers are causal unless is_causal says otherwise; causal drafting is not DFlash
+    if value("is_causal") or (sliding and value("is_causal") is None):
+        raise DFlashError("drafter attention is causal (is_causal, or sliding layers without is_causal: false); "
+                          "DFlash draft attention is non-causal and causal drafters are not supported")
     for key in ("input_embedding_scale", "output_multiplier"):
         if value(key) not in (None, 1, 1.0):
             raise DFlashError(f"drafter sets {key}={value(key)}, which is not supported")
@@ -86,7 +94,9 @@ def drafter_config_from_json(cfg: dict) -> DrafterConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             attention_bias=bool(cfg.get("attention_bias", False)),
-            extra={k: v for k, v in cfg.items() if k not in ("dflash_config",)},
+            sliding_window=_sliding_window(cfg, d),
+            extra={k: v for k, v in cfg.items()
+                   if k not in ("dflash_config", "layer_types", "sliding_window", "use_sliding_window", "is_causal")},
         )
     except KeyError as e:
         raise DFlashError(f"drafter config.json lacks required key {e.args[0]!r}") from None
@@ -123,7 +133,24 @@ def drafter_config_to_json(cfg: DrafterConfig) -> dict:
     })
     if cfg.rope_scaling:
         out["rope_scaling"] = dict(cfg.rope_scaling)
+    if cfg.sliding_window is not None:
+        out["layer_types"] = ["sliding_attention"] * cfg.num_layers
+        out["use_sliding_window"] = True  # transformers' Qwen3Config drops sliding_window without it
+        out["sliding_window"] = cfg.sliding_window
+        out["is_causal"] = False
     return out
+
+
+def _sliding_window(cfg: dict, d: dict) -> int | None:
+    """W when every layer is a (non-causal) ``sliding_attention`` layer, else None.
+
+    Read the way z-lab's torch model sees it through transformers' ``Qwen3Config``: the window
+    exists only with ``use_sliding_window: true`` (otherwise the layers attend to everything).
+    """
+    types = d.get("layer_types", cfg.get("layer_types")) or []
+    if types and types[0] == "sliding_attention" and cfg.get("use_sliding_window", False):
+        return int(d.get("sliding_window", cfg.get("sliding_window")))
+    return None
 
 
 def validate_pair(target: TargetConfig, drafter: DrafterConfig) -> None:
@@ -202,7 +229,8 @@ def save_drafter(model: DFlashDrafter, out: str | os.PathLike, dtype: torch.dtyp
 
 
 def init_drafter(target: TargetConfig, num_layers: int, block_size: int, mask_token_id: int,
-                 seed: int = 0, target_layer_ids: list[int] | None = None) -> DFlashDrafter:
+                 seed: int = 0, target_layer_ids: list[int] | None = None,
+                 sliding_window: int | None = None) -> DFlashDrafter:
     """A randomly initialised drafter matched to ``target`` (Qwen3 init: normal(0, 0.02)
     linears, unit norms); head shape and intermediate size follow the target.
 
@@ -227,6 +255,7 @@ def init_drafter(target: TargetConfig, num_layers: int, block_size: int, mask_to
         rope_theta=target.rope_theta,
         rope_scaling=target.rope_scaling,
         max_position_embeddings=target.max_position_embeddings,
+        sliding_window=sliding_window,
     )
     validate_pair(target, cfg)
     g = torch.Generator().manual_seed(seed)

@@ -130,6 +130,10 @@ class DrafterConfig:
             drafter forward proposes ``block_size - 1`` draft tokens.
         mask_token_id: token id embedded (with the target's embedding) at the masked slots.
         num_target_layers: layer count of the target the drafter was made for.
+        sliding_window: None (every layer sees the whole context), or W: every layer is a
+            z-lab ``sliding_attention`` layer with ``is_causal: false`` — the slot at position
+            ``q`` sees context positions ``p`` with ``q - p < W`` (so slot ``k`` of a block
+            anchored at ``a`` sees the last ``W - 1 - k`` context positions) and its whole block.
     """
 
     hidden_size: int
@@ -148,7 +152,10 @@ class DrafterConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
     attention_bias: bool = False
+    sliding_window: int | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         _check_rope_scaling(self.rope_scaling, "drafter")
+        if self.sliding_window is not None and self.sliding_window < self.block_size:
+            raise DFlashError(f"drafter sliding_window {self.sliding_window} is smaller than its block size {self.block_size}")

@@ -157,6 +157,13 @@ class DFlashDrafter(nn.Module):
         visible = ctx_positions.unsqueeze(1) < anchors.unsqueeze(-1)  # [N, nb, S]
         if ctx_valid is not None:
             visible = visible & ctx_valid.unsqueeze(1)
+        W = self.cfg.sliding_window
+        if W is not None:  # slot k (position anchor + k) sees context p with anchor + k - p < W
+            slot = torch.arange(B, device=anchors.device)
+            near = (anchors[..., None, None] + slot[:, None] - ctx_positions[:, None, None, :]) < W
+            visible = visible.unsqueeze(2) & near  # [N, nb, B, S]
+        else:
+            visible = visible.unsqueeze(2)  # [N, nb, 1, S]
         ctx = self.hidden_norm(self.fc(ctx_features))
         x = block_embeds.reshape(N, nb * B, H)
         for layer in self.layers:
@@ -171,7 +178,7 @@ def _train_attention(attn: DrafterAttention, h, ctx, cos_c, sin_c, cos_b, sin_b,
     """Attention of ``nb`` blocks of ``B`` queries over ``[shared context ; own block]``.
 
     Scores against the context are one GEMM for all blocks (masked by ``visible``
-    ``[N, nb, S]``), scores within each block a batched ``B x B`` GEMM; one softmax over both.
+    ``[N, nb, 1 or B, S]``), scores within each block a batched ``B x B`` GEMM; one softmax over both.
     Grouped-query heads are handled by viewing the queries as ``[N, Hkv, group, T, D]``
     (query head ``i`` reads KV head ``i // group``, like SDPA's ``enable_gqa``).
     """
@@ -191,7 +198,7 @@ def _train_attention(attn: DrafterAttention, h, ctx, cos_c, sin_c, cos_b, sin_b,
         kc = apply_rope(kc, cos_c, sin_c).unsqueeze(2)  # [N, hkv, 1, S, d]
         vc = attn.v_proj(ctx).view(N, S, hkv, d).transpose(1, 2).unsqueeze(2)
         s_ctx = (q.reshape(N, hkv, g, T, d) @ kc.transpose(-1, -2)).view(N, hkv, g, nb, B, S) * scale
-        s_ctx = s_ctx.masked_fill(~visible.view(N, 1, 1, nb, 1, S), float("-inf"))
+        s_ctx = s_ctx.masked_fill(~visible.view(N, 1, 1, nb, visible.shape[2], S), float("-inf"))
         p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1).float(), dim=-1).to(vb.dtype)
         out = (p[..., :S].reshape(N, hkv, g, T, S) @ vc).view(N, hkv, g, nb, B, d) + p[..., S:] @ vb
     else:

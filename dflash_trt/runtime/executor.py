@@ -184,8 +184,12 @@ class DFlashEngine:
         masked[:, 1:] = self.drafter.cfg.mask_token_id
         pos = torch.cat([ctx_pos, block_pos], dim=1)
         slots = torch.cat([torch.where(ctx_valid, ctx_pos, dcache.trash_slot), block_pos], dim=1)
-        visible = torch.arange(kv_len, device=block.device).view(1, 1, 1, -1) < (start + K).view(-1, 1, 1, 1)
-        meta = AttentionMetadata(pos, slots, visible.expand(n, 1, K, kv_len), kv_len)
+        keys = torch.arange(kv_len, device=block.device).view(1, 1, 1, -1)
+        visible = (keys < (start + K).view(-1, 1, 1, 1)).expand(n, 1, K, kv_len)
+        W = self.drafter.cfg.sliding_window
+        if W is not None:  # z-lab sliding layer, non-causal: query position q sees keys p with q - p < W
+            visible = visible & (block_pos.view(n, 1, K, 1) - keys < W)
+        meta = AttentionMetadata(pos, slots, visible, kv_len)
         hidden = self.drafter(self.target.embed(masked), ctx_feat, meta, dcache.layers)
         return self.target.lm_head(hidden[:, 1:]).argmax(-1)
 

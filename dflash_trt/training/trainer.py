@@ -82,10 +82,23 @@ class TrainConfig:
         max_seq_len: sequences are cut to this many tokens.
         mask_token_id: MASK token of a new drafter (None: the tokenizer's mask/unk token).
         target_layer_ids: target layers a new drafter reads (None: the z-lab default spread).
+        sliding_window: a new drafter's z-lab sliding window W (None: full context); its slot
+            ``k`` then sees the last ``W - 1 - k`` context positions. A short window makes the
+            anchor and the newest target features a large share of what each slot attends to.
         cache_features: keep target features in memory (bf16 under autocast, else fp32) so
             each sequence costs one target forward in the whole run.
         feature_cache_gb: memory cap of that cache; past it features are recomputed.
         ce_chunk: supervised rows per LM-head chunk (bounds the logits' memory).
+        head_vocab: ``full`` (CE over the whole vocabulary, the paper) or ``seen`` (a sampled
+            softmax: CE over the tokens that occur in the training sequences plus
+            ``head_negatives`` other tokens drawn afresh each step; every label is in it).
+            On SmolLM2's self-distilled data 10.5K of 49K tokens occur, so the LM-head GEMMs,
+            most of a CPU step, shrink about 4x.
+        head_negatives: random out-of-data tokens per step in the ``seen`` softmax.
+        reg_weight: weight of a feature-regression term (EAGLE, arXiv:2401.15077 §4): slot
+            ``k``'s hidden state is pulled towards the target's final normed hidden state at
+            ``anchor + k - 1`` (whose LM-head output is the target's own distribution for that
+            token), relative MSE. Needs the target's last layer in ``target_layer_ids``.
         export_dtype: dtype of the final ``drafter/`` (``bf16`` / ``fp32``).
         stop_after: stop (with a checkpoint) once this step is done, schedule unchanged
             (for time-boxed runs; resume later continues).
@@ -111,9 +124,13 @@ class TrainConfig:
     max_seq_len: int = 2048
     mask_token_id: int | None = None
     target_layer_ids: tuple[int, ...] | None = None
+    sliding_window: int | None = None
     cache_features: bool = True
     feature_cache_gb: float = 4.0
     ce_chunk: int = 256
+    head_vocab: str = "full"
+    head_negatives: int = 2048
+    reg_weight: float = 0.0
     export_dtype: str = "bf16"
     stop_after: int | None = None
     progress: bool = True
@@ -134,6 +151,9 @@ class TrainConfig:
             (self.save_every >= 1, f"save_every must be >= 1, got {self.save_every}"),
             (self.max_seq_len >= 2, f"max_seq_len must be >= 2, got {self.max_seq_len}"),
             (self.ce_chunk >= 1, f"ce_chunk must be >= 1, got {self.ce_chunk}"),
+            (self.head_vocab in ("full", "seen"), f"head_vocab must be full or seen, got {self.head_vocab!r}"),
+            (self.head_negatives >= 0, f"head_negatives must be >= 0, got {self.head_negatives}"),
+            (self.reg_weight >= 0, f"reg_weight must be >= 0, got {self.reg_weight}"),
             (self.autocast in ("bf16", "fp16", "fp32"), f"autocast must be bf16, fp16 or fp32, got {self.autocast!r}"),
             (self.stop_after is None or self.stop_after >= 1, f"stop_after must be >= 1, got {self.stop_after}"),
         ]
@@ -369,7 +389,8 @@ class StepStats:
 
 
 def compute_loss(drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Tensor, batch: Batch,
-                 weights: torch.Tensor, amp: torch.dtype | None, ce_chunk: int = 256
+                 weights: torch.Tensor, amp: torch.dtype | None, ce_chunk: int = 256,
+                 vocab: torch.Tensor | None = None, reg_weight: float = 0.0
                  ) -> tuple[torch.Tensor, StepStats]:
     """Weighted same-position CE of one batch (see the module docstring).
 
@@ -378,6 +399,13 @@ def compute_loss(drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Te
             be a pre-cast copy in the autocast dtype).
         weights: ``[B-1]`` slot weights.
         amp: autocast dtype, or None for full fp32.
+        vocab: optional sorted int64 ``[V']`` token ids: the softmax runs over these rows of
+            the LM head only (sampled softmax; every label must be in it, accuracy is then
+            measured within it).
+        reg_weight: weight of the relative-MSE pull of each supervised slot's hidden state
+            towards the target's final normed hidden state at ``anchor + k - 1`` (the last
+            ``hidden`` columns of ``batch.features``, which must come from the target's last
+            layer); 0 disables it.
 
     Returns:
         the loss (a scalar with grad) and its statistics: accuracy per slot (argmax equals
@@ -394,8 +422,26 @@ def compute_loss(drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Te
     y = batch.labels[sup]
     w = weights.to(dev).expand_as(batch.labels)[sup]
     denom = w.sum().clamp_min(1e-12)
-    total, pred = _HeadCrossEntropy.apply(rows, head_w, y, w, ce_chunk, amp or torch.float32)
+    if vocab is not None:
+        remap = torch.full((head_w.shape[0],), -1, dtype=torch.long, device=dev)
+        remap[vocab] = torch.arange(len(vocab), device=dev)
+        ys = remap[y]
+        if bool((ys < 0).any()):
+            raise DFlashError("a label is outside the training vocabulary subset")
+        total, pred = _HeadCrossEntropy.apply(rows, head_w[vocab], ys, w, ce_chunk, amp or torch.float32)
+        pred = vocab[pred]
+    else:
+        total, pred = _HeadCrossEntropy.apply(rows, head_w, y, w, ce_chunk, amp or torch.float32)
     loss = total / denom
+    if reg_weight > 0:
+        H = rows.shape[-1]
+        B1 = batch.labels.shape[-1]
+        S = batch.features.shape[1]
+        src = (batch.anchors.unsqueeze(-1) + torch.arange(B1, device=dev)).clamp(max=S - 1)  # [N, nb, B-1]
+        tgt = torch.gather(batch.features[..., -H:], 1, src.flatten(1).unsqueeze(-1).expand(-1, -1, H))
+        tgt = tgt.view(*src.shape, H)[sup].float()
+        err = (rows.float() - tgt).pow(2).mean(-1) / tgt.pow(2).mean(-1).clamp_min(1e-6)
+        loss = loss + reg_weight * (err * w).sum() / denom
     with torch.no_grad():
         correct = torch.zeros_like(sup)
         correct[sup] = pred == y
@@ -535,6 +581,14 @@ def _batch_indices(step: int, batch: int, n: int, seed: int) -> list[int]:
     return out
 
 
+def _step_vocab(seen: torch.Tensor, negatives: int, gen: torch.Generator) -> torch.Tensor:
+    """Sorted token ids of one step's sampled softmax: every ``seen`` token plus up to
+    ``negatives`` others drawn uniformly without replacement."""
+    rest = torch.nonzero(~seen).flatten()
+    extra = rest[torch.randperm(rest.numel(), generator=gen)[:negatives]]
+    return torch.cat([torch.nonzero(seen).flatten(), extra]).sort().values
+
+
 def _step_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed + 1) * 7_919_113 + step)
 
@@ -583,7 +637,10 @@ def train(target: LoadedTarget, samples: Sequence, out_dir: str | os.PathLike, c
     else:
         mask = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token_id(target.tokenizer, tcfg.vocab_size)
         drafter = init_drafter(tcfg, cfg.num_layers, cfg.block_size, mask, seed=cfg.seed,
-                               target_layer_ids=list(cfg.target_layer_ids) if cfg.target_layer_ids else None)
+                               target_layer_ids=list(cfg.target_layer_ids) if cfg.target_layer_ids else None,
+                               sliding_window=cfg.sliding_window)
+        with torch.no_grad():  # the drafter's output feeds the target's LM head, like the target's final norm
+            drafter.norm.weight.copy_(model.norm.weight.float())
     validate_pair(tcfg, drafter.cfg)
     dcfg = drafter.cfg
     if state is not None and init_drafter_dir is None and (dcfg.block_size, dcfg.num_layers) != (cfg.block_size, cfg.num_layers):
@@ -602,6 +659,14 @@ def train(target: LoadedTarget, samples: Sequence, out_dir: str | os.PathLike, c
     if amp is not None:
         head_w = head_w.to(amp)
     weights = slot_weights(B, cfg.gamma).to(dev)
+    if cfg.reg_weight > 0 and dcfg.target_layer_ids[-1] != tcfg.num_layers - 1:
+        raise DFlashError(f"reg_weight needs the target's last layer ({tcfg.num_layers - 1}) as the drafter's last "
+                          f"target layer; it reads {list(dcfg.target_layer_ids)}")
+    seen = None
+    if cfg.head_vocab == "seen":
+        seen = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
+        for sq in seqs:
+            seen[sq.ids] = True
 
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio))
@@ -638,7 +703,10 @@ def train(target: LoadedTarget, samples: Sequence, out_dir: str | os.PathLike, c
                     t1 = time.perf_counter()
                     batch = build_batch([seqs[i] for i in idx], feats, cfg.anchors_per_seq, B, dcfg.mask_token_id,
                                         _step_generator(cfg.seed, step), dev)
-                    loss, st = compute_loss(drafter, embed_w, head_w, batch, weights, amp, cfg.ce_chunk)
+                    vocab = None if seen is None else _step_vocab(seen, cfg.head_negatives,
+                                                                  _step_generator(cfg.seed + 1, step)).to(dev)
+                    loss, st = compute_loss(drafter, embed_w, head_w, batch, weights, amp, cfg.ce_chunk,
+                                            vocab, cfg.reg_weight)
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
                     gnorm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
