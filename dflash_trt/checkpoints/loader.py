@@ -65,7 +65,6 @@ def load_target(spec: str | None, dtype: torch.dtype = torch.float32) -> LoadedT
     Raises:
         DFlashError: missing/corrupt checkpoint, unsupported family, weights not matching the config.
     """
-    from transformers import AutoTokenizer
 
     path = resolve_target(spec)
     hf = read_json(path / "config.json", "target")
@@ -78,12 +77,23 @@ def load_target(spec: str | None, dtype: torch.dtype = torch.float32) -> LoadedT
         raise DFlashError(f"target {path}: missing weight {e.args[0]}") from None
     except ValueError as e:
         raise DFlashError(f"target {path}: {e}") from None
-    model = model.to(dtype).eval()
+    return with_tokenizer(model.to(dtype).eval(), path)
+
+
+def with_tokenizer(model: TargetModel, path: Path) -> LoadedTarget:
+    """``model`` with the tokenizer and stop tokens (config, generation config, tokenizer EOS) of
+    the HF directory ``path``.
+
+    Raises:
+        DFlashError: the tokenizer cannot be loaded.
+    """
+    from transformers import AutoTokenizer
+
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
         raise DFlashError(f"target {path}: cannot load tokenizer ({type(e).__name__})") from None
-    stops = set(cfg.eos_token_ids)
+    stops = set(model.cfg.eos_token_ids)
     gen = path / "generation_config.json"
     if gen.is_file():
         eos = read_json(gen, "target").get("eos_token_id")

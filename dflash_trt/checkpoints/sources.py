@@ -127,9 +127,6 @@ def load_safetensors_dir(path: Path, what: str) -> dict[str, torch.Tensor]:
     Raises:
         DFlashError: no weights file, a missing shard, or a corrupt file.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(read_json(index, what)["weight_map"].values()))
@@ -139,11 +136,22 @@ def load_safetensors_dir(path: Path, what: str) -> dict[str, torch.Tensor]:
         raise DFlashError(f"{what}: no model.safetensors or model.safetensors.index.json in {path}")
     sd: dict[str, torch.Tensor] = {}
     for name in files:
-        f = path / name
-        if not f.is_file():
-            raise DFlashError(f"{what}: shard {f} is missing")
-        try:
-            sd.update(load_file(str(f)))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise DFlashError(f"{what}: {f} is corrupt ({e})") from None
+        sd.update(load_safetensors_file(path / name, what))
     return sd
+
+
+def load_safetensors_file(f: Path, what: str) -> dict[str, torch.Tensor]:
+    """All tensors of one safetensors file.
+
+    Raises:
+        DFlashError: missing or corrupt file.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not f.is_file():
+        raise DFlashError(f"{what}: {f} is missing")
+    try:
+        return load_file(str(f))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise DFlashError(f"{what}: {f} is corrupt ({e})") from None

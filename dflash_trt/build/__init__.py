@@ -1,0 +1,1 @@
+"""Engine builder: validate, calibrate, quantize, shard, write (``dflash-trt build``)."""

@@ -1,0 +1,531 @@
+"""``dflash-trt build``: target + drafter -> engine directory (validate, calibrate, quantize, shard, write).
+
+Engine directory (written into a temporary sibling, renamed into place at the end; a failed
+build leaves nothing at the output path)::
+
+    engine.json                 manifest: versions, build config, source checksums, memory plan,
+                                every file with its sha256
+    target/config.json          TensorRT-LLM checkpoint of the target (LlamaForCausalLM /
+    target/rank{r}.safetensors  Qwen2ForCausalLM / Qwen3ForCausalLM), one file per TP rank
+    drafter/config.json         the drafter in the same layout (architecture DFlashDraftModel,
+    drafter/rank{r}.safetensors z-lab dflash_config keys in config.json)
+    hf/target/                  unified HF checkpoint (ModelOpt ``export_hf_checkpoint`` layout:
+                                ``hf_quant_config.json``, ``quantization_config``), + tokenizer
+    hf/drafter/                 the z-lab drafter, quantized the same way
+    trtllm/llm_api.yaml         ``speculative_config: {decoding_type: DFlash, ...}`` for
+                                ``trtllm-serve`` / ``LLM(...)`` on TensorRT-LLM releases with DFlash
+    trtllm/build.sh             the ``trtllm-build`` command line for the target (1.2.x)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import BuildConfig
+from ..errors import DFlashError
+from ..models.config import DrafterConfig, TargetConfig
+from ..quantization.formats import activation_scale, quantize_fp8, quantize_nvfp4
+from . import layout as L
+from .plan import MemoryPlan, memory_plan
+
+ENGINE_FORMAT = "dflash-trt-engine"
+ENGINE_VERSION = 1
+TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+QUANT_ALGO = {"none": None, "fp8": "FP8", "nvfp4": "NVFP4"}
+#: TRT-LLM checkpoint suffix -> unified HF (ModelOpt export) suffix
+HF_SUFFIX = {"weights_scaling_factor": "weight_scale", "weights_scaling_factor_2": "weight_scale_2",
+             "activation_scaling_factor": "input_scale"}
+
+
+@dataclass
+class QuantizedLinear:
+    """One quantized GEMM weight over its whole (unsharded) output range.
+
+    ``tensors`` maps TRT-LLM suffixes (``weight``, ``weights_scaling_factor``,
+    ``weights_scaling_factor_2``, ``activation_scaling_factor``) to tensors; :meth:`rows`
+    slices the per-row ones (weight, NVFP4 block scales), per-tensor scales are shared.
+    """
+
+    fmt: str
+    tensors: dict[str, torch.Tensor]
+
+    def rows(self, a: int, b: int) -> "QuantizedLinear":
+        per_row = {"weight"} | ({"weights_scaling_factor"} if self.fmt == "nvfp4" else set())
+        return QuantizedLinear(self.fmt, {k: (v[a:b] if k in per_row else v) for k, v in self.tensors.items()})
+
+
+def quantize_linear(w: torch.Tensor, fmt: str, act_amax: float) -> QuantizedLinear:
+    """Quantize one (possibly fused) linear weight ``[out, in]`` with ModelOpt; fused members
+    (q/k/v, gate/up) share the per-tensor scales, as ModelOpt's exports make them."""
+    if fmt == "fp8":
+        q, s = quantize_fp8(w)
+        t = {"weight": q, "weights_scaling_factor": s}
+    else:
+        q, bs, s2 = quantize_nvfp4(w)
+        t = {"weight": q, "weights_scaling_factor": bs, "weights_scaling_factor_2": s2}
+    t["activation_scaling_factor"] = activation_scale(fmt, act_amax)
+    return QuantizedLinear(fmt, t)
+
+
+def quantize_model(sd: dict[str, torch.Tensor], specs: list[L.TensorSpec], fmt: str,
+                   amax: dict[str, float], progress: bool = False, desc: str = "quantize") -> dict[str, QuantizedLinear]:
+    """``{spec.source: QuantizedLinear}`` for every linear of ``specs`` (whole fused sources:
+    the gate/up halves are quantized together and sliced later).
+
+    Raises:
+        DFlashError: a linear without a calibrated activation range.
+    """
+    from tqdm import tqdm
+
+    out: dict[str, QuantizedLinear] = {}
+    todo = [s for s in specs if s.linear and s.name != "lm_head.weight"]
+    for s in tqdm(todo, desc=desc, unit="linear", disable=not progress, file=sys.stderr):
+        if s.source in out:
+            continue
+        mods = s.module.split("|")
+        missing = [m for m in mods if m not in amax]
+        if missing:
+            raise DFlashError(f"no calibrated activation range for {missing[0]}")
+        full = torch.cat([sd[k] for k in s.source.split("|")]) if "|" in s.source else sd[s.source]
+        out[s.source] = quantize_linear(full.float(), fmt, max(amax[m] for m in mods))
+    return out
+
+
+def linear_tensors(spec: L.TensorSpec, sd: dict[str, torch.Tensor], qlin: dict[str, QuantizedLinear],
+                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``{suffix: tensor}`` of one spec over its full range: ``{"": weight}`` unquantized, or
+    the quantized tensors (``weight``, scales)."""
+    if spec.source in qlin:
+        q = qlin[spec.source]
+        return (q.rows(*spec.rows) if spec.rows else q).tensors
+    return {"": L.gather(sd, spec).to(dtype)}
+
+
+def rank_tensors(specs: list[L.TensorSpec], sd: dict[str, torch.Tensor], qlin: dict[str, QuantizedLinear],
+                 dtype: torch.dtype, tp: int, rank: int, qkv: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+    """TRT-LLM tensors of rank ``rank``."""
+    out = {}
+    for s in specs:
+        base = s.name[: -len(".weight")] if s.name.endswith(".weight") else s.name
+        for suffix, t in linear_tensors(s, sd, qlin, dtype).items():
+            if suffix == "":
+                out[s.name] = L.shard(t, s.split, tp, rank, qkv)
+            elif suffix == "weight":
+                out[s.name] = L.shard(t, s.split, tp, rank, qkv, col_unit=2 if t.dtype == torch.uint8 else 1)
+            elif t.dim() == 2:  # NVFP4 block scales follow the weight's rows and 16-column blocks
+                out[f"{base}.{suffix}"] = L.shard(t, s.split, tp, rank, qkv, col_unit=16)
+            else:
+                out[f"{base}.{suffix}"] = t.clone()
+    return out
+
+
+def target_trtllm_config(cfg: TargetConfig, bc: BuildConfig) -> dict:
+    """TRT-LLM ``config.json`` of the target (``PretrainedConfig`` / ``LLaMAConfig`` / ``QWenConfig`` keys)."""
+    c = {
+        "architecture": ARCHITECTURES[cfg.family],
+        "dtype": TORCH_DTYPE_NAMES[bc.dtype],
+        "logits_dtype": "float32",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_size": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu",
+        "norm_epsilon": cfg.rms_norm_eps,
+        "position_embedding_type": "rope_gpt_neox",
+        "rotary_base": cfg.rope_theta,
+        "rotary_scaling": cfg.rope_scaling,
+        "use_parallel_embedding": True,
+        "embedding_sharding_dim": 0,
+        "share_embedding_table": False,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attn_bias": cfg.attention_bias,
+        "mlp_bias": False,
+        "qk_layernorm": cfg.qk_norm,
+        "mapping": {"world_size": bc.tp_size, "tp_size": bc.tp_size, "pp_size": 1},
+        "quantization": _quant_block(bc.target_quant, bc.kv_cache_dtype),
+    }
+    if cfg.family in ("qwen2", "qwen3"):
+        c.update(qwen_type=cfg.family, seq_length=bc.max_seq_len)
+    return c
+
+
+def drafter_trtllm_config(cfg: DrafterConfig, bc: BuildConfig) -> dict:
+    """The drafter's ``config.json`` in the same layout (architecture ``DFlashDraftModel``)."""
+    c = {
+        "architecture": "DFlashDraftModel",
+        "dtype": TORCH_DTYPE_NAMES[bc.dtype],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_size": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu",
+        "norm_epsilon": cfg.rms_norm_eps,
+        "position_embedding_type": "rope_gpt_neox",
+        "rotary_base": cfg.rope_theta,
+        "rotary_scaling": cfg.rope_scaling,
+        "attn_bias": cfg.attention_bias,
+        "qk_layernorm": True,
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "sliding_window": cfg.sliding_window,
+        "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
+                          "target_layer_ids": list(cfg.target_layer_ids)},
+        "mapping": {"world_size": bc.tp_size, "tp_size": bc.tp_size, "pp_size": 1},
+        "quantization": _quant_block(bc.drafter_quant, bc.kv_cache_dtype),
+    }
+    return c
+
+
+def _quant_block(fmt: str, kv: str) -> dict:
+    q = {"quant_algo": QUANT_ALGO[fmt], "kv_cache_quant_algo": "FP8" if kv == "fp8" else None,
+         "exclude_modules": ["lm_head"] if fmt != "none" else None}
+    if fmt == "nvfp4":
+        q["group_size"] = 16
+    return q
+
+
+# --------------------------------------------------------------------------------------------
+# unified HF checkpoint (ModelOpt export_hf_checkpoint layout)
+# --------------------------------------------------------------------------------------------
+
+
+def hf_target_specs(cfg: TargetConfig) -> list[L.TensorSpec]:
+    """HF names of the target with their sources (q/k/v and gate/up as row ranges of the fused weights)."""
+    q, k, v = L.qkv_sizes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    I = cfg.intermediate_size
+    out = [L.TensorSpec("model.embed_tokens.weight", "embed.weight")]
+    for i in range(cfg.num_layers):
+        h, o = f"model.layers.{i}.", f"layers.{i}."
+        out.append(L.TensorSpec(h + "input_layernorm.weight", o + "attn_norm.weight"))
+        for name, rows in (("q_proj", (0, q)), ("k_proj", (q, q + k)), ("v_proj", (q + k, q + k + v))):
+            out.append(L.TensorSpec(h + f"self_attn.{name}.weight", o + "attn.qkv.weight", rows=rows, linear=True))
+            if cfg.attention_bias:
+                out.append(L.TensorSpec(h + f"self_attn.{name}.bias", o + "attn.qkv.bias", rows=rows))
+        out.append(L.TensorSpec(h + "self_attn.o_proj.weight", o + "attn.o.weight", linear=True))
+        if cfg.qk_norm:
+            out.append(L.TensorSpec(h + "self_attn.q_norm.weight", o + "attn.q_norm.weight"))
+            out.append(L.TensorSpec(h + "self_attn.k_norm.weight", o + "attn.k_norm.weight"))
+        out.append(L.TensorSpec(h + "post_attention_layernorm.weight", o + "mlp_norm.weight"))
+        out.append(L.TensorSpec(h + "mlp.gate_proj.weight", o + "mlp.gate_up.weight", rows=(0, I), linear=True))
+        out.append(L.TensorSpec(h + "mlp.up_proj.weight", o + "mlp.gate_up.weight", rows=(I, 2 * I), linear=True))
+        out.append(L.TensorSpec(h + "mlp.down_proj.weight", o + "mlp.down.weight", linear=True))
+    out.append(L.TensorSpec("model.norm.weight", "norm.weight"))
+    if not cfg.tie_word_embeddings:
+        out.append(L.TensorSpec("lm_head.weight", "lm_head.weight"))
+    return out
+
+
+def hf_drafter_specs(cfg: DrafterConfig) -> list[L.TensorSpec]:
+    """z-lab names of the drafter; q/k/v are row ranges of the fused (quantized-together) qkv."""
+    q, k, v = L.qkv_sizes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    out = [L.TensorSpec("fc.weight", "fc.weight", linear=True), L.TensorSpec("hidden_norm.weight", "hidden_norm.weight"),
+           L.TensorSpec("norm.weight", "norm.weight")]
+    for i in range(cfg.num_layers):
+        o = f"layers.{i}."
+        a = o + "self_attn."
+        fused = "|".join(a + n + ".weight" for n in ("q_proj", "k_proj", "v_proj"))
+        for name, rows in (("q_proj", (0, q)), ("k_proj", (q, q + k)), ("v_proj", (q + k, q + k + v))):
+            out.append(L.TensorSpec(a + name + ".weight", fused, rows=rows, linear=True))
+            if cfg.attention_bias:
+                out.append(L.TensorSpec(a + name + ".bias", fused.replace(".weight", ".bias"), rows=rows))
+        out.append(L.TensorSpec(a + "o_proj.weight", a + "o_proj.weight", linear=True))
+        for n in ("q_norm", "k_norm"):
+            out.append(L.TensorSpec(a + n + ".weight", a + n + ".weight"))
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            out.append(L.TensorSpec(o + n + ".weight", o + n + ".weight"))
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            out.append(L.TensorSpec(o + f"mlp.{n}.weight", o + f"mlp.{n}.weight", linear=True))
+    return out
+
+
+def hf_tensors(specs: list[L.TensorSpec], sd: dict[str, torch.Tensor], qlin: dict[str, QuantizedLinear],
+               dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Unified-HF tensors: ``x.weight`` (+ ``x.weight_scale``, ``x.weight_scale_2``, ``x.input_scale``, 0-d)."""
+    out = {}
+    for s in specs:
+        base = s.name[: -len(".weight")]
+        for suffix, t in linear_tensors(s, sd, qlin, dtype).items():
+            if suffix in ("", "weight"):
+                out[s.name] = t.contiguous()
+            else:
+                out[f"{base}.{HF_SUFFIX[suffix]}"] = t.reshape(()) if t.numel() == 1 and t.dim() == 1 else t.contiguous()
+    return out
+
+
+def hf_quant_config(fmt: str, kv: str, exclude: list[str]) -> dict | None:
+    """``hf_quant_config.json`` content (ModelOpt 0.47 ``get_quant_config``), None when nothing is quantized."""
+    algo, kv_algo = QUANT_ALGO[fmt], ("FP8" if kv == "fp8" else None)
+    if algo is None and kv_algo is None:
+        return None
+    q = {"quant_algo": algo, "kv_cache_quant_algo": kv_algo, "exclude_modules": sorted(exclude)}
+    if fmt == "nvfp4":
+        q["group_size"] = 16
+    return {"producer": {"name": "dflash-trt", "version": _version("dflash-trt")}, "quantization": q}
+
+
+def hf_quantization_config(fmt: str, kv: str, exclude: list[str]) -> dict | None:
+    """``config.json`` ``quantization_config`` (ModelOpt ``convert_hf_quant_config_format``)."""
+    if fmt == "none":
+        return None
+    bits = {"num_bits": 8, "type": "float", "dynamic": False} if fmt == "fp8" else \
+        {"num_bits": 4, "type": "float", "dynamic": False, "group_size": 16}
+    out = {"config_groups": {"group_0": {"input_activations": dict(bits), "weights": dict(bits), "targets": ["Linear"]}},
+           "ignore": sorted(exclude), "quant_algo": QUANT_ALGO[fmt], "quant_method": "modelopt",
+           "producer": {"name": "dflash-trt", "version": _version("dflash-trt")}}
+    if kv == "fp8":
+        out["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# TRT-LLM commands
+# --------------------------------------------------------------------------------------------
+
+
+def trtllm_build_command(bc: BuildConfig) -> str:
+    """The ``trtllm-build`` line for ``target/`` (TensorRT-LLM 1.2.x ``commands/build.py`` flags)."""
+    gemm = {"none": "auto", "fp8": "fp8", "nvfp4": "nvfp4"}[bc.target_quant]
+    return (f"trtllm-build --checkpoint_dir target --output_dir trtllm/engine/target --gemm_plugin {gemm} "
+            f"--max_batch_size {bc.max_batch_size} --max_seq_len {bc.max_seq_len} --max_num_tokens {bc.max_num_tokens} "
+            f"--kv_cache_type paged --tokens_per_block {bc.tokens_per_block} --use_paged_context_fmha enable "
+            f"--workers {bc.tp_size}")
+
+
+def llm_api_yaml(bc: BuildConfig, dcfg: DrafterConfig) -> str:
+    """``trtllm-serve hf/target --extra_llm_api_options trtllm/llm_api.yaml`` options
+    (``DFlashDecodingConfig``, TensorRT-LLM >= 1.3, PyTorch backend)."""
+    kv = {"fp8": "fp8"}.get(bc.kv_cache_dtype, "auto")
+    return "\n".join([
+        "# TensorRT-LLM LLM-API options (PyTorch backend, releases with DFlashDecodingConfig, >= 1.3):",
+        "#   trtllm-serve hf/target --tp_size {tp} --extra_llm_api_options trtllm/llm_api.yaml".format(tp=bc.tp_size),
+        f"tensor_parallel_size: {bc.tp_size}",
+        f"max_batch_size: {bc.max_batch_size}",
+        f"max_seq_len: {bc.max_seq_len}",
+        f"max_num_tokens: {bc.max_num_tokens}",
+        "kv_cache_config:",
+        f"  free_gpu_memory_fraction: {bc.gpu_memory_fraction}",
+        f"  tokens_per_block: {bc.tokens_per_block}",
+        f"  dtype: {kv}",
+        "speculative_config:",
+        "  decoding_type: DFlash",
+        f"  max_draft_len: {bc.block_size - 1}",
+        "  speculative_model: hf/drafter",
+        f"  target_layer_ids: {list(dcfg.target_layer_ids)}",
+        f"  mask_token_id: {dcfg.mask_token_id}",
+        "",
+    ])
+
+
+# --------------------------------------------------------------------------------------------
+# the build
+# --------------------------------------------------------------------------------------------
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    seen, out = set(), {}
+    for k, v in tensors.items():  # tied embedding / LM head: one storage, two names -> copy
+        v = v.contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    save_file(out, str(path), metadata={"format": "pt"})
+
+
+def _write_json(obj: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def build_engine(bc: BuildConfig, target_spec: str | None, drafter_spec: str | None, out_dir: str | os.PathLike,
+                 progress: bool = True, log=print) -> Path:
+    """Build ``out_dir`` from a target and its drafter (see the module docstring).
+
+    Args:
+        bc: a validated build config.
+        target_spec, drafter_spec: ``--target`` / ``--drafter`` (None: the default model / its drafter).
+        out_dir: engine directory to create (must not exist).
+        log: one-line progress messages.
+
+    Returns:
+        the engine directory.
+
+    Raises:
+        DFlashError: ``out_dir`` exists, a bad pair, a block size above the drafter's, a
+            tp_size that does not divide the heads, a model that does not fit the memory plan,
+            corrupt checkpoints, ModelOpt missing for a quantized build. Nothing is left at
+            ``out_dir`` on any error.
+    """
+    from ..checkpoints.loader import load_pair, parse_dtype
+
+    out = Path(out_dir).expanduser()
+    if out.exists():
+        raise DFlashError(f"output {out} already exists; choose a new engine directory")
+    dtype = parse_dtype(bc.dtype)
+    target, drafter = load_pair(target_spec, drafter_spec, torch.float32)
+    tcfg, dcfg = target.model.cfg, drafter.cfg
+    if bc.block_size > dcfg.block_size:
+        raise DFlashError(f"block_size {bc.block_size} is above the drafter's block size {dcfg.block_size}")
+    L.check_tp(tcfg.num_heads, tcfg.num_kv_heads, tcfg.intermediate_size, tcfg.hidden_size, bc.tp_size, "target")
+    L.check_tp(dcfg.num_heads, dcfg.num_kv_heads, dcfg.intermediate_size, dcfg.hidden_size, bc.tp_size, "drafter")
+    plan = memory_plan(bc, tcfg, dcfg)
+    log(plan.table())
+    plan.check()
+
+    tsd = {k: v.detach() for k, v in target.model.state_dict().items()}
+    dsd = {k: v.detach() for k, v in drafter.state_dict().items()}
+    tspecs, dspecs = L.target_specs(tcfg), L.drafter_specs(dcfg)
+    tq: dict[str, QuantizedLinear] = {}
+    dq: dict[str, QuantizedLinear] = {}
+    if bc.target_quant != "none" or bc.drafter_quant != "none":
+        from .calibration import calibrate_pair
+
+        t_amax, d_amax = calibrate_pair(target, drafter, bc, progress)
+        if bc.target_quant != "none":
+            tq = quantize_model(tsd, tspecs, bc.target_quant, t_amax, progress, "quantize target")
+        if bc.drafter_quant != "none":
+            dq = quantize_model(dsd, dspecs, bc.drafter_quant, d_amax, progress, "quantize drafter")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    try:
+        _write_all(tmp, bc, target, drafter, tsd, dsd, tspecs, dspecs, tq, dq, dtype, plan, target_spec, drafter_spec,
+                   progress)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"wrote {out}")
+    return out
+
+
+def _write_all(tmp: Path, bc: BuildConfig, target, drafter, tsd, dsd, tspecs, dspecs, tq, dq, dtype, plan: MemoryPlan,
+               target_spec, drafter_spec, progress: bool) -> None:
+    from tqdm import tqdm
+
+    tcfg, dcfg = target.model.cfg, drafter.cfg
+    t_qkv = L.qkv_sizes(tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
+    d_qkv = L.qkv_sizes(dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim)
+    _write_json(target_trtllm_config(tcfg, bc), tmp / "target" / "config.json")
+    _write_json(drafter_trtllm_config(dcfg, bc), tmp / "drafter" / "config.json")
+    kv_scale = bc.kv_cache_dtype == "fp8"
+    for r in tqdm(range(bc.tp_size), desc="write ranks", unit="rank", disable=not progress, file=sys.stderr):
+        tt = rank_tensors(tspecs, tsd, tq, dtype, bc.tp_size, r, t_qkv)
+        dt = rank_tensors(dspecs, dsd, dq, dtype, bc.tp_size, r, d_qkv)
+        if kv_scale:  # TensorRT-LLM / ModelOpt write 1.0 (amax/448 clamped to >= 1)
+            for i in range(tcfg.num_layers):
+                tt[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"] = torch.ones(1)
+            for i in range(dcfg.num_layers):
+                dt[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"] = torch.ones(1)
+        _save(tt, tmp / "target" / f"rank{r}.safetensors")
+        _save(dt, tmp / "drafter" / f"rank{r}.safetensors")
+
+    # unified HF checkpoints
+    from ..checkpoints.zlab import drafter_config_to_json
+    from ..checkpoints.sources import read_json
+
+    hf_cfg = read_json(Path(target.path) / "config.json", "target")
+    hf_cfg.pop("quantization_config", None)
+    t_ex = ["lm_head", "model.embed_tokens"]
+    qc = hf_quantization_config(bc.target_quant, bc.kv_cache_dtype, t_ex)
+    if qc:
+        hf_cfg["quantization_config"] = qc
+    hf_cfg["torch_dtype"] = TORCH_DTYPE_NAMES[bc.dtype]
+    _write_json(hf_cfg, tmp / "hf" / "target" / "config.json")
+    hq = hf_quant_config(bc.target_quant, bc.kv_cache_dtype, t_ex)
+    if hq:
+        _write_json(hq, tmp / "hf" / "target" / "hf_quant_config.json")
+    _save(hf_tensors(hf_target_specs(tcfg), tsd, tq, dtype), tmp / "hf" / "target" / "model.safetensors")
+    target.tokenizer.save_pretrained(str(tmp / "hf" / "target"))
+    for name in ("generation_config.json",):
+        src = Path(target.path) / name
+        if src.is_file():
+            shutil.copy(src, tmp / "hf" / "target" / name)
+    d_json = drafter_config_to_json(dcfg)
+    dqc = hf_quantization_config(bc.drafter_quant, bc.kv_cache_dtype, [])
+    if dqc:
+        d_json["quantization_config"] = dqc
+    _write_json(d_json, tmp / "hf" / "drafter" / "config.json")
+    dhq = hf_quant_config(bc.drafter_quant, bc.kv_cache_dtype, [])
+    if dhq:
+        _write_json(dhq, tmp / "hf" / "drafter" / "hf_quant_config.json")
+    _save(hf_tensors(hf_drafter_specs(dcfg), dsd, dq, dtype), tmp / "hf" / "drafter" / "model.safetensors")
+
+    (tmp / "trtllm").mkdir()
+    (tmp / "trtllm" / "llm_api.yaml").write_text(llm_api_yaml(bc, dcfg))
+    (tmp / "trtllm" / "build.sh").write_text(
+        "#!/bin/sh\n# TensorRT-LLM 1.2.x engine build of the target (run from the engine directory).\n"
+        "# DFlash itself runs in TensorRT-LLM's PyTorch backend (>= 1.3): see llm_api.yaml.\nset -e\n"
+        + trtllm_build_command(bc) + "\n")
+
+    files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(tmp.rglob("*")) if p.is_file()}
+    manifest = {
+        "format": ENGINE_FORMAT,
+        "version": ENGINE_VERSION,
+        "build_config": bc.to_dict(),
+        "target": {"source": str(target_spec or "default"), "path": str(target.path), "family": tcfg.family,
+                   "checkpoint_sha256": _dir_digest(Path(target.path))},
+        "drafter": {"source": str(drafter_spec or "default"), "block_size": dcfg.block_size,
+                    "checkpoint_sha256": _dir_digest(Path(drafter_spec)) if drafter_spec else None},
+        "tp_size": bc.tp_size,
+        "dtype": bc.dtype,
+        "target_quant": bc.target_quant,
+        "drafter_quant": bc.drafter_quant,
+        "memory_plan": plan.to_dict(),
+        "packages": {p: _version(p) for p in ("dflash-trt", "torch", "transformers", "safetensors", "nvidia-modelopt",
+                                                "tensorrt_llm")},
+        "python": platform.python_version(),
+        "trtllm_build": "skipped: tensorrt_llm is not installed" if _version("tensorrt_llm") is None else "see trtllm/build.sh",
+        "files": files,
+    }
+    _write_json(manifest, tmp / "engine.json")
+
+
+def _dir_digest(path: Path) -> str | None:
+    """sha256 over the safetensors/json files of a checkpoint directory (names and contents)."""
+    if not path.is_dir():
+        return None
+    h = hashlib.sha256()
+    for p in sorted(path.iterdir()):
+        if p.is_file() and p.suffix in (".safetensors", ".json"):
+            h.update(p.name.encode())
+            h.update(_sha256(p).encode())
+    return h.hexdigest()

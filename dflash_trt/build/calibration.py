@@ -1,0 +1,83 @@
+"""Calibration data and passes for a build: real prompts through the target and the drafter.
+
+Prompts: first-turn ShareGPT prompts (``calibration.dataset: sharegpt``, never an evaluation set)
+or one of the bench prompt sets, in the target's chat template, cut to ``calibration.max_seq_len``.
+The target runs them as prefill; the drafter runs one block per 8 positions of each prompt on the
+target's own features (:meth:`DFlashDrafter.forward_train`), as in decoding.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ..config import BuildConfig
+from ..errors import DFlashError
+from ..models.layers import AttentionMetadata
+from ..quantization.calibrate import calibrate_input_amax
+from ..runtime.kv_cache import KVCache
+
+
+def calibration_ids(tokenizer, bc: BuildConfig) -> list[torch.Tensor]:
+    """int64 token ids of ``calibration.num_samples`` prompts.
+
+    Raises:
+        DFlashError: unknown dataset or too few prompts.
+    """
+    from ..bench.datasets import DATASETS, chat_prompt_ids, load_prompts
+
+    c = bc.calibration
+    if c.dataset == "sharegpt":
+        from ..training.data import sharegpt_prompts
+
+        texts = sharegpt_prompts(c.num_samples)
+    elif c.dataset in DATASETS:
+        texts = load_prompts(c.dataset, c.num_samples)
+    else:
+        raise DFlashError(f"unknown calibration dataset {c.dataset!r}; choose sharegpt or {', '.join(DATASETS)}")
+    if len(texts) < c.num_samples:
+        raise DFlashError(f"calibration dataset {c.dataset} has {len(texts)} prompts, {c.num_samples} asked for")
+    return [torch.tensor(chat_prompt_ids(tokenizer, t)[: c.max_seq_len]) for t in texts]
+
+
+def calibrate_pair(target, drafter, bc: BuildConfig, progress: bool = True) -> tuple[dict[str, float], dict[str, float]]:
+    """Input amax of every linear of the target and of the drafter (``{module name: amax}``)."""
+    from tqdm import tqdm
+
+    from ..training.trainer import target_features
+
+    model = target.model
+    ids = calibration_ids(target.tokenizer, bc)
+    bs = bc.calibration.batch_size
+    batches = [ids[i: i + bs] for i in range(0, len(ids), bs)]
+
+    def target_loop(m):
+        for b in tqdm(batches, desc="calibrate target", unit="batch", disable=not progress, file=sys.stderr):
+            n, S = len(b), max(len(x) for x in b)
+            x = torch.zeros(n, S, dtype=torch.long)
+            for i, t in enumerate(b):
+                x[i, : len(t)] = t
+            pos = torch.arange(S).expand(n, S)
+            cache = KVCache(m.cfg.num_layers, n, m.cfg.num_kv_heads, m.cfg.head_dim, S, torch.float32)
+            with torch.no_grad():
+                m(x, AttentionMetadata.causal(pos, S), cache.layers, logits_index=pos[:, -1:])
+
+    t_amax = calibrate_input_amax(model, target_loop) if bc.target_quant != "none" else {}
+    d_amax = {}
+    if bc.drafter_quant != "none":
+        dcfg = drafter.cfg
+        B = dcfg.block_size
+        feats = target_features(model, ids, dcfg.target_layer_ids)
+
+        def drafter_loop(d):
+            for x, f in tqdm(list(zip(ids, feats)), desc="calibrate drafter", unit="prompt", disable=not progress,
+                             file=sys.stderr):
+                anchors = torch.arange(1, len(x), 8)
+                blocks = torch.full((len(anchors), B), dcfg.mask_token_id)
+                blocks[:, 0] = x[anchors]
+                with torch.no_grad():
+                    d.forward_train(model.embed(blocks).float(), f.float(), torch.arange(len(x)), anchors)
+
+        d_amax = calibrate_input_amax(drafter.float(), drafter_loop)
+    return t_amax, d_amax

@@ -1,0 +1,166 @@
+"""Memory plan of an engine: bytes per TP rank and the KV-cache token capacity left.
+
+Per rank (weights sharded as :mod:`.layout` writes them, so the plan is what ``build`` writes):
+
+* target weights and drafter weights, at their stored size (NVFP4: half a byte per element +
+  one e4m3 scale per 16 elements; FP8: one byte; unquantized: the compute dtype);
+* target KV per token: ``2 x layers x (kv_heads / tp) x head_dim x kv bytes``;
+* drafter context KV per token: the same for the drafter's layers (every committed position is
+  also a drafter context position);
+* workspace: activations of one ``max_num_tokens`` forward (qkv, attention output, gate/up and
+  the residual stream, twice for in/out buffers) + fp32 logits of ``max_batch_size x block_size``
+  rows over the rank's vocabulary shard — an estimate, stated as one;
+* KV token capacity = (usable memory - weights - workspace) / (target + drafter KV per token).
+
+Raises :class:`DFlashError` (via :meth:`MemoryPlan.check`) when the weights do not fit or the cache
+cannot hold one ``max_seq_len`` sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..config import BuildConfig
+from ..errors import DFlashError
+from ..models.config import DrafterConfig, TargetConfig
+from . import layout as L
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+def _tensor_bytes(shape: tuple[int, ...], fmt: str, dtype_bytes: int, linear: bool) -> float:
+    n = 1
+    for d in shape:
+        n *= d
+    if not linear or fmt == "none":
+        return n * dtype_bytes
+    if fmt == "fp8":
+        return n + 8  # e4m3 weight + weight and activation scales
+    return n / 2 + n / 16 + 8  # packed e2m1 + e4m3 block scales + global scales
+
+
+def _rank_shape(spec: L.TensorSpec, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    if spec.split == L.REPLICATE:
+        return shape
+    if spec.split == L.VOCAB:
+        return (L.padded_vocab(shape[0], tp) // tp, *shape[1:])
+    if spec.split == L.ROW:
+        return (shape[0], shape[1] // tp)
+    return (shape[0] // tp, *shape[1:])  # column, qkv
+
+
+def weight_bytes(specs: list[L.TensorSpec], shapes: dict[str, tuple[int, ...]], fmt: str, dtype_bytes: int,
+                 tp: int) -> float:
+    """Bytes of one rank's tensors (``shapes``: full shape per spec name)."""
+    total = 0.0
+    for s in specs:
+        quantized = s.linear and s.name != "lm_head.weight"
+        total += _tensor_bytes(_rank_shape(s, shapes[s.name], tp), fmt, dtype_bytes, quantized)
+    return total
+
+
+def spec_shapes(specs: list[L.TensorSpec], model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Full shapes of ``specs`` from a model built on the meta device (no weights needed)."""
+    sd = model.state_dict()
+    out = {}
+    for s in specs:
+        parts = [tuple(sd[k].shape) for k in s.source.split("|")]
+        rows = sum(p[0] for p in parts)
+        if s.rows:
+            rows = s.rows[1] - s.rows[0]
+        out[s.name] = (rows, *parts[0][1:])
+    return out
+
+
+@dataclass
+class MemoryPlan:
+    """The plan, bytes per rank (see the module docstring)."""
+
+    gpu: str
+    tp_size: int
+    usable_bytes: float
+    target_weight_bytes: float
+    drafter_weight_bytes: float
+    workspace_bytes: float
+    target_kv_bytes_per_token: float
+    drafter_kv_bytes_per_token: float
+    kv_token_capacity: int
+    max_seq_len: int
+    max_batch_size: int
+
+    @property
+    def full_sequences(self) -> float:
+        return self.kv_token_capacity / self.max_seq_len
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"full_sequences": self.full_sequences}
+
+    def check(self) -> None:
+        """Raises DFlashError when the engine does not fit (with the numbers)."""
+        weights = self.target_weight_bytes + self.drafter_weight_bytes
+        if weights + self.workspace_bytes > self.usable_bytes:
+            raise DFlashError(
+                f"does not fit on {self.gpu} x{self.tp_size}: weights {_gb(weights)} + workspace {_gb(self.workspace_bytes)} "
+                f"per rank exceed the usable {_gb(self.usable_bytes)}; raise tp_size, quantize, or lower max_num_tokens")
+        if self.kv_token_capacity < self.max_seq_len:
+            raise DFlashError(
+                f"KV cache too small on {self.gpu} x{self.tp_size}: room for {self.kv_token_capacity} tokens per rank, "
+                f"one sequence needs max_seq_len {self.max_seq_len}; lower max_seq_len, use an fp8 KV cache or raise tp_size")
+
+    def table(self) -> str:
+        kv = self.target_kv_bytes_per_token + self.drafter_kv_bytes_per_token
+        rows = [
+            ("usable memory", _gb(self.usable_bytes)),
+            ("target weights", _gb(self.target_weight_bytes)),
+            ("drafter weights", _gb(self.drafter_weight_bytes)),
+            ("workspace (estimate)", _gb(self.workspace_bytes)),
+            ("target KV per token", f"{self.target_kv_bytes_per_token / 1024:.1f} KiB"),
+            ("drafter context KV per token", f"{self.drafter_kv_bytes_per_token / 1024:.1f} KiB"),
+            ("KV token capacity", f"{self.kv_token_capacity:,} tokens ({kv / 1024:.1f} KiB each)"),
+            ("sequences at max_seq_len", f"{self.full_sequences:,.1f} x {self.max_seq_len} tokens "
+                                         f"(max_batch_size {self.max_batch_size})"),
+        ]
+        head = f"memory plan per rank: {self.gpu}, tp_size {self.tp_size}"
+        return "\n".join([head, "-" * 60] + [f"{k:<30} {v:>28}" for k, v in rows])
+
+
+def _gb(b: float) -> str:
+    return f"{b / 1e9:.2f} GB"
+
+
+def memory_plan(bc: BuildConfig, tcfg: TargetConfig, dcfg: DrafterConfig | None) -> MemoryPlan:
+    """The plan of ``bc`` for a target (and drafter) shape; shapes only, no weights read.
+
+    Raises:
+        DFlashError: tp_size does not divide the heads.
+    """
+    from ..models.drafter import DFlashDrafter
+    from ..models.target import TargetModel
+
+    tp = bc.tp_size
+    L.check_tp(tcfg.num_heads, tcfg.num_kv_heads, tcfg.intermediate_size, tcfg.hidden_size, tp, "target")
+    act = DTYPE_BYTES[bc.dtype]
+    kvb = DTYPE_BYTES[bc.kv_dtype]
+    with torch.device("meta"):
+        tmodel = TargetModel(tcfg)
+        tspecs = L.target_specs(tcfg)
+        tw = weight_bytes(tspecs, spec_shapes(tspecs, tmodel), bc.target_quant, act, tp)
+        dw, dkv = 0.0, 0.0
+        if dcfg is not None:
+            L.check_tp(dcfg.num_heads, dcfg.num_kv_heads, dcfg.intermediate_size, dcfg.hidden_size, tp, "drafter")
+            dspecs = L.drafter_specs(dcfg)
+            dw = weight_bytes(dspecs, spec_shapes(dspecs, DFlashDrafter(dcfg)), bc.drafter_quant, act, tp)
+            dkv = 2 * dcfg.num_layers * (dcfg.num_kv_heads // tp) * dcfg.head_dim * kvb
+    tkv = 2 * tcfg.num_layers * (tcfg.num_kv_heads // tp) * tcfg.head_dim * kvb
+    q, k, v = L.qkv_sizes(tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
+    per_token = ((q + k + v) // tp + q // tp + 2 * tcfg.intermediate_size // tp + 2 * tcfg.hidden_size) * act * 2
+    logits = bc.max_batch_size * bc.block_size * (L.padded_vocab(tcfg.vocab_size, tp) // tp) * 4
+    work = bc.max_num_tokens * per_token + logits
+    free = bc.memory_bytes - tw - dw - work
+    cap = max(0, int(free // (tkv + dkv))) if free > 0 else 0
+    return MemoryPlan(gpu=bc.device.name, tp_size=tp, usable_bytes=bc.memory_bytes, target_weight_bytes=tw,
+                      drafter_weight_bytes=dw, workspace_bytes=work, target_kv_bytes_per_token=tkv,
+                      drafter_kv_bytes_per_token=dkv, kv_token_capacity=cap, max_seq_len=bc.max_seq_len,
+                      max_batch_size=bc.max_batch_size)

@@ -1,0 +1,152 @@
+"""Read an engine directory written by ``dflash-trt build`` into runtime models.
+
+The TensorRT-LLM rank files are mapped back onto our modules (:mod:`..build.layout` names);
+FP8 / NVFP4 weights are dequantized to the compute dtype on load (plain torch, no ModelOpt). A
+process reads only the rank file of its own TP rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..build import layout as L
+from ..errors import DFlashError
+from ..models.config import TargetConfig
+from ..models.drafter import DFlashDrafter
+from ..models.target import TargetModel
+from ..quantization.formats import dequantize_fp8, dequantize_nvfp4
+from .loader import LoadedTarget, parse_dtype, with_tokenizer
+from .sources import load_safetensors_file, read_json
+from .zlab import drafter_config_from_json
+
+ENGINE_FORMAT = "dflash-trt-engine"
+
+
+def read_manifest(engine_dir: str | Path) -> dict:
+    """``engine.json`` of an engine directory.
+
+    Raises:
+        DFlashError: not a directory, no or corrupt manifest, another format.
+    """
+    d = Path(engine_dir).expanduser()
+    if not d.is_dir():
+        raise DFlashError(f"engine directory not found: {d}")
+    m = read_json(d / "engine.json", "engine")
+    if m.get("format") != ENGINE_FORMAT:
+        raise DFlashError(f"{d}/engine.json is not a dflash-trt engine manifest")
+    return m
+
+
+def dequantized(tensors: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
+    """Tensor ``name`` of a rank file, dequantized when it has FP8 / NVFP4 scales."""
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    w = tensors[name]
+    s = tensors.get(base + ".weights_scaling_factor")
+    if s is None:
+        return w.to(dtype)
+    if w.dtype == torch.uint8:
+        return dequantize_nvfp4(w, s, tensors[base + ".weights_scaling_factor_2"], dtype)
+    return dequantize_fp8(w, s, dtype)
+
+
+def state_dict_from_rank(specs: list[L.TensorSpec], tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor],
+                         dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Our state dict (keys and shapes of ``own``) from one full rank's tensors (tp_size 1)."""
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for s in specs:
+        if s.name not in tensors:
+            raise DFlashError(f"engine rank file lacks {s.name}")
+        t = dequantized(tensors, s.name, dtype)
+        if s.split == L.VOCAB:
+            t = t[: own[s.source].shape[0]]
+        pieces.setdefault(s.source, []).append((s.rows[0] if s.rows else 0, t))
+    out = {}
+    for src, parts in pieces.items():
+        full = torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])])
+        keys = src.split("|")
+        sizes = [own[k].shape[0] for k in keys]
+        for k, t in zip(keys, torch.split(full, sizes)):
+            if tuple(t.shape) != tuple(own[k].shape):
+                raise DFlashError(f"engine tensor for {k} has shape {tuple(t.shape)}, expected {tuple(own[k].shape)}")
+            out[k] = t.contiguous()
+    return out
+
+
+def load_engine(engine_dir: str | Path, dtype: str | None = None, rank: int = 0) -> tuple[LoadedTarget, DFlashDrafter, dict]:
+    """Load the target and drafter of an engine directory for TP rank ``rank``.
+
+    Args:
+        engine_dir: output of ``dflash-trt build``.
+        dtype: compute dtype (default: the build's).
+        rank: TP rank whose file is read.
+
+    Returns:
+        ``(target, drafter, manifest)``.
+
+    Raises:
+        DFlashError: bad directory or manifest, a missing or corrupt rank file, a tp_size > 1
+            engine (the single-process runtime runs tp_size 1; multi-rank serving runs one
+            process per rank under mpiexec).
+    """
+    d = Path(engine_dir).expanduser()
+    m = read_manifest(d)
+    tp = int(m.get("tp_size", 1))
+    if tp != 1:
+        raise DFlashError(f"engine {d} has tp_size {tp}: the single-process runtime runs tp_size 1 engines; "
+                          f"start one process per rank under mpiexec -n {tp}")
+    cdt = parse_dtype(dtype or m.get("dtype", "fp32"))
+    hf = read_json(d / "hf" / "target" / "config.json", "engine target")
+    hf.pop("quantization_config", None)
+    tcfg = TargetConfig.from_hf(hf)
+    tt = load_safetensors_file(d / "target" / f"rank{rank}.safetensors", "engine target")
+    model = TargetModel(tcfg)
+    own = model.state_dict()
+    sd = state_dict_from_rank(L.target_specs(tcfg), tt, own, cdt)
+    if tcfg.tie_word_embeddings:
+        sd["lm_head.weight"] = sd["embed.weight"]
+    model.load_state_dict(sd, strict=True)
+    target = with_tokenizer(model.to(cdt).eval(), d / "hf" / "target")
+
+    dj = read_json(d / "hf" / "drafter" / "config.json", "engine drafter")
+    dj.pop("quantization_config", None)
+    dcfg = drafter_config_from_json(dj)
+    dt = load_safetensors_file(d / "drafter" / f"rank{rank}.safetensors", "engine drafter")
+    drafter = DFlashDrafter(dcfg)
+    drafter.load_state_dict(state_dict_from_rank(L.drafter_specs(dcfg), dt, drafter.state_dict(), cdt), strict=True)
+    return target, drafter.to(cdt).eval(), m
+
+
+def engine_files_ok(engine_dir: str | Path) -> list[str]:
+    """Files whose size or sha256 differ from ``engine.json`` (empty when the engine is intact)."""
+    from ..build.builder import _sha256
+
+    d = Path(engine_dir)
+    bad = []
+    for rel, info in read_manifest(d)["files"].items():
+        p = d / rel
+        if not p.is_file() or p.stat().st_size != info["bytes"] or _sha256(p) != info["sha256"]:
+            bad.append(rel)
+    return bad
+
+
+
+
+def load_models(target_spec: str | None, drafter_spec: str | None, engine_dir: str | None, dtype: torch.dtype,
+                need_drafter: bool = True) -> tuple[LoadedTarget, DFlashDrafter | None]:
+    """What ``generate`` / ``bench`` run: an engine directory (``--engine``) or a checkpoint pair.
+
+    Raises:
+        DFlashError: ``--engine`` together with ``--target`` / ``--drafter``, or anything the
+            loaders raise.
+    """
+    from .loader import load_pair
+
+    if engine_dir is None:
+        return load_pair(target_spec, drafter_spec, dtype, need_drafter=need_drafter)
+    if target_spec or drafter_spec:
+        raise DFlashError("--engine holds the target and the drafter; drop --target / --drafter")
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    target, drafter, _ = load_engine(engine_dir, name)
+    return target, drafter

@@ -1,0 +1,1 @@
+"""FP8 / NVFP4 weight formats and calibration (NVIDIA ModelOpt)."""

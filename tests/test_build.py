@@ -1,0 +1,314 @@
+"""The builder: build configs, ModelOpt FP8 / NVFP4 formats, TP shards, engine directory, memory plan.
+
+Reference formats (the test names its sources):
+* TensorRT-LLM checkpoint names/splits: ``tensorrt_llm/models/llama/convert.py`` (NVIDIA/TensorRT-LLM
+  @04a2cacb, ``load_weights_from_hf_model``: ``mlp.fc`` = HF gate_proj, ``mlp.gate`` = up_proj,
+  qkv split per q/k/v, dense/proj split on dim 1) and ``tensorrt_llm/quantization/layers.py``
+  (FP8Linear / FP4Linear parameter names), ``models/modeling_utils.py`` (``PretrainedConfig``
+  required keys, ``QuantConfig`` keys).
+* Unified HF checkpoint: ModelOpt 0.47 ``modelopt/torch/export/unified_export_hf.py`` /
+  ``quant_utils.py`` (``weight_scale``, ``weight_scale_2``, ``input_scale``, ``hf_quant_config.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_trt.build import layout as L
+from dflash_trt.config import BuildConfig
+from dflash_trt.errors import DFlashError
+from dflash_trt.quantization.formats import dequantize_fp8, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((ROOT / "build_configs").glob("*.yaml"))
+
+# TensorRT-LLM PretrainedConfig (modeling_utils.py) required keys and QuantConfig's allowed keys
+TRTLLM_REQUIRED = {"architecture", "dtype", "hidden_size", "num_hidden_layers", "num_attention_heads"}
+QUANT_KEYS = {"quant_algo", "kv_cache_quant_algo", "group_size", "smoothquant_val", "clamp_val", "use_meta_recipe",
+              "has_zero_point", "pre_quant_scale", "exclude_modules"}
+# per-layer names of a LLaMA checkpoint (llama/convert.py) and the quantized parameters (quantization/layers.py)
+LLAMA_LAYER = {"input_layernorm.weight", "attention.qkv.weight", "attention.dense.weight", "post_layernorm.weight",
+               "mlp.fc.weight", "mlp.gate.weight", "mlp.proj.weight"}
+FP8_PARAMS = {"weights_scaling_factor", "activation_scaling_factor"}
+NVFP4_PARAMS = {"weights_scaling_factor", "weights_scaling_factor_2", "activation_scaling_factor"}
+
+
+# --------------------------------------------------------------------------------------------
+# build configs
+# --------------------------------------------------------------------------------------------
+
+
+def test_shipped_configs_load():
+    names = {p.stem for p in CONFIGS}
+    assert {"cpu-fp32", "hopper-fp8", "blackwell-nvfp4", "b300x8-nvfp4"} <= names
+    for p in CONFIGS:
+        bc = BuildConfig.load(p)
+        assert bc.name == p.stem
+        text = p.read_text()
+        for key in ("dtype", "target_quant", "drafter_quant", "kv_cache_dtype", "tp_size", "max_batch_size",
+                    "max_seq_len", "max_num_tokens", "tokens_per_block", "block_size", "gpu", "calibration"):
+            assert f"\n{key}:" in text, f"{p.name} lacks {key}"
+    b = BuildConfig.load(ROOT / "build_configs" / "b300x8-nvfp4.yaml")
+    assert (b.tp_size, b.target_quant, b.gpu, b.device.arch) == (8, "nvfp4", "b300", "sm_103a")
+
+
+@pytest.mark.parametrize("text,match", [
+    ("dtype: fp32\ntp_sise: 2\n", "unknown key tp_sise"),
+    ("calibration:\n  samples: 3\n", "unknown key calibration.samples"),
+    ("tp_size: two\n", "tp_size must be int"),
+    ("target_quant: int4\n", "target_quant must be one of"),
+    ("tokens_per_block: 24\n", "power of two"),
+    ("[1, 2]\n", "mapping"),
+    ("dtype: [\n", "not valid YAML"),
+])
+def test_bad_configs(tmp_path, text, match):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(DFlashError, match=match):
+        BuildConfig.load(p)
+
+
+def test_overrides():
+    bc = BuildConfig.load(CONFIGS[0], {"tp_size": 3, "calibration.num_samples": 5})
+    assert bc.tp_size == 3 and bc.calibration.num_samples == 5
+    with pytest.raises(DFlashError, match="unknown key"):
+        BuildConfig.load(CONFIGS[0], {"bogus": 1})
+
+
+# --------------------------------------------------------------------------------------------
+# formats vs ModelOpt
+# --------------------------------------------------------------------------------------------
+
+
+def test_quantized_formats_equal_modelopt():
+    qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g) * torch.rand(96, 1, generator=g) * 3
+    packed, bs, s2 = quantize_nvfp4(w)
+    ref, ref_bs, ref_s2 = qtensor.NVFP4QTensor.quantize(w, 16)
+    assert packed.dtype == torch.uint8 and packed.shape == (96, 32)
+    assert bs.dtype == torch.float8_e4m3fn and bs.shape == (96, 4) and s2.shape == (1,)
+    assert torch.equal(packed, ref._quantized_data)
+    assert torch.equal(bs.view(torch.uint8), ref_bs.view(torch.uint8)) and torch.equal(s2.reshape(()), ref_s2.reshape(()))
+    deq = ref.dequantize(torch.float32, scale=ref_bs, double_scale=ref_s2, block_sizes={-1: 16})
+    assert torch.equal(dequantize_nvfp4(packed, bs, s2), deq)
+    assert float((deq - w).abs().max()) < 0.2 * float(w.abs().max())
+    # FP8: ModelOpt's FP8QTensor with an fp32 input computes the same scale and bytes
+    q, s = quantize_fp8(w)
+    rq, rs = qtensor.FP8QTensor.quantize(w)
+    assert torch.equal(q.view(torch.uint8), rq._quantized_data.view(torch.uint8)) and torch.allclose(s.reshape(()), rs.reshape(()))
+    assert torch.equal(dequantize_fp8(q, s), rq.dequantize(torch.float32, scale=rs))
+
+
+def test_nibble_order_and_rounding():
+    """Low nibble = even element; e2m1 codes and round-half-to-even (ModelOpt packing)."""
+    pytest.importorskip("modelopt")
+    w = torch.zeros(1, 16)
+    w[0, :4] = torch.tensor([6.0, -0.5, 1.25, 5.0])  # amax 6: block scale 1 x global 6/2688
+    packed, bs, s2 = quantize_nvfp4(w)
+    assert int(packed[0, 0]) == 0x97  # 6.0 -> code 7 (low), -0.5 -> code 9 (high)
+    assert dequantize_nvfp4(packed, bs, s2)[0, :4].tolist() == pytest.approx([6.0, -0.5, 1.0, 4.0], rel=1e-6)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+def test_shard_round_trip(tp):
+    g = torch.Generator().manual_seed(tp)
+    q, k, v = 12 * 16, 4 * 16 if tp != 3 else 3 * 16, 4 * 16 if tp != 3 else 3 * 16
+    qkv = torch.randn(q + k + v, 96, generator=g)
+    for split, t, extra in ((L.QKV, qkv, (q, k, v)), (L.COLUMN, torch.randn(48, 96, generator=g), None),
+                            (L.ROW, torch.randn(96, 96, generator=g), None), (L.VOCAB, torch.randn(101, 32, generator=g), None)):
+        parts = [L.shard(t, split, tp, r, extra) for r in range(tp)]
+        assert len({p.shape for p in parts}) == 1
+        assert torch.equal(L.unshard(parts, split, extra, rows=t.shape[0]), t)
+    if tp > 1:
+        with pytest.raises(DFlashError, match="does not divide"):
+            L.check_tp(9, 3, 1536, 576, 2, "target")
+
+
+# --------------------------------------------------------------------------------------------
+# a real build: SmolLM2 target (NVFP4, TP 3) + drafter (FP8)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, smollm2):
+    pytest.importorskip("modelopt")
+    from dflash_trt.build.builder import build_engine
+
+    out = tmp_path_factory.mktemp("eng") / "nvfp4-tp3"
+    bc = BuildConfig.load(ROOT / "build_configs" / "cpu-fp32.yaml",
+                          {"target_quant": "nvfp4", "drafter_quant": "fp8", "kv_cache_dtype": "fp8", "tp_size": 3,
+                           "calibration.num_samples": 4, "calibration.max_seq_len": 64})
+    build_engine(bc, None, None, out, progress=False, log=lambda *a: None)
+    return out, bc
+
+
+def test_engine_directory_layout(built, smollm2):
+    out, bc = built
+    m = json.loads((out / "engine.json").read_text())
+    assert m["tp_size"] == 3 and m["memory_plan"]["kv_token_capacity"] > 0
+    from dflash_trt.checkpoints.engine import engine_files_ok
+
+    assert engine_files_ok(out) == [] and len(m["files"]) >= 14
+    cfg = json.loads((out / "target" / "config.json").read_text())
+    assert TRTLLM_REQUIRED <= set(cfg) and set(cfg["quantization"]) <= QUANT_KEYS
+    assert cfg["architecture"] == "LlamaForCausalLM" and cfg["mapping"] == {"world_size": 3, "tp_size": 3, "pp_size": 1}
+    assert cfg["quantization"]["quant_algo"] == "NVFP4" and cfg["quantization"]["group_size"] == 16
+    tc = smollm2.model.cfg
+    for r in range(3):
+        t = load_file(str(out / "target" / f"rank{r}.safetensors"))
+        layer0 = {k[len("transformer.layers.0."):] for k in t if k.startswith("transformer.layers.0.")}
+        assert LLAMA_LAYER <= layer0
+        for lin in ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj"):
+            assert {f"{lin}.{p}" for p in NVFP4_PARAMS} <= layer0
+        assert "attention.kv_cache_scaling_factor" in layer0
+        qkv_rows = (tc.num_heads + 2 * tc.num_kv_heads) * tc.head_dim // 3
+        assert t["transformer.layers.0.attention.qkv.weight"].shape == (qkv_rows, tc.hidden_size // 2)
+        assert t["transformer.layers.0.attention.qkv.weights_scaling_factor"].dtype == torch.float8_e4m3fn
+        assert t["transformer.layers.0.attention.dense.weight"].shape == (tc.hidden_size, tc.hidden_size // 3 // 2)
+        assert t["transformer.layers.0.mlp.proj.weight"].shape == (tc.hidden_size, tc.intermediate_size // 3 // 2)
+        assert t["lm_head.weight"].shape == (tc.vocab_size // 3, tc.hidden_size) and t["lm_head.weight"].dtype == torch.float32
+        d = load_file(str(out / "drafter" / f"rank{r}.safetensors"))
+        assert d["transformer.layers.0.attention.qkv.weight"].dtype == torch.float8_e4m3fn
+        assert {"transformer.fc.weight", "transformer.hidden_norm.weight", "transformer.ln_f.weight"} <= set(d)
+    hq = json.loads((out / "hf" / "target" / "hf_quant_config.json").read_text())
+    assert hq["quantization"]["quant_algo"] == "NVFP4" and hq["quantization"]["kv_cache_quant_algo"] == "FP8"
+    hf = load_file(str(out / "hf" / "target" / "model.safetensors"))
+    for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        base = f"model.layers.0.self_attn.{n}"
+        assert {base + s for s in (".weight", ".weight_scale", ".weight_scale_2", ".input_scale")} <= set(hf)
+        assert hf[base + ".weight_scale_2"].dim() == 0
+    # q/k/v share the global scale (ModelOpt preprocess_linear_fusion)
+    assert len({float(hf[f"model.layers.0.self_attn.{n}.weight_scale_2"]) for n in ("q_proj", "k_proj", "v_proj")}) == 1
+    assert json.loads((out / "hf" / "target" / "config.json").read_text())["quantization_config"]["quant_method"] == "modelopt"
+    y = (out / "trtllm" / "llm_api.yaml").read_text()
+    assert "decoding_type: DFlash" in y and "max_draft_len: 15" in y
+    assert "trtllm-build --checkpoint_dir target" in (out / "trtllm" / "build.sh").read_text()
+
+
+def test_tp_shards_reassemble_to_modelopt_quantization(built, smollm2):
+    """Rank files joined back equal ModelOpt's NVFP4 quantization of the original weights, bitwise."""
+    out, _ = built
+    qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
+    tc = smollm2.model.cfg
+    ranks = [load_file(str(out / "target" / f"rank{r}.safetensors")) for r in range(3)]
+    sd = smollm2.model.state_dict()
+    qkv = L.qkv_sizes(tc.num_heads, tc.num_kv_heads, tc.head_dim)
+    for i in (0, tc.num_layers - 1):
+        for name, src, rows, split in (("attention.qkv", f"layers.{i}.attn.qkv.weight", None, L.QKV),
+                                       ("attention.dense", f"layers.{i}.attn.o.weight", None, L.ROW),
+                                       ("mlp.gate", f"layers.{i}.mlp.gate_up.weight", (tc.intermediate_size, None), L.COLUMN),
+                                       ("mlp.proj", f"layers.{i}.mlp.down.weight", None, L.ROW)):
+            key = f"transformer.layers.{i}.{name}"
+            packed = L.unshard([r[key + ".weight"] for r in ranks], split, qkv)
+            bs = L.unshard([r[key + ".weights_scaling_factor"] for r in ranks], split, qkv)
+            s2 = ranks[0][key + ".weights_scaling_factor_2"]
+            assert all(torch.equal(r[key + ".weights_scaling_factor_2"], s2) for r in ranks)
+            full = sd[src].float()
+            amax_src = full  # fused gate/up share one global scale over the whole gate_up weight
+            if rows:
+                full = full[rows[0]:]
+            ref_s2 = amax_src.abs().max() / 2688.0
+            ref_bs, _ = qtensor.NVFP4QTensor.get_weights_scaling_factor(full, 16, ref_s2)
+            ref = qtensor.NVFP4QTensor.quantize(full, 16, ref_bs, ref_s2)[0]._quantized_data
+            assert torch.equal(packed, ref), key
+            assert torch.equal(bs.view(torch.uint8), ref_bs.view(torch.uint8)), key
+            assert torch.equal(s2.reshape(()), ref_s2.float()), key
+    emb = L.unshard([r["transformer.vocab_embedding.weight"] for r in ranks], L.VOCAB, rows=tc.vocab_size)
+    assert torch.equal(emb, sd["embed.weight"])
+
+
+def test_memory_plan_numbers(smollm2):
+    from dflash_trt.build.plan import memory_plan
+    from dflash_trt.checkpoints.sources import read_json
+    from dflash_trt.models.config import TargetConfig
+
+    bc = BuildConfig.load(ROOT / "build_configs" / "b300x8-nvfp4.yaml")
+    t70 = TargetConfig.from_hf(read_json(ROOT / "build_configs" / "shapes" / "llama-3.1-70b.json", "t"))
+    plan = memory_plan(bc, t70, None)
+    # 80 layers x 1 KV head per rank x 128 x 2 (K and V) x 1 byte (fp8)
+    assert plan.target_kv_bytes_per_token == 2 * 80 * 1 * 128
+    # NVFP4 linears: 0.5 + 1/16 bytes per parameter; bf16 vocab-parallel embedding + LM head
+    lin = 80 * (8192 * (8192 + 2 * 1024) + 8192 * 8192 + 3 * 8192 * 28672) / 8
+    emb = 2 * 128256 * 8192 * 2 / 8
+    assert abs(plan.target_weight_bytes - (lin * (0.5 + 1 / 16) + emb)) < 1e-3 * plan.target_weight_bytes
+    assert plan.kv_token_capacity > 1_000_000
+    small = BuildConfig.load(ROOT / "build_configs" / "hopper-fp8.yaml", {"gpu_memory_gb": 10, "tp_size": 1})
+    with pytest.raises(DFlashError, match="does not fit"):
+        memory_plan(small, t70, None).check()
+
+
+# --------------------------------------------------------------------------------------------
+# the runtime on engines; bad input from the CLI
+# --------------------------------------------------------------------------------------------
+
+
+def test_fp8_engine_runs_in_the_runtime(tmp_path, smollm2):
+    """An FP8 engine (tp 1) loads, its dequantized weights match the FP8 round trip of the
+    originals, and greedy DFlash on it equals plain decoding on the same engine."""
+    pytest.importorskip("modelopt")
+    from dflash_trt.build.builder import build_engine
+    from dflash_trt.checkpoints.engine import load_engine
+    from dflash_trt.runtime.executor import DFlashEngine, Request
+    from dflash_trt.runtime.sampling import SamplingParams
+
+    out = tmp_path / "fp8"
+    bc = BuildConfig.load(ROOT / "build_configs" / "cpu-fp32.yaml",
+                          {"target_quant": "fp8", "drafter_quant": "nvfp4", "calibration.num_samples": 4,
+                           "calibration.max_seq_len": 64})
+    build_engine(bc, None, None, out, progress=False, log=lambda *a: None)
+    target, drafter, m = load_engine(out)
+    w0 = smollm2.model.layers[3].attn.qkv.weight
+    q, s = quantize_fp8(w0)
+    assert torch.equal(target.model.layers[3].attn.qkv.weight, dequantize_fp8(q, s))
+    assert not torch.equal(target.model.layers[3].attn.qkv.weight, w0)
+    assert torch.equal(target.model.embed.weight, smollm2.model.embed.weight)
+    engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
+    ids = target.tokenizer.encode("The capital of France is")
+    greedy = SamplingParams()
+    plain = engine.generate([Request(ids, 12, greedy)], 1)[0].output_ids
+    spec = engine.generate([Request(ids, 12, greedy)], 8)[0].output_ids
+    assert plain == spec and len(plain) == 12
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_trt.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_build_bad_input(tmp_path):
+    cfg = str(ROOT / "build_configs" / "cpu-fp32.yaml")
+    bad_key = tmp_path / "bad.yaml"
+    bad_key.write_text("tp_size: 1\nmax_batch: 3\n")
+    other = tmp_path / "drafter24"
+    assert _cli("init-drafter", "--out", str(other), "--layers", "1").returncode == 0
+    c = json.loads((other / "config.json").read_text())
+    c["num_target_layers"] = 24
+    (other / "config.json").write_text(json.dumps(c))
+    corrupt = tmp_path / "corrupt"
+    assert _cli("init-drafter", "--out", str(corrupt), "--layers", "1").returncode == 0
+    (corrupt / "model.safetensors").write_bytes(b"\x00" * 100)
+    exists = tmp_path / "exists"
+    exists.mkdir()
+    cases = [
+        (["--config", cfg, "--tp", "2"], "does not divide"),
+        (["--config", cfg, "--drafter", str(other)], "24-layer target"),
+        (["--config", str(bad_key)], "unknown key max_batch"),
+        (["--config", cfg, "--drafter", str(corrupt)], "corrupt"),
+        (["--config", cfg, "--set", "block_size=32"], "above the drafter"),
+    ]
+    for extra, match in cases:
+        out = tmp_path / "eng"
+        r = _cli("build", *extra, "--out", str(out))
+        assert r.returncode == 2, (extra, r.stderr[-500:])
+        lines = [x for x in r.stderr.strip().splitlines() if x.startswith("dflash-trt: error:")]
+        assert lines and match in lines[-1] and "Traceback" not in r.stderr, (extra, r.stderr[-500:])
+        assert not out.exists() and not list(tmp_path.glob(".eng*"))
+    r = _cli("build", "--config", cfg, "--out", str(exists))
+    assert r.returncode == 2 and "already exists" in r.stderr and list(exists.iterdir()) == []
