@@ -130,12 +130,11 @@ def rank_tensors(specs: list[L.TensorSpec], sd: dict[str, torch.Tensor], qlin: d
     return out
 
 
-def target_trtllm_config(cfg: TargetConfig, bc: BuildConfig) -> dict:
-    """TRT-LLM ``config.json`` of the target (``PretrainedConfig`` / ``LLaMAConfig`` / ``QWenConfig`` keys)."""
-    c = {
-        "architecture": ARCHITECTURES[cfg.family],
+def _decoder_keys(cfg: TargetConfig | DrafterConfig, bc: BuildConfig, quant: str) -> dict:
+    """TRT-LLM ``PretrainedConfig`` keys shared by the target and the drafter (both are RoPE
+    decoder stacks with RMSNorm and a SiLU-gated MLP)."""
+    return {
         "dtype": TORCH_DTYPE_NAMES[bc.dtype],
-        "logits_dtype": "float32",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers,
@@ -149,16 +148,18 @@ def target_trtllm_config(cfg: TargetConfig, bc: BuildConfig) -> dict:
         "position_embedding_type": "rope_gpt_neox",
         "rotary_base": cfg.rope_theta,
         "rotary_scaling": cfg.rope_scaling,
-        "use_parallel_embedding": True,
-        "embedding_sharding_dim": 0,
-        "share_embedding_table": False,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
         "attn_bias": cfg.attention_bias,
-        "mlp_bias": False,
-        "qk_layernorm": cfg.qk_norm,
         "mapping": {"world_size": bc.tp_size, "tp_size": bc.tp_size, "pp_size": 1},
-        "quantization": _quant_block(bc.target_quant, bc.kv_cache_dtype),
+        "quantization": _quant_block(quant, bc.kv_cache_dtype),
     }
+
+
+def target_trtllm_config(cfg: TargetConfig, bc: BuildConfig) -> dict:
+    """TRT-LLM ``config.json`` of the target (``PretrainedConfig`` / ``LLaMAConfig`` / ``QWenConfig`` keys)."""
+    c = {"architecture": ARCHITECTURES[cfg.family], "logits_dtype": "float32",
+         **_decoder_keys(cfg, bc, bc.target_quant),
+         "use_parallel_embedding": True, "embedding_sharding_dim": 0, "share_embedding_table": False,
+         "tie_word_embeddings": cfg.tie_word_embeddings, "mlp_bias": False, "qk_layernorm": cfg.qk_norm}
     if cfg.family in ("qwen2", "qwen3"):
         c.update(qwen_type=cfg.family, seq_length=bc.max_seq_len)
     return c
@@ -166,33 +167,11 @@ def target_trtllm_config(cfg: TargetConfig, bc: BuildConfig) -> dict:
 
 def drafter_trtllm_config(cfg: DrafterConfig, bc: BuildConfig) -> dict:
     """The drafter's ``config.json`` in the same layout (architecture ``DFlashDraftModel``)."""
-    c = {
-        "architecture": "DFlashDraftModel",
-        "dtype": TORCH_DTYPE_NAMES[bc.dtype],
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_size": cfg.head_dim,
-        "intermediate_size": cfg.intermediate_size,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "hidden_act": "silu",
-        "norm_epsilon": cfg.rms_norm_eps,
-        "position_embedding_type": "rope_gpt_neox",
-        "rotary_base": cfg.rope_theta,
-        "rotary_scaling": cfg.rope_scaling,
-        "attn_bias": cfg.attention_bias,
-        "qk_layernorm": True,
-        "block_size": cfg.block_size,
-        "num_target_layers": cfg.num_target_layers,
-        "sliding_window": cfg.sliding_window,
-        "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
-                          "target_layer_ids": list(cfg.target_layer_ids)},
-        "mapping": {"world_size": bc.tp_size, "tp_size": bc.tp_size, "pp_size": 1},
-        "quantization": _quant_block(bc.drafter_quant, bc.kv_cache_dtype),
-    }
-    return c
+    return {"architecture": "DFlashDraftModel", **_decoder_keys(cfg, bc, bc.drafter_quant),
+            "qk_layernorm": True, "block_size": cfg.block_size, "num_target_layers": cfg.num_target_layers,
+            "sliding_window": cfg.sliding_window,
+            "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
+                              "target_layer_ids": list(cfg.target_layer_ids)}}
 
 
 def _quant_block(fmt: str, kv: str) -> dict:
