@@ -299,11 +299,6 @@ def cmd_build(args) -> None:
     bc = _build_config(args)
     _setup_threads(args.threads)
     build_engine(bc, args.target, args.drafter, args.out)
-    try:
-        import tensorrt_llm  # noqa: F401
-    except ImportError:
-        print("skipped the TensorRT-LLM engine build: tensorrt_llm is not installed "
-              f"(the checkpoints are ready; see {args.out}/trtllm/build.sh)")
 
 
 def cmd_plan(args) -> None:
@@ -315,11 +310,10 @@ def cmd_plan(args) -> None:
     if args.target_config:
         if args.target or args.drafter:
             raise DFlashError("--target-config plans a shape alone; drop --target / --drafter")
-        tcfg, dcfg = TargetConfig.from_hf(read_json(Path(args.target_config), "target")), None
-        from .checkpoints.zlab import init_drafter
+        from .checkpoints.zlab import drafter_config_for
 
-        with __import__("torch").device("meta"):  # a same-shaped 5-layer drafter (the z-lab default)
-            dcfg = init_drafter(tcfg, 5, bc.block_size, 0).cfg
+        tcfg = TargetConfig.from_hf(read_json(Path(args.target_config), "target"))
+        dcfg = drafter_config_for(tcfg, 5, bc.block_size, 0)  # a 5-layer drafter, the z-lab default
     else:
         from .checkpoints.loader import load_pair
 

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from dflash_trt.build import layout as L
 from dflash_trt.config import BuildConfig
 from dflash_trt.errors import DFlashError
+from dflash_trt.models.config import TargetConfig
 from dflash_trt.quantization.formats import dequantize_fp8, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,7 +130,7 @@ def test_shard_round_trip(tp):
         assert torch.equal(L.unshard(parts, split, extra, rows=t.shape[0]), t)
     if tp > 1:
         with pytest.raises(DFlashError, match="does not divide"):
-            L.check_tp(9, 3, 1536, 576, 2, "target")
+            L.check_tp(TargetConfig("llama", 49152, 576, 1536, 30, 9, 3, 64), 2, "target")
 
 
 # --------------------------------------------------------------------------------------------

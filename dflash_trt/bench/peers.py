@@ -111,7 +111,7 @@ def run_peer(
     """Run peer ``name`` greedily on ``prompts``, one at a time, and time it.
 
     Args:
-        name: one of :data:`PEERS` (``"hf"``, ``"prompt-lookup"``).
+        name: one of :data:`PEERS` (``"hf"``, ``"prompt-lookup"``, ``"zlab"``).
         hf_dir: HF checkpoint directory (``config.json`` + safetensors) that transformers loads.
         prompts: token ids per prompt (chat template already applied).
         max_new_tokens: cap on new tokens per prompt.

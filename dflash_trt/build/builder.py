@@ -26,11 +26,12 @@ import platform
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..checkpoints.engine import ENGINE_FORMAT, ENGINE_VERSION
+from ..checkpoints.sources import sha256_file
 from ..config import BuildConfig
 from ..errors import DFlashError
 from ..models.config import DrafterConfig, TargetConfig
@@ -38,8 +39,6 @@ from ..quantization.formats import activation_scale, quantize_fp8, quantize_nvfp
 from . import layout as L
 from .plan import MemoryPlan, memory_plan
 
-ENGINE_FORMAT = "dflash-trt-engine"
-ENGINE_VERSION = 1
 TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 QUANT_ALGO = {"none": None, "fp8": "FP8", "nvfp4": "NVFP4"}
@@ -48,21 +47,15 @@ HF_SUFFIX = {"weights_scaling_factor": "weight_scale", "weights_scaling_factor_2
              "activation_scaling_factor": "input_scale"}
 
 
-@dataclass
-class QuantizedLinear:
-    """One quantized GEMM weight over its whole (unsharded) output range.
+#: one quantized GEMM weight over its whole (unsharded) output range: TRT-LLM suffix ->
+#: tensor (``weight``, ``weights_scaling_factor``, ``weights_scaling_factor_2``,
+#: ``activation_scaling_factor``); the 2-D ones (weight, NVFP4 block scales) are per output row
+QuantizedLinear = dict
 
-    ``tensors`` maps TRT-LLM suffixes (``weight``, ``weights_scaling_factor``,
-    ``weights_scaling_factor_2``, ``activation_scaling_factor``) to tensors; :meth:`rows`
-    slices the per-row ones (weight, NVFP4 block scales), per-tensor scales are shared.
-    """
 
-    fmt: str
-    tensors: dict[str, torch.Tensor]
-
-    def rows(self, a: int, b: int) -> "QuantizedLinear":
-        per_row = {"weight"} | ({"weights_scaling_factor"} if self.fmt == "nvfp4" else set())
-        return QuantizedLinear(self.fmt, {k: (v[a:b] if k in per_row else v) for k, v in self.tensors.items()})
+def _rows(q: QuantizedLinear, a: int, b: int) -> QuantizedLinear:
+    """Output rows ``a:b`` of a quantized linear; per-tensor scales are shared by the slices."""
+    return {k: (v[a:b] if v.dim() == 2 else v) for k, v in q.items()}
 
 
 def quantize_linear(w: torch.Tensor, fmt: str, act_amax: float) -> QuantizedLinear:
@@ -75,7 +68,7 @@ def quantize_linear(w: torch.Tensor, fmt: str, act_amax: float) -> QuantizedLine
         q, bs, s2 = quantize_nvfp4(w)
         t = {"weight": q, "weights_scaling_factor": bs, "weights_scaling_factor_2": s2}
     t["activation_scaling_factor"] = activation_scale(fmt, act_amax)
-    return QuantizedLinear(fmt, t)
+    return t
 
 
 def quantize_model(sd: dict[str, torch.Tensor], specs: list[L.TensorSpec], fmt: str,
@@ -89,7 +82,7 @@ def quantize_model(sd: dict[str, torch.Tensor], specs: list[L.TensorSpec], fmt: 
     from tqdm import tqdm
 
     out: dict[str, QuantizedLinear] = {}
-    todo = [s for s in specs if s.linear and s.name != "lm_head.weight"]
+    todo = [s for s in specs if s.linear]
     for s in tqdm(todo, desc=desc, unit="linear", disable=not progress, file=sys.stderr):
         if s.source in out:
             continue
@@ -97,8 +90,7 @@ def quantize_model(sd: dict[str, torch.Tensor], specs: list[L.TensorSpec], fmt: 
         missing = [m for m in mods if m not in amax]
         if missing:
             raise DFlashError(f"no calibrated activation range for {missing[0]}")
-        full = torch.cat([sd[k] for k in s.source.split("|")]) if "|" in s.source else sd[s.source]
-        out[s.source] = quantize_linear(full.float(), fmt, max(amax[m] for m in mods))
+        out[s.source] = quantize_linear(L.gather_source(sd, s.source).float(), fmt, max(amax[m] for m in mods))
     return out
 
 
@@ -108,7 +100,7 @@ def linear_tensors(spec: L.TensorSpec, sd: dict[str, torch.Tensor], qlin: dict[s
     the quantized tensors (``weight``, scales)."""
     if spec.source in qlin:
         q = qlin[spec.source]
-        return (q.rows(*spec.rows) if spec.rows else q).tensors
+        return _rows(q, *spec.rows) if spec.rows else q
     return {"": L.gather(sd, spec).to(dtype)}
 
 
@@ -187,55 +179,6 @@ def _quant_block(fmt: str, kv: str) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def hf_target_specs(cfg: TargetConfig) -> list[L.TensorSpec]:
-    """HF names of the target with their sources (q/k/v and gate/up as row ranges of the fused weights)."""
-    q, k, v = L.qkv_sizes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    I = cfg.intermediate_size
-    out = [L.TensorSpec("model.embed_tokens.weight", "embed.weight")]
-    for i in range(cfg.num_layers):
-        h, o = f"model.layers.{i}.", f"layers.{i}."
-        out.append(L.TensorSpec(h + "input_layernorm.weight", o + "attn_norm.weight"))
-        for name, rows in (("q_proj", (0, q)), ("k_proj", (q, q + k)), ("v_proj", (q + k, q + k + v))):
-            out.append(L.TensorSpec(h + f"self_attn.{name}.weight", o + "attn.qkv.weight", rows=rows, linear=True))
-            if cfg.attention_bias:
-                out.append(L.TensorSpec(h + f"self_attn.{name}.bias", o + "attn.qkv.bias", rows=rows))
-        out.append(L.TensorSpec(h + "self_attn.o_proj.weight", o + "attn.o.weight", linear=True))
-        if cfg.qk_norm:
-            out.append(L.TensorSpec(h + "self_attn.q_norm.weight", o + "attn.q_norm.weight"))
-            out.append(L.TensorSpec(h + "self_attn.k_norm.weight", o + "attn.k_norm.weight"))
-        out.append(L.TensorSpec(h + "post_attention_layernorm.weight", o + "mlp_norm.weight"))
-        out.append(L.TensorSpec(h + "mlp.gate_proj.weight", o + "mlp.gate_up.weight", rows=(0, I), linear=True))
-        out.append(L.TensorSpec(h + "mlp.up_proj.weight", o + "mlp.gate_up.weight", rows=(I, 2 * I), linear=True))
-        out.append(L.TensorSpec(h + "mlp.down_proj.weight", o + "mlp.down.weight", linear=True))
-    out.append(L.TensorSpec("model.norm.weight", "norm.weight"))
-    if not cfg.tie_word_embeddings:
-        out.append(L.TensorSpec("lm_head.weight", "lm_head.weight"))
-    return out
-
-
-def hf_drafter_specs(cfg: DrafterConfig) -> list[L.TensorSpec]:
-    """z-lab names of the drafter; q/k/v are row ranges of the fused (quantized-together) qkv."""
-    q, k, v = L.qkv_sizes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    out = [L.TensorSpec("fc.weight", "fc.weight", linear=True), L.TensorSpec("hidden_norm.weight", "hidden_norm.weight"),
-           L.TensorSpec("norm.weight", "norm.weight")]
-    for i in range(cfg.num_layers):
-        o = f"layers.{i}."
-        a = o + "self_attn."
-        fused = "|".join(a + n + ".weight" for n in ("q_proj", "k_proj", "v_proj"))
-        for name, rows in (("q_proj", (0, q)), ("k_proj", (q, q + k)), ("v_proj", (q + k, q + k + v))):
-            out.append(L.TensorSpec(a + name + ".weight", fused, rows=rows, linear=True))
-            if cfg.attention_bias:
-                out.append(L.TensorSpec(a + name + ".bias", fused.replace(".weight", ".bias"), rows=rows))
-        out.append(L.TensorSpec(a + "o_proj.weight", a + "o_proj.weight", linear=True))
-        for n in ("q_norm", "k_norm"):
-            out.append(L.TensorSpec(a + n + ".weight", a + n + ".weight"))
-        for n in ("input_layernorm", "post_attention_layernorm"):
-            out.append(L.TensorSpec(o + n + ".weight", o + n + ".weight"))
-        for n in ("gate_proj", "up_proj", "down_proj"):
-            out.append(L.TensorSpec(o + f"mlp.{n}.weight", o + f"mlp.{n}.weight", linear=True))
-    return out
-
-
 def hf_tensors(specs: list[L.TensorSpec], sd: dict[str, torch.Tensor], qlin: dict[str, QuantizedLinear],
                dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Unified-HF tensors: ``x.weight`` (+ ``x.weight_scale``, ``x.weight_scale_2``, ``x.input_scale``, 0-d)."""
@@ -292,26 +235,22 @@ def trtllm_build_command(bc: BuildConfig) -> str:
 def llm_api_yaml(bc: BuildConfig, dcfg: DrafterConfig) -> str:
     """``trtllm-serve hf/target --extra_llm_api_options trtllm/llm_api.yaml`` options
     (``DFlashDecodingConfig``, TensorRT-LLM >= 1.3, PyTorch backend)."""
-    kv = {"fp8": "fp8"}.get(bc.kv_cache_dtype, "auto")
-    return "\n".join([
-        "# TensorRT-LLM LLM-API options (PyTorch backend, releases with DFlashDecodingConfig, >= 1.3):",
-        "#   trtllm-serve hf/target --tp_size {tp} --extra_llm_api_options trtllm/llm_api.yaml".format(tp=bc.tp_size),
-        f"tensor_parallel_size: {bc.tp_size}",
-        f"max_batch_size: {bc.max_batch_size}",
-        f"max_seq_len: {bc.max_seq_len}",
-        f"max_num_tokens: {bc.max_num_tokens}",
-        "kv_cache_config:",
-        f"  free_gpu_memory_fraction: {bc.gpu_memory_fraction}",
-        f"  tokens_per_block: {bc.tokens_per_block}",
-        f"  dtype: {kv}",
-        "speculative_config:",
-        "  decoding_type: DFlash",
-        f"  max_draft_len: {bc.block_size - 1}",
-        "  speculative_model: hf/drafter",
-        f"  target_layer_ids: {list(dcfg.target_layer_ids)}",
-        f"  mask_token_id: {dcfg.mask_token_id}",
-        "",
-    ])
+    import yaml
+
+    options = {
+        "tensor_parallel_size": bc.tp_size,
+        "max_batch_size": bc.max_batch_size,
+        "max_seq_len": bc.max_seq_len,
+        "max_num_tokens": bc.max_num_tokens,
+        "kv_cache_config": {"free_gpu_memory_fraction": bc.gpu_memory_fraction, "tokens_per_block": bc.tokens_per_block,
+                            "dtype": "fp8" if bc.kv_cache_dtype == "fp8" else "auto"},
+        "speculative_config": {"decoding_type": "DFlash", "max_draft_len": bc.block_size - 1,
+                               "speculative_model": "hf/drafter", "target_layer_ids": list(dcfg.target_layer_ids),
+                               "mask_token_id": dcfg.mask_token_id},
+    }
+    head = ("# TensorRT-LLM LLM-API options (PyTorch backend, releases with DFlashDecodingConfig, >= 1.3):\n"
+            f"#   trtllm-serve hf/target --tp_size {bc.tp_size} --extra_llm_api_options trtllm/llm_api.yaml\n")
+    return head + yaml.safe_dump(options, sort_keys=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,14 +265,6 @@ def _version(dist: str) -> str | None:
         return version(dist)
     except PackageNotFoundError:
         return None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -373,19 +304,18 @@ def build_engine(bc: BuildConfig, target_spec: str | None, drafter_spec: str | N
             corrupt checkpoints, ModelOpt missing for a quantized build. Nothing is left at
             ``out_dir`` on any error.
     """
-    from ..checkpoints.loader import load_pair, parse_dtype
+    from ..checkpoints.loader import default_drafter_path, load_pair, parse_dtype
 
     out = Path(out_dir).expanduser()
     if out.exists():
         raise DFlashError(f"output {out} already exists; choose a new engine directory")
     dtype = parse_dtype(bc.dtype)
     target, drafter = load_pair(target_spec, drafter_spec, torch.float32)
+    drafter_path = Path(drafter_spec) if drafter_spec else default_drafter_path(target, target_spec is None)
     tcfg, dcfg = target.model.cfg, drafter.cfg
     if bc.block_size > dcfg.block_size:
         raise DFlashError(f"block_size {bc.block_size} is above the drafter's block size {dcfg.block_size}")
-    L.check_tp(tcfg.num_heads, tcfg.num_kv_heads, tcfg.intermediate_size, tcfg.hidden_size, bc.tp_size, "target")
-    L.check_tp(dcfg.num_heads, dcfg.num_kv_heads, dcfg.intermediate_size, dcfg.hidden_size, bc.tp_size, "drafter")
-    plan = memory_plan(bc, tcfg, dcfg)
+    plan = memory_plan(bc, tcfg, dcfg)  # also checks tp_size against both models' heads
     log(plan.table())
     plan.check()
 
@@ -406,17 +336,20 @@ def build_engine(bc: BuildConfig, target_spec: str | None, drafter_spec: str | N
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
     try:
-        _write_all(tmp, bc, target, drafter, tsd, dsd, tspecs, dspecs, tq, dq, dtype, plan, target_spec, drafter_spec,
+        _write_all(tmp, bc, target, drafter, tsd, dsd, tspecs, dspecs, tq, dq, dtype, plan, target_spec, drafter_path,
                    progress)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"wrote {out}")
+    if _version("tensorrt_llm") is None:
+        log(f"skipped the TensorRT-LLM engine build: tensorrt_llm is not installed "
+            f"(the checkpoints are ready; see {out}/trtllm/build.sh)")
     return out
 
 
 def _write_all(tmp: Path, bc: BuildConfig, target, drafter, tsd, dsd, tspecs, dspecs, tq, dq, dtype, plan: MemoryPlan,
-               target_spec, drafter_spec, progress: bool) -> None:
+               target_spec, drafter_path: Path, progress: bool) -> None:
     from tqdm import tqdm
 
     tcfg, dcfg = target.model.cfg, drafter.cfg
@@ -437,35 +370,19 @@ def _write_all(tmp: Path, bc: BuildConfig, target, drafter, tsd, dsd, tspecs, ds
         _save(dt, tmp / "drafter" / f"rank{r}.safetensors")
 
     # unified HF checkpoints
-    from ..checkpoints.zlab import drafter_config_to_json
     from ..checkpoints.sources import read_json
+    from ..checkpoints.zlab import drafter_config_to_json
 
     hf_cfg = read_json(Path(target.path) / "config.json", "target")
     hf_cfg.pop("quantization_config", None)
-    t_ex = ["lm_head", "model.embed_tokens"]
-    qc = hf_quantization_config(bc.target_quant, bc.kv_cache_dtype, t_ex)
-    if qc:
-        hf_cfg["quantization_config"] = qc
     hf_cfg["torch_dtype"] = TORCH_DTYPE_NAMES[bc.dtype]
-    _write_json(hf_cfg, tmp / "hf" / "target" / "config.json")
-    hq = hf_quant_config(bc.target_quant, bc.kv_cache_dtype, t_ex)
-    if hq:
-        _write_json(hq, tmp / "hf" / "target" / "hf_quant_config.json")
-    _save(hf_tensors(hf_target_specs(tcfg), tsd, tq, dtype), tmp / "hf" / "target" / "model.safetensors")
+    _write_hf(tmp / "hf" / "target", hf_cfg, hf_tensors(L.hf_target_specs(tcfg), tsd, tq, dtype), bc.target_quant,
+              bc.kv_cache_dtype, ["lm_head", "model.embed_tokens"])
     target.tokenizer.save_pretrained(str(tmp / "hf" / "target"))
-    for name in ("generation_config.json",):
-        src = Path(target.path) / name
-        if src.is_file():
-            shutil.copy(src, tmp / "hf" / "target" / name)
-    d_json = drafter_config_to_json(dcfg)
-    dqc = hf_quantization_config(bc.drafter_quant, bc.kv_cache_dtype, [])
-    if dqc:
-        d_json["quantization_config"] = dqc
-    _write_json(d_json, tmp / "hf" / "drafter" / "config.json")
-    dhq = hf_quant_config(bc.drafter_quant, bc.kv_cache_dtype, [])
-    if dhq:
-        _write_json(dhq, tmp / "hf" / "drafter" / "hf_quant_config.json")
-    _save(hf_tensors(hf_drafter_specs(dcfg), dsd, dq, dtype), tmp / "hf" / "drafter" / "model.safetensors")
+    if (Path(target.path) / "generation_config.json").is_file():
+        shutil.copy(Path(target.path) / "generation_config.json", tmp / "hf" / "target")
+    _write_hf(tmp / "hf" / "drafter", drafter_config_to_json(dcfg), hf_tensors(L.hf_drafter_specs(dcfg), dsd, dq, dtype),
+              bc.drafter_quant, bc.kv_cache_dtype, [])
 
     (tmp / "trtllm").mkdir()
     (tmp / "trtllm" / "llm_api.yaml").write_text(llm_api_yaml(bc, dcfg))
@@ -474,7 +391,7 @@ def _write_all(tmp: Path, bc: BuildConfig, target, drafter, tsd, dsd, tspecs, ds
         "# DFlash itself runs in TensorRT-LLM's PyTorch backend (>= 1.3): see llm_api.yaml.\nset -e\n"
         + trtllm_build_command(bc) + "\n")
 
-    files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(tmp.rglob("*")) if p.is_file()}
     manifest = {
         "format": ENGINE_FORMAT,
@@ -482,8 +399,8 @@ def _write_all(tmp: Path, bc: BuildConfig, target, drafter, tsd, dsd, tspecs, ds
         "build_config": bc.to_dict(),
         "target": {"source": str(target_spec or "default"), "path": str(target.path), "family": tcfg.family,
                    "checkpoint_sha256": _dir_digest(Path(target.path))},
-        "drafter": {"source": str(drafter_spec or "default"), "block_size": dcfg.block_size,
-                    "checkpoint_sha256": _dir_digest(Path(drafter_spec)) if drafter_spec else None},
+        "drafter": {"source": str(drafter_path), "block_size": dcfg.block_size,
+                    "checkpoint_sha256": _dir_digest(drafter_path)},
         "tp_size": bc.tp_size,
         "dtype": bc.dtype,
         "target_quant": bc.target_quant,
@@ -498,6 +415,17 @@ def _write_all(tmp: Path, bc: BuildConfig, target, drafter, tsd, dsd, tspecs, ds
     _write_json(manifest, tmp / "engine.json")
 
 
+def _write_hf(d: Path, config: dict, tensors: dict[str, torch.Tensor], fmt: str, kv: str, exclude: list[str]) -> None:
+    """One unified HF checkpoint: ``config.json`` (+ ``quantization_config``), ``hf_quant_config.json``
+    when anything is quantized, ``model.safetensors``."""
+    qc = hf_quantization_config(fmt, kv, exclude)
+    _write_json(config | ({"quantization_config": qc} if qc else {}), d / "config.json")
+    hq = hf_quant_config(fmt, kv, exclude)
+    if hq:
+        _write_json(hq, d / "hf_quant_config.json")
+    _save(tensors, d / "model.safetensors")
+
+
 def _dir_digest(path: Path) -> str | None:
     """sha256 over the safetensors/json files of a checkpoint directory (names and contents)."""
     if not path.is_dir():
@@ -506,5 +434,5 @@ def _dir_digest(path: Path) -> str | None:
     for p in sorted(path.iterdir()):
         if p.is_file() and p.suffix in (".safetensors", ".json"):
             h.update(p.name.encode())
-            h.update(_sha256(p).encode())
+            h.update(sha256_file(p).encode())
     return h.hexdigest()

@@ -14,9 +14,8 @@ import torch
 
 from ..config import BuildConfig
 from ..errors import DFlashError
-from ..models.layers import AttentionMetadata
 from ..quantization.calibrate import calibrate_input_amax
-from ..runtime.kv_cache import KVCache
+from ..runtime.features import target_features
 
 
 def calibration_ids(tokenizer, bc: BuildConfig) -> list[torch.Tensor]:
@@ -42,42 +41,33 @@ def calibration_ids(tokenizer, bc: BuildConfig) -> list[torch.Tensor]:
 
 
 def calibrate_pair(target, drafter, bc: BuildConfig, progress: bool = True) -> tuple[dict[str, float], dict[str, float]]:
-    """Input amax of every linear of the target and of the drafter (``{module name: amax}``)."""
+    """Input amax of every linear of the target and of the drafter (``{module name: amax}``;
+    empty for a model that is not quantized)."""
     from tqdm import tqdm
-
-    from ..training.trainer import target_features
 
     model = target.model
     ids = calibration_ids(target.tokenizer, bc)
     bs = bc.calibration.batch_size
     batches = [ids[i: i + bs] for i in range(0, len(ids), bs)]
 
-    def target_loop(m):
+    def target_loop(m):  # a prefill through every layer (the LM head is never quantized)
         for b in tqdm(batches, desc="calibrate target", unit="batch", disable=not progress, file=sys.stderr):
-            n, S = len(b), max(len(x) for x in b)
-            x = torch.zeros(n, S, dtype=torch.long)
-            for i, t in enumerate(b):
-                x[i, : len(t)] = t
-            pos = torch.arange(S).expand(n, S)
-            cache = KVCache(m.cfg.num_layers, n, m.cfg.num_kv_heads, m.cfg.head_dim, S, torch.float32)
-            with torch.no_grad():
-                m(x, AttentionMetadata.causal(pos, S), cache.layers, logits_index=pos[:, -1:])
+            target_features(m, b, (m.cfg.num_layers - 1,))
 
     t_amax = calibrate_input_amax(model, target_loop) if bc.target_quant != "none" else {}
     d_amax = {}
     if bc.drafter_quant != "none":
         dcfg = drafter.cfg
-        B = dcfg.block_size
-        feats = target_features(model, ids, dcfg.target_layer_ids)
+        feats = [f for b in batches for f in target_features(model, b, dcfg.target_layer_ids)]
 
-        def drafter_loop(d):
+        def drafter_loop(d):  # one block every 8 positions, on the target's own features
             for x, f in tqdm(list(zip(ids, feats)), desc="calibrate drafter", unit="prompt", disable=not progress,
                              file=sys.stderr):
                 anchors = torch.arange(1, len(x), 8)
-                blocks = torch.full((len(anchors), B), dcfg.mask_token_id)
+                blocks = torch.full((len(anchors), dcfg.block_size), dcfg.mask_token_id)
                 blocks[:, 0] = x[anchors]
                 with torch.no_grad():
-                    d.forward_train(model.embed(blocks).float(), f.float(), torch.arange(len(x)), anchors)
+                    d.forward_train(model.embed(blocks), f, torch.arange(len(x)), anchors)
 
-        d_amax = calibrate_input_amax(drafter.float(), drafter_loop)
+        d_amax = calibrate_input_amax(drafter, drafter_loop)
     return t_amax, d_amax

@@ -86,7 +86,8 @@ def target_specs(cfg: TargetConfig) -> list[TensorSpec]:
         out.append(TensorSpec(t + "mlp.gate.weight", gu, rows=(I, 2 * I), split=COLUMN, linear=True, module=o + "mlp.gate_up"))
         out.append(TensorSpec(t + "mlp.proj.weight", o + "mlp.down.weight", split=ROW, linear=True, module=o + "mlp.down"))
     out.append(TensorSpec("transformer.ln_f.weight", "norm.weight"))
-    out.append(TensorSpec("lm_head.weight", "lm_head.weight", split=VOCAB, linear=True, module="lm_head"))
+    # the LM head is never quantized (it decides every draft and verify argmax): not a ``linear`` here
+    out.append(TensorSpec("lm_head.weight", "lm_head.weight", split=VOCAB))
     return out
 
 
@@ -119,14 +120,67 @@ def drafter_specs(cfg: DrafterConfig) -> list[TensorSpec]:
     return out
 
 
+def hf_target_specs(cfg: TargetConfig) -> list[TensorSpec]:
+    """HF names of the target (ModelOpt unified export keeps them) with their sources: q/k/v and
+    gate/up are row ranges of our fused weights."""
+    I = cfg.intermediate_size
+    out = [TensorSpec("model.embed_tokens.weight", "embed.weight")]
+    for i in range(cfg.num_layers):
+        h, o = f"model.layers.{i}.", f"layers.{i}."
+        out.append(TensorSpec(h + "input_layernorm.weight", o + "attn_norm.weight"))
+        for name, rows in qkv_rows(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
+            out.append(TensorSpec(h + f"self_attn.{name}.weight", o + "attn.qkv.weight", rows=rows, linear=True))
+            if cfg.attention_bias:
+                out.append(TensorSpec(h + f"self_attn.{name}.bias", o + "attn.qkv.bias", rows=rows))
+        out.append(TensorSpec(h + "self_attn.o_proj.weight", o + "attn.o.weight", linear=True))
+        if cfg.qk_norm:
+            out.append(TensorSpec(h + "self_attn.q_norm.weight", o + "attn.q_norm.weight"))
+            out.append(TensorSpec(h + "self_attn.k_norm.weight", o + "attn.k_norm.weight"))
+        out.append(TensorSpec(h + "post_attention_layernorm.weight", o + "mlp_norm.weight"))
+        out.append(TensorSpec(h + "mlp.gate_proj.weight", o + "mlp.gate_up.weight", rows=(0, I), linear=True))
+        out.append(TensorSpec(h + "mlp.up_proj.weight", o + "mlp.gate_up.weight", rows=(I, 2 * I), linear=True))
+        out.append(TensorSpec(h + "mlp.down_proj.weight", o + "mlp.down.weight", linear=True))
+    out.append(TensorSpec("model.norm.weight", "norm.weight"))
+    if not cfg.tie_word_embeddings:
+        out.append(TensorSpec("lm_head.weight", "lm_head.weight"))
+    return out
+
+
+def hf_drafter_specs(cfg: DrafterConfig) -> list[TensorSpec]:
+    """z-lab names of the drafter; q/k/v are row ranges of the fused (quantized-together) qkv
+    source that :func:`drafter_specs` uses."""
+    out = [TensorSpec("fc.weight", "fc.weight", linear=True), TensorSpec("hidden_norm.weight", "hidden_norm.weight"),
+           TensorSpec("norm.weight", "norm.weight")]
+    for i in range(cfg.num_layers):
+        o = f"layers.{i}."
+        a = o + "self_attn."
+        fused = "|".join(a + n + ".weight" for n in ("q_proj", "k_proj", "v_proj"))
+        for name, rows in qkv_rows(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
+            out.append(TensorSpec(a + name + ".weight", fused, rows=rows, linear=True))
+            if cfg.attention_bias:
+                out.append(TensorSpec(a + name + ".bias", fused.replace(".weight", ".bias"), rows=rows))
+        out.append(TensorSpec(a + "o_proj.weight", a + "o_proj.weight", linear=True))
+        names = [a + "q_norm", a + "k_norm", o + "input_layernorm", o + "post_attention_layernorm"]
+        out += [TensorSpec(n + ".weight", n + ".weight") for n in names]
+        out += [TensorSpec(o + f"mlp.{n}.weight", o + f"mlp.{n}.weight", linear=True)
+                for n in ("gate_proj", "up_proj", "down_proj")]
+    return out
+
+
+def gather_source(sd: dict[str, torch.Tensor], source: str) -> torch.Tensor:
+    """Our tensor ``source``, or the row-wise concatenation of ``"a|b|c"`` (a fused q/k/v)."""
+    return torch.cat([sd[k] for k in source.split("|")]) if "|" in source else sd[source]
+
+
 def gather(sd: dict[str, torch.Tensor], spec: TensorSpec) -> torch.Tensor:
     """The full (unsharded) tensor of ``spec`` from our state dict."""
-    t = torch.cat([sd[k] for k in spec.source.split("|")]) if "|" in spec.source else sd[spec.source]
+    t = gather_source(sd, spec.source)
     return t[spec.rows[0]: spec.rows[1]] if spec.rows else t
 
 
-def check_tp(heads: int, kv_heads: int, intermediate: int, hidden: int, tp: int, what: str) -> None:
+def check_tp(cfg: TargetConfig | DrafterConfig, tp: int, what: str) -> None:
     """Raises DFlashError when ``tp`` cannot give every rank whole heads and equal splits."""
+    heads, kv_heads, intermediate = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     if tp < 1:
         raise DFlashError(f"tp_size must be >= 1, got {tp}")
     if heads % tp or kv_heads % tp:
@@ -137,7 +191,14 @@ def check_tp(heads: int, kv_heads: int, intermediate: int, hidden: int, tp: int,
 
 
 def qkv_sizes(heads: int, kv_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """Rows of q, k and v in a fused qkv weight."""
     return heads * head_dim, kv_heads * head_dim, kv_heads * head_dim
+
+
+def qkv_rows(heads: int, kv_heads: int, head_dim: int) -> list[tuple[str, tuple[int, int]]]:
+    """``[("q_proj", (0, q)), ("k_proj", (q, q + k)), ("v_proj", (q + k, q + k + v))]``."""
+    q, k, v = qkv_sizes(heads, kv_heads, head_dim)
+    return [("q_proj", (0, q)), ("k_proj", (q, q + k)), ("v_proj", (q + k, q + k + v))]
 
 
 def padded_vocab(vocab: int, tp: int) -> int:

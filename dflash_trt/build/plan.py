@@ -56,8 +56,7 @@ def weight_bytes(specs: list[L.TensorSpec], shapes: dict[str, tuple[int, ...]], 
     """Bytes of one rank's tensors (``shapes``: full shape per spec name)."""
     total = 0.0
     for s in specs:
-        quantized = s.linear and s.name != "lm_head.weight"
-        total += _tensor_bytes(_rank_shape(s, shapes[s.name], tp), fmt, dtype_bytes, quantized)
+        total += _tensor_bytes(_rank_shape(s, shapes[s.name], tp), fmt, dtype_bytes, s.linear)
     return total
 
 
@@ -140,7 +139,7 @@ def memory_plan(bc: BuildConfig, tcfg: TargetConfig, dcfg: DrafterConfig | None)
     from ..models.target import TargetModel
 
     tp = bc.tp_size
-    L.check_tp(tcfg.num_heads, tcfg.num_kv_heads, tcfg.intermediate_size, tcfg.hidden_size, tp, "target")
+    L.check_tp(tcfg, tp, "target")
     act = DTYPE_BYTES[bc.dtype]
     kvb = DTYPE_BYTES[bc.kv_dtype]
     with torch.device("meta"):
@@ -149,7 +148,7 @@ def memory_plan(bc: BuildConfig, tcfg: TargetConfig, dcfg: DrafterConfig | None)
         tw = weight_bytes(tspecs, spec_shapes(tspecs, tmodel), bc.target_quant, act, tp)
         dw, dkv = 0.0, 0.0
         if dcfg is not None:
-            L.check_tp(dcfg.num_heads, dcfg.num_kv_heads, dcfg.intermediate_size, dcfg.hidden_size, tp, "drafter")
+            L.check_tp(dcfg, tp, "drafter")
             dspecs = L.drafter_specs(dcfg)
             dw = weight_bytes(dspecs, spec_shapes(dspecs, DFlashDrafter(dcfg)), bc.drafter_quant, act, tp)
             dkv = 2 * dcfg.num_layers * (dcfg.num_kv_heads // tp) * dcfg.head_dim * kvb

@@ -18,10 +18,12 @@ from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
 from ..quantization.formats import dequantize_fp8, dequantize_nvfp4
 from .loader import LoadedTarget, parse_dtype, with_tokenizer
-from .sources import load_safetensors_file, read_json
+from .sources import load_safetensors_file, read_json, sha256_file
 from .zlab import drafter_config_from_json
 
+#: ``engine.json`` ``format`` / ``version`` (written by :mod:`..build.builder`)
 ENGINE_FORMAT = "dflash-trt-engine"
+ENGINE_VERSION = 1
 
 
 def read_manifest(engine_dir: str | Path) -> dict:
@@ -74,12 +76,13 @@ def state_dict_from_rank(specs: list[L.TensorSpec], tensors: dict[str, torch.Ten
     return out
 
 
-def load_engine(engine_dir: str | Path, dtype: str | None = None, rank: int = 0) -> tuple[LoadedTarget, DFlashDrafter, dict]:
+def load_engine(engine_dir: str | Path, dtype: torch.dtype | None = None,
+                rank: int = 0) -> tuple[LoadedTarget, DFlashDrafter, dict]:
     """Load the target and drafter of an engine directory for TP rank ``rank``.
 
     Args:
         engine_dir: output of ``dflash-trt build``.
-        dtype: compute dtype (default: the build's).
+        dtype: compute dtype (default: the build's ``dtype``).
         rank: TP rank whose file is read.
 
     Returns:
@@ -96,7 +99,7 @@ def load_engine(engine_dir: str | Path, dtype: str | None = None, rank: int = 0)
     if tp != 1:
         raise DFlashError(f"engine {d} has tp_size {tp}: the single-process runtime runs tp_size 1 engines; "
                           f"start one process per rank under mpiexec -n {tp}")
-    cdt = parse_dtype(dtype or m.get("dtype", "fp32"))
+    cdt = dtype or parse_dtype(m.get("dtype", "fp32"))
     hf = read_json(d / "hf" / "target" / "config.json", "engine target")
     hf.pop("quantization_config", None)
     tcfg = TargetConfig.from_hf(hf)
@@ -120,17 +123,13 @@ def load_engine(engine_dir: str | Path, dtype: str | None = None, rank: int = 0)
 
 def engine_files_ok(engine_dir: str | Path) -> list[str]:
     """Files whose size or sha256 differ from ``engine.json`` (empty when the engine is intact)."""
-    from ..build.builder import _sha256
-
     d = Path(engine_dir)
     bad = []
     for rel, info in read_manifest(d)["files"].items():
         p = d / rel
-        if not p.is_file() or p.stat().st_size != info["bytes"] or _sha256(p) != info["sha256"]:
+        if not p.is_file() or p.stat().st_size != info["bytes"] or sha256_file(p) != info["sha256"]:
             bad.append(rel)
     return bad
-
-
 
 
 def load_models(target_spec: str | None, drafter_spec: str | None, engine_dir: str | None, dtype: torch.dtype,
@@ -147,6 +146,5 @@ def load_models(target_spec: str | None, drafter_spec: str | None, engine_dir: s
         return load_pair(target_spec, drafter_spec, dtype, need_drafter=need_drafter)
     if target_spec or drafter_spec:
         raise DFlashError("--engine holds the target and the drafter; drop --target / --drafter")
-    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    target, drafter, _ = load_engine(engine_dir, name)
+    target, drafter, _ = load_engine(engine_dir, dtype)
     return target, drafter

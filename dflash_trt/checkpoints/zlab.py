@@ -228,14 +228,13 @@ def save_drafter(model: DFlashDrafter, out: str | os.PathLike, dtype: torch.dtyp
     return out
 
 
-def init_drafter(target: TargetConfig, num_layers: int, block_size: int, mask_token_id: int,
-                 seed: int = 0, target_layer_ids: list[int] | None = None,
-                 sliding_window: int | None = None) -> DFlashDrafter:
-    """A randomly initialised drafter matched to ``target`` (Qwen3 init: normal(0, 0.02)
-    linears, unit norms); head shape and intermediate size follow the target.
+def drafter_config_for(target: TargetConfig, num_layers: int, block_size: int, mask_token_id: int,
+                       target_layer_ids: list[int] | None = None, sliding_window: int | None = None) -> DrafterConfig:
+    """The shape of a new drafter for ``target``: the target's hidden size, heads, intermediate
+    size and RoPE; ``target_layer_ids`` default to the z-lab spread.
 
     Raises:
-        DFlashError: the result would not fit the target (see :func:`validate_pair`).
+        DFlashError: ``num_layers`` < 1, or the result would not fit the target (:func:`validate_pair`).
     """
     if num_layers < 1:
         raise DFlashError(f"--layers must be >= 1, got {num_layers}")
@@ -258,6 +257,19 @@ def init_drafter(target: TargetConfig, num_layers: int, block_size: int, mask_to
         sliding_window=sliding_window,
     )
     validate_pair(target, cfg)
+    return cfg
+
+
+def init_drafter(target: TargetConfig, num_layers: int, block_size: int, mask_token_id: int,
+                 seed: int = 0, target_layer_ids: list[int] | None = None,
+                 sliding_window: int | None = None) -> DFlashDrafter:
+    """A randomly initialised drafter of :func:`drafter_config_for`'s shape (Qwen3 init:
+    normal(0, 0.02) linears, unit norms).
+
+    Raises:
+        DFlashError: see :func:`drafter_config_for`.
+    """
+    cfg = drafter_config_for(target, num_layers, block_size, mask_token_id, target_layer_ids, sliding_window)
     g = torch.Generator().manual_seed(seed)
     model = DFlashDrafter(cfg)
     with torch.no_grad():

@@ -20,6 +20,13 @@ from .config import DrafterConfig
 from .layers import AttentionMetadata, RMSNorm, RotaryEmbedding, apply_rope, cached_attention
 
 
+def sliding_visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """z-lab non-causal ``sliding_attention`` rule (``dflash.model._attention_mask``): a query at
+    position ``q`` sees key position ``p`` iff ``q - p < window`` (keys after ``q`` are block
+    slots, always within the window because ``window >= block_size``). Broadcasts."""
+    return query_pos - key_pos < window
+
+
 class DrafterAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -158,10 +165,9 @@ class DFlashDrafter(nn.Module):
         if ctx_valid is not None:
             visible = visible & ctx_valid.unsqueeze(1)
         W = self.cfg.sliding_window
-        if W is not None:  # slot k (position anchor + k) sees context p with anchor + k - p < W
-            slot = torch.arange(B, device=anchors.device)
-            near = (anchors[..., None, None] + slot[:, None] - ctx_positions[:, None, None, :]) < W
-            visible = visible.unsqueeze(2) & near  # [N, nb, B, S]
+        if W is not None:  # slot k sits at position anchor + k
+            query = anchors[..., None, None] + torch.arange(B, device=anchors.device)[:, None]  # [N, nb, B, 1]
+            visible = visible.unsqueeze(2) & sliding_visible(query, ctx_positions[:, None, None, :], W)  # [N, nb, B, S]
         else:
             visible = visible.unsqueeze(2)  # [N, nb, 1, S]
         ctx = self.hidden_norm(self.fc(ctx_features))

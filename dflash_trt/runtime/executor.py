@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from ..errors import DFlashError
-from ..models.drafter import DFlashDrafter
+from ..models.drafter import DFlashDrafter, sliding_visible
 from ..models.layers import AttentionMetadata
 from ..models.target import TargetModel
 from .kv_cache import KVCache
@@ -187,8 +187,8 @@ class DFlashEngine:
         keys = torch.arange(kv_len, device=block.device).view(1, 1, 1, -1)
         visible = (keys < (start + K).view(-1, 1, 1, 1)).expand(n, 1, K, kv_len)
         W = self.drafter.cfg.sliding_window
-        if W is not None:  # z-lab sliding layer, non-causal: query position q sees keys p with q - p < W
-            visible = visible & (block_pos.view(n, 1, K, 1) - keys < W)
+        if W is not None:
+            visible = visible & sliding_visible(block_pos.view(n, 1, K, 1), keys, W)
         meta = AttentionMetadata(pos, slots, visible, kv_len)
         hidden = self.drafter(self.target.embed(masked), ctx_feat, meta, dcache.layers)
         return self.target.lm_head(hidden[:, 1:]).argmax(-1)

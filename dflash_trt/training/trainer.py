@@ -49,9 +49,8 @@ from ..checkpoints.loader import LoadedTarget, default_mask_token_id, parse_dtyp
 from ..checkpoints.zlab import init_drafter, load_drafter, save_drafter, validate_pair
 from ..errors import DFlashError
 from ..models.drafter import DFlashDrafter
-from ..models.layers import AttentionMetadata
 from ..models.target import TargetModel
-from ..runtime.kv_cache import KVCache
+from ..runtime.features import target_features
 
 IGNORE = -100
 CKPT_RE = re.compile(r"^ckpt-(\d{6,})$")
@@ -217,26 +216,6 @@ def prepare_sequences(samples: Sequence, vocab_size: int, max_seq_len: int) -> l
     if not out:
         raise DFlashError("no training sample has a response of at least 2 tokens (loss_mask)")
     return out
-
-
-@torch.inference_mode()
-def target_features(model: TargetModel, seqs: list[torch.Tensor], capture: Sequence[int]) -> list[torch.Tensor]:
-    """Target features of each sequence, ``[S_i, len(capture) * hidden]`` in the model dtype.
-
-    One ``TargetModel.forward(..., features_only=True)`` (layers up to ``max(capture)``, no LM
-    head) over the sequences right-padded into one batch (causal attention: padding is harmless).
-    """
-    cfg = model.cfg
-    dev = model.embed.weight.device
-    n, S = len(seqs), max(len(s) for s in seqs)
-    upto = max(capture) + 1
-    ids = torch.zeros(n, S, dtype=torch.long, device=dev)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = s.to(dev)
-    pos = torch.arange(S, device=dev).expand(n, S)
-    cache = KVCache(upto, n, cfg.num_kv_heads, cfg.head_dim, S, model.embed.weight.dtype, dev)
-    feats = model(ids, AttentionMetadata.causal(pos, S), cache.layers, tuple(capture), features_only=True).features
-    return [feats[i, : len(s)].clone() for i, s in enumerate(seqs)]
 
 
 class FeatureStore:
@@ -422,16 +401,15 @@ def compute_loss(drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Te
     y = batch.labels[sup]
     w = weights.to(dev).expand_as(batch.labels)[sup]
     denom = w.sum().clamp_min(1e-12)
-    if vocab is not None:
-        remap = torch.full((head_w.shape[0],), -1, dtype=torch.long, device=dev)
-        remap[vocab] = torch.arange(len(vocab), device=dev)
-        ys = remap[y]
-        if bool((ys < 0).any()):
+    W, idx = head_w, y
+    if vocab is not None:  # labels become indices into the (sorted) subset
+        idx = torch.searchsorted(vocab, y).clamp(max=len(vocab) - 1)
+        if not bool((vocab[idx] == y).all()):
             raise DFlashError("a label is outside the training vocabulary subset")
-        total, pred = _HeadCrossEntropy.apply(rows, head_w[vocab], ys, w, ce_chunk, amp or torch.float32)
+        W = head_w[vocab]
+    total, pred = _HeadCrossEntropy.apply(rows, W, idx, w, ce_chunk, amp or torch.float32)
+    if vocab is not None:
         pred = vocab[pred]
-    else:
-        total, pred = _HeadCrossEntropy.apply(rows, head_w, y, w, ce_chunk, amp or torch.float32)
     loss = total / denom
     if reg_weight > 0:
         H = rows.shape[-1]
