@@ -28,7 +28,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None, help="tokens per draft block, 1 = plain decoding (default: the drafter's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--dtype", default="fp32", help="compute dtype: fp32 | bf16 | fp16")
+    p.add_argument("--dtype", default=None, help="compute dtype: fp32 | bf16 | fp16 (default: fp32, or the engine's)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
 
@@ -131,6 +131,17 @@ def _setup_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+def _compute_dtype(args) -> str:
+    """``--dtype``, else the engine's build dtype, else fp32."""
+    if args.dtype:
+        return args.dtype
+    if args.engine:
+        from .checkpoints.engine import read_manifest
+
+        return read_manifest(args.engine).get("dtype", "fp32")
+    return "fp32"
+
+
 def _int_list(text: str | None, flag: str) -> tuple[int, ...] | None:
     """``"1,8,29"`` -> ``(1, 8, 29)``; None stays None."""
     if text is None:
@@ -164,6 +175,7 @@ def cmd_generate(args) -> None:
         raise DFlashError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     _setup_threads(args.threads)
     need = args.block_size is None or args.block_size > 1
+    args.dtype = _compute_dtype(args)
     target, drafter = load_models(args.target, args.drafter, args.engine, parse_dtype(args.dtype), need_drafter=need)
     engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
     K = args.block_size or (drafter.cfg.block_size if drafter else 1)
@@ -205,7 +217,7 @@ def cmd_bench(args) -> None:
         dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         block_size=args.block_size, temperature=args.temperature, target=args.target, drafter=args.drafter,
         engine=args.engine,
-        dtype=args.dtype, peers=tuple(p for p in args.peers.split(",") if p), json_out=args.json_out, seed=args.seed,
+        dtype=_compute_dtype(args), peers=tuple(p for p in args.peers.split(",") if p), json_out=args.json_out, seed=args.seed,
     )
     result = run_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_table(result))
