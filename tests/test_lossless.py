@@ -13,6 +13,7 @@ import torch
 
 from dflash_trt.bench.datasets import chat_prompt_ids, mixed_prompts
 from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request, first_divergence, top2_margin
+from dflash_trt.runtime.model_runner import ModelRunner
 
 MAX_NEW = 24
 TIE = 1e-4
@@ -53,32 +54,33 @@ def test_dflash_equals_autoregressive(smollm2, random_drafter, prompts, referenc
     assert all(len(o) >= 1 for o in outs)
 
 
-class OracleEngine(DFlashEngine):
+class OracleRunner(ModelRunner):
     """Drafts the reference continuation itself, with every 5th token corrupted, so verify
     accepts long prefixes and rejects mid-block: exercises multi-token acceptance and rollback
-    of the target KV cache on the real model (a random drafter is almost never accepted)."""
+    of the paged KV cache on the real model (a random drafter is almost never accepted).
+    Sequence ids are request indices (``DFlashEngine.generate``)."""
 
-    def __init__(self, target, drafter, stops, prompts, reference):
-        super().__init__(target, drafter, stops)
-        self.prompts, self.reference = prompts, reference
+    prompts: list = []
+    reference: list = []
 
-    def draft(self, block, block_pos, ctx_pos, ctx_valid, ctx_feat, dcache, rows):
-        super().draft(block, block_pos, ctx_pos, ctx_valid, ctx_feat, dcache, rows)  # keep the drafter cache path live
-        n, K = block.shape
-        out = torch.zeros(n, K - 1, dtype=torch.long)
-        for i in range(n):
-            r = int(rows[i])
-            seq = self.prompts[r] + self.reference[r]
-            for k in range(1, K):
-                p = int(block_pos[i, k])
+    def draft(self, items, block):
+        super().draft(items, block)  # keep the drafter cache path live
+        out = []
+        for it in items:
+            seq = self.prompts[it.seq_id] + self.reference[it.seq_id]
+            toks = []
+            for k in range(1, it.num_draft + 1):
+                p = it.start + k
                 tok = seq[p] if p < len(seq) else 0
-                out[i, k - 1] = tok if p % 5 else (tok + 1) % self.target.cfg.vocab_size
+                toks.append(tok if p % 5 else (tok + 1) % self.target.cfg.vocab_size)
+            out.append(toks)
         return out
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_high_acceptance_rollback(smollm2, random_drafter, prompts, reference, block_size):
-    engine = OracleEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, prompts, reference)
+    OracleRunner.prompts, OracleRunner.reference = prompts, reference
+    engine = DFlashEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, runner_cls=OracleRunner)
     stats = LoopStats(block_size)
     outs = [o.output_ids for o in engine.generate([Request(p, MAX_NEW) for p in prompts[:4]], block_size, stats=stats)]
     ties = sum(check_same(smollm2.model, p, r, o) for p, r, o in zip(prompts, reference, outs))

@@ -2,7 +2,7 @@
 
 * the training forward (all anchors of a sequence in one pass, context strictly before each
   anchor) equals the inference path (``DFlashDrafter.forward`` with a fresh cache holding the
-  context positions < anchor, and ``DFlashEngine.draft``'s tokens), fp32, on real SmolLM2
+  context positions < anchor, and the runner's draft tokens), fp32, on real SmolLM2
   features; the trainer's truncated feature pass equals ``TargetModel.forward``'s features;
 * the chunked LM-head cross entropy equals plain autograd; the batch layout (anchors only in
   the response, labels only on response tokens inside the sequence);
@@ -28,6 +28,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.models.layers import AttentionMetadata
 from dflash_trt.runtime.executor import DFlashEngine, Request, first_divergence, top2_margin
 from dflash_trt.runtime.kv_cache import KVCache
+from dflash_trt.runtime.model_runner import ModelRunner, StepItem
 from dflash_trt.training import trainer as T
 
 SENTENCES = [
@@ -92,7 +93,7 @@ def full_features(model, ids: list[int], capture) -> torch.Tensor:
 
 
 def inference_hidden(drafter, block_embeds, feats, anchor):
-    """``DFlashDrafter.forward`` the way ``DFlashEngine.draft`` calls it, fresh cache holding
+    """``DFlashDrafter.forward`` the way the runtime used to call it (contiguous cache), fresh cache holding
     the context positions < anchor; ``block_embeds`` ``[1, B, H]``."""
     B = block_embeds.shape[1]
     c = drafter.cfg
@@ -120,7 +121,6 @@ def test_forward_train_equals_inference(smollm2, samples, window):
     fd = max(float((a - b).abs().max()) for a, b in zip(ours, feats))
     assert fd < 1e-4, f"trainer feature pass differs from TargetModel.forward by {fd}"
 
-    engine = DFlashEngine(target, drafter, smollm2.stop_token_ids)
     worst, tokens_checked = 0.0, 0
     # one sequence alone (unbatched API), then both in one padded batch
     S0 = len(seqs[0])
@@ -153,15 +153,14 @@ def test_forward_train_equals_inference(smollm2, samples, window):
             if a == 0:
                 continue
             # the engine's own draft call: its argmax tokens equal the LM head on our hidden states
-            with torch.inference_mode():
-                pos = torch.arange(a).unsqueeze(0)
-                dc = KVCache(drafter.cfg.num_layers, 1, drafter.cfg.num_kv_heads, drafter.cfg.head_dim, a + B, torch.float32)
-                got = engine.draft(blocks[i][j: j + 1].clone(), a + torch.arange(B).unsqueeze(0), pos,
-                                   torch.ones_like(pos, dtype=torch.bool), f[:a].unsqueeze(0), dc, torch.zeros(1))
-            assert got[0].tolist() == target.lm_head(batched[i, j, 1:]).argmax(-1).tolist()
+            nb = -(-(a + B) // 16)
+            runner = ModelRunner(target, drafter, nb, 16)
+            runner.store_features(0, 0, f[:a])
+            got = runner.draft([StepItem(0, [int(blocks[i][j, 0])], a, list(range(nb)), num_draft=B - 1)], B)[0]
+            assert got == target.lm_head(batched[i, j, 1:]).argmax(-1).tolist()
             tokens_checked += B - 1
     print(f"\nforward_train vs inference forward, fp32, 2 layers, B={B}, window {window}: max abs diff {worst:.3g} "
-          f"({tokens_checked} draft tokens equal to DFlashEngine.draft); feature pass diff {fd:.3g}")
+          f"({tokens_checked} draft tokens equal to ModelRunner.draft); feature pass diff {fd:.3g}")
     assert worst < 1e-4
 
 

@@ -2,9 +2,15 @@
 cache, gated MLP. Torch modules only, no I/O.
 
 KV-cache contract (the runtime owns the buffers, see ``runtime/kv_cache.py``): each attention
-layer gets one ``(k_buf, v_buf)`` pair, both ``[batch, num_kv_heads, slots, head_dim]``, and an
-:class:`AttentionMetadata` telling where the new K/V go (``write_slots``) and which slots each
-query may see (``mask``). Slot ``slots - 1`` is a trash slot that padding writes into.
+layer gets one ``(k_buf, v_buf)`` pair and an :class:`AttentionMetadata` telling where the new
+K/V go (``write_slots``) and which slots each query may see (``mask``). Two layouts:
+
+- contiguous: buffers ``[batch, num_kv_heads, slots, head_dim]``, tokens ``[batch, T]``, slot
+  ``slots - 1`` is a trash slot that padding writes into;
+- paged (``meta.read_slots`` set): buffers are slot pools ``[num_slots, num_kv_heads, head_dim]``
+  shared by all sequences (slot = block id * tokens_per_block + offset), the tokens of all
+  sequences are packed into one row ``[1, N]`` (ragged prefill chunks and verify blocks in one
+  forward, no padding), and each sequence reads its own slots.
 """
 
 from __future__ import annotations
@@ -96,14 +102,24 @@ class AttentionMetadata:
     Attributes:
         positions: int64 ``[B, T]`` absolute positions (RoPE), padding clamped to a valid value.
         write_slots: int64 ``[B, T]`` cache slot each new K/V is written to (padding -> trash slot).
-        mask: bool ``[B, 1, T, kv_len]``, true where a query may attend to a cache slot.
-        kv_len: number of leading cache slots read by attention.
+        mask: bool ``[B, 1, T, kv_len]``, true where a query may attend to a cache slot
+            (paged: ``[S, 1, Tq, kv_len]``, one row per sequence).
+        kv_len: number of leading cache slots read by attention (paged: columns of ``read_slots``).
+        read_slots: paged layout only: int64 ``[S, kv_len]`` pool slot behind each key column of
+            each of the ``S`` sequences (padding columns point anywhere; ``mask`` hides them).
+        query_index: paged only: int64 ``[S, Tq]`` index of each sequence's queries among the
+            forward's ``N`` query tokens, in order (padding = ``N``). Sequences are contiguous
+            and in packed order.
+        query_valid: paged only: bool ``[S, Tq]``, false on padding.
     """
 
     positions: torch.Tensor
     write_slots: torch.Tensor
     mask: torch.Tensor
     kv_len: int
+    read_slots: torch.Tensor | None = None
+    query_index: torch.Tensor | None = None
+    query_valid: torch.Tensor | None = None
 
     @classmethod
     def causal(cls, positions: torch.Tensor, kv_len: int, write_slots: torch.Tensor | None = None) -> "AttentionMetadata":
@@ -126,27 +142,52 @@ def cached_attention(
     Args:
         q: ``[B, H, T, D]`` queries, RoPE applied.
         k, v: ``[B, T, Hkv, D]`` new keys (RoPE applied) and values.
-        kv: cache buffers ``[B, Hkv, slots, D]``, updated in place.
+        kv: cache buffers ``[B, Hkv, slots, D]`` (paged: pools ``[num_slots, Hkv, D]``), updated
+            in place.
         meta: slots and mask for this forward.
 
     Returns:
         ``[B, T, H * D]`` attention output.
     """
+    if meta.read_slots is not None:
+        return _paged_attention(q, k, v, kv, meta)
     k_buf, v_buf = kv
     rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
     k_buf[rows, :, meta.write_slots] = k
     v_buf[rows, :, meta.write_slots] = v
     n = meta.kv_len
     keys, values = k_buf[:, :, :n], v_buf[:, :, :n]
+    out = _sdpa(q, keys, values, meta.mask)
+    b, h, t, d = out.shape
+    return out.transpose(1, 2).reshape(b, t, h * d)
+
+
+def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     dtype = q.dtype
     if q.device.type == "cpu" and dtype != torch.float32:
         # CPU SDPA in bf16 measured 1.65x slower end to end (batch 16 decode) than upcasting to fp32
         q, keys, values = q.float(), keys.float(), values.float()
-    out = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=meta.mask, enable_gqa=q.shape[1] != k.shape[2]
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, enable_gqa=q.shape[1] != keys.shape[1]
     ).to(dtype)
-    b, h, t, d = out.shape
-    return out.transpose(1, 2).reshape(b, t, h * d)
+
+
+def _paged_attention(q, k, v, kv, meta: AttentionMetadata) -> torch.Tensor:
+    """Paged layout of :func:`cached_attention`: ``q [1, H, N, D]``, ``k, v [1, N, Hkv, D]``
+    packed over sequences; pools ``[num_slots, Hkv, D]``. Writes the new K/V to their slots,
+    gathers each sequence's keys by ``read_slots``, runs one padded SDPA over ``[S, H, Tq, kv_len]``
+    and unpads back to ``[1, N, H * D]``."""
+    k_pool, v_pool = kv
+    slots = meta.write_slots.reshape(-1)
+    k_pool[slots] = k[0].to(k_pool.dtype)
+    v_pool[slots] = v[0].to(v_pool.dtype)
+    _, h, n, d = q.shape
+    qs = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, h, d)])[meta.query_index].transpose(1, 2)  # [S, H, Tq, D]
+    keys = k_pool[meta.read_slots].transpose(1, 2).to(q.dtype)  # [S, Hkv, kv_len, D]
+    values = v_pool[meta.read_slots].transpose(1, 2).to(q.dtype)
+    mask = meta.mask | ~meta.query_valid[:, None, :, None]  # padding queries see everything (no NaN rows)
+    out = _sdpa(qs, keys, values, mask).transpose(1, 2)[meta.query_valid]  # [N, H, D]
+    return out.reshape(1, n, h * d)
 
 
 class GatedMLP(nn.Module):

@@ -44,3 +44,30 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)
+
+
+class PagedKVCache:
+    """Slot pools of a paged KV cache: per layer ``(k, v)``, each
+    ``[num_blocks * tokens_per_block + 1, num_kv_heads, head_dim]``.
+
+    Slot ``block * tokens_per_block + offset`` holds the K/V of the token at
+    ``offset`` within ``block``; which blocks belong to which sequence is the
+    :class:`~dflash_trt.runtime.block_manager.BlockManager`'s business. The last slot is a
+    never-read spare. The target and the drafter's context K/V each get a pool with the same
+    block count and share one block table per sequence (both hold exactly the same positions).
+
+    Memory: ``2 * num_layers * (num_blocks * tokens_per_block + 1) * num_kv_heads * head_dim``
+    elements of ``dtype``.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, tokens_per_block: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_blocks * tokens_per_block + 1, num_kv_heads, head_dim)
+        self.tokens_per_block = tokens_per_block
+        self.layers = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)

@@ -1,0 +1,351 @@
+"""The serving engine: in-flight batching of DFlash speculative decoding over a paged KV cache
+(paper arXiv:2602.06036 §3, Alg. 1, batched; scheduling after vLLM / TensorRT-LLM).
+
+One :meth:`LLMEngine.step`:
+  1. the scheduler picks the decoding sequences and the prompt chunks (``scheduler.py``);
+  2. the number of draft tokens is fixed (``block_size - 1``) or chosen by the adaptive
+     controller (``adaptive.py``; 0 = plain decoding);
+  3. the runner drafts for all decoding sequences in ONE drafter forward and runs ONE packed
+     target forward over every verify block and prompt chunk (``model_runner.py``);
+  4. per sequence: the longest prefix of drafts equal to the target's own choice (argmax, or
+     its sample when temperature > 0) is accepted, plus one bonus token; the KV blocks past
+     the committed length are rolled back (freed); tokens are streamed; finished sequences
+     leave and free their blocks.
+Every rank of a TP group runs step 3 on the same plan; steps 1, 2 and 4 run on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+import torch
+
+from ..errors import DFlashError
+from ..models.drafter import DFlashDrafter
+from ..models.target import TargetModel
+from .adaptive import DraftLengthController
+from .block_manager import BlockManager
+from .model_runner import ModelRunner, StepItem, StepPlan
+from .request import LoopStats, Request, RequestOutput
+from .sampling import accepted_lengths, choose_tokens
+from .scheduler import Schedule, Scheduler, Sequence, TokenCallback
+
+
+@dataclass
+class EngineConfig:
+    """Runtime settings.
+
+    Attributes:
+        block_size: most tokens verified per step (anchor + drafts); None = the drafter's
+            block size (1 without a drafter); 1 = plain decoding.
+        adaptive: choose the draft length per iteration (else always ``block_size - 1``).
+        max_batch_size: most running sequences.
+        max_num_tokens: most target tokens per iteration (verify blocks + prompt chunks).
+        tokens_per_block: KV-cache block size in positions.
+        kv_capacity_tokens: KV positions in the pools (target and drafter context alike).
+    """
+
+    block_size: int | None = None
+    adaptive: bool = False
+    max_batch_size: int = 64
+    max_num_tokens: int = 2048
+    tokens_per_block: int = 32
+    kv_capacity_tokens: int = 65536
+
+
+def check_block_size(drafter: DFlashDrafter | None, block_size: int) -> None:
+    """Raises DFlashError for a block size the drafter cannot serve."""
+    if block_size < 1:
+        raise DFlashError(f"block size must be >= 1, got {block_size}")
+    if block_size > 1 and drafter is None:
+        raise DFlashError("block size > 1 needs a drafter")
+    if drafter is not None and block_size > drafter.cfg.block_size:
+        raise DFlashError(f"block size {block_size} is above the drafter's block_size {drafter.cfg.block_size}")
+
+
+class LLMEngine:
+    """DFlash (or plain) decoding of many requests with in-flight batching.
+
+    Args:
+        target: the target model (eval mode, compute dtype).
+        drafter: the DFlash drafter, or None (plain decoding only).
+        stop_token_ids: default stop ids (the target's EOS ids).
+        config: :class:`EngineConfig`.
+        runner: the :class:`ModelRunner` to use (default: one built from the config).
+        tp: TP group helper (rank 0's view) that broadcasts each plan, or None.
+
+    Raises:
+        DFlashError: impossible settings (block size, capacity below one block, ...).
+    """
+
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, stop_token_ids: tuple[int, ...],
+                 config: EngineConfig | None = None, runner: ModelRunner | None = None, tp=None):
+        cfg = config or EngineConfig()
+        K = cfg.block_size if cfg.block_size is not None else (drafter.cfg.block_size if drafter else 1)
+        check_block_size(drafter, K)
+        if cfg.max_num_tokens < K or cfg.max_batch_size < 1:
+            raise DFlashError(f"max_num_tokens ({cfg.max_num_tokens}) must be >= the block size ({K}) "
+                              f"and max_batch_size ({cfg.max_batch_size}) >= 1")
+        self.block_size = K
+        self.config = cfg
+        self.stop_token_ids = tuple(stop_token_ids)
+        num_blocks = cfg.kv_capacity_tokens // cfg.tokens_per_block
+        if num_blocks < 1:
+            raise DFlashError(f"KV capacity {cfg.kv_capacity_tokens} is below one block of {cfg.tokens_per_block}")
+        self.blocks = BlockManager(num_blocks, cfg.tokens_per_block)
+        self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, cfg.max_num_tokens, reserve_extra=K)
+        self.runner = runner or ModelRunner(target, drafter if K > 1 else None, num_blocks, cfg.tokens_per_block)
+        self.tp = tp
+        self.stats = LoopStats(K)
+        self.controller = DraftLengthController(K - 1) if cfg.adaptive and K > 1 else None
+        self._next_id = 0
+        self._seqs: dict[int, Sequence] = {}
+        self._aborts: set[int] = set()
+        self._release: list[int] = []
+        self._lock = threading.RLock()  # step() holds it; add_request / abort may come from other threads
+        if self.controller is not None:
+            self.calibrate()
+
+    # ---- requests ----
+    def add_request(self, request: Request, on_tokens: TokenCallback | None = None, seq_id: int | None = None,
+                    on_finish: Callable[[int], None] | None = None) -> int:
+        """Queue a request; returns its sequence id. ``on_tokens(seq_id, tokens)`` is called
+        with every batch of committed tokens, ``on_finish(seq_id)`` once when it ends (finished
+        or aborted; the engine then forgets it, otherwise :meth:`result` collects it). Both run
+        on the thread that steps the engine.
+
+        Raises:
+            DFlashError: empty prompt, ``max_new_tokens < 1``, more KV than the whole cache.
+        """
+        with self._lock:
+            sid = self._next_id if seq_id is None else seq_id
+            if sid in self._seqs:
+                raise DFlashError(f"sequence id {sid} is in use")
+            self._next_id = max(self._next_id, sid + 1)
+            stops = request.stop_token_ids if request.stop_token_ids is not None else self.stop_token_ids
+            seq = Sequence(sid, request, frozenset(stops), request.sampling.make_generator(), on_tokens, on_finish)
+            self.scheduler.add(seq)
+            self._seqs[sid] = seq
+            return sid
+
+    def abort(self, seq_id: int) -> None:
+        """Cancel a request (takes effect before the next iteration; unknown ids are ignored)."""
+        with self._lock:
+            self._aborts.add(seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting or self._aborts)
+
+    def result(self, seq_id: int) -> RequestOutput:
+        """The output of a finished sequence (removes it from the engine)."""
+        s = self._seqs.pop(seq_id)
+        first = s.first_token_s if s.first_token_s is not None else s.finish_s
+        return RequestOutput(s.output, s.finish_reason or "length", s.commit_lengths,
+                             (first or s.arrival_s) - s.arrival_s, (s.finish_s or s.arrival_s) - s.arrival_s,
+                             s.draft_lengths)
+
+    # ---- the iteration ----
+    def _finish(self, seq: Sequence, done: list[Sequence]) -> None:
+        self.scheduler.remove(seq)
+        self._release.append(seq.seq_id)
+        done.append(seq)
+        if seq.on_finish is not None:
+            seq.on_finish(seq.seq_id)
+            self._seqs.pop(seq.seq_id, None)  # streamed: nobody collects a result
+
+    def _run(self, plan: StepPlan):
+        if self.tp is not None:
+            self.tp.send_plan(plan)
+        return self.runner.step(plan)
+
+    def step(self) -> list[Sequence]:
+        """Run one iteration; returns the sequences that finished in it (aborts included)."""
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> list[Sequence]:
+        done: list[Sequence] = []
+        aborts, self._aborts = self._aborts, set()
+        for sid in aborts:
+            seq = self._seqs.get(sid)
+            if seq is not None and not seq.finished:
+                seq.finish_reason = "abort"
+                seq.finish_s = time.perf_counter()
+                self._finish(seq, done)
+        decoding = self.scheduler.decoding()
+        if self.controller is not None:
+            nd = self.controller.choose(len(decoding), token_budget=self.config.max_num_tokens)
+        else:
+            nd = self.block_size - 1
+        sched = self.scheduler.schedule(1 + nd)
+        plan = self._plan(sched, nd)
+        if not plan.items:
+            if plan.release:
+                self._run(plan)  # let the other ranks drop released state
+            return done
+        out = self._run(plan)
+        self._commit(sched, plan, out, done)
+        return done
+
+    def _plan(self, sched: Schedule, nd: int) -> StepPlan:
+        items = []
+        for s, n in sched.prefill:
+            table = self.blocks.ensure(s.seq_id, s.num_cached + n)
+            ends_prompt = s.num_cached + n == s.prompt_len
+            items.append(StepItem(s.seq_id, s.tokens[s.num_cached: s.num_cached + n], s.num_cached, list(table),
+                                  num_logits=int(ends_prompt)))
+        for s in sched.decode:
+            span = self.block_size if nd else 1  # the drafter writes a whole block
+            table = self.blocks.ensure(s.seq_id, s.num_cached + span)
+            items.append(StepItem(s.seq_id, [s.tokens[-1]], s.num_cached, list(table), num_draft=nd,
+                                  num_logits=1 + nd))
+        release, self._release = self._release, []
+        return StepPlan(items, self.block_size if nd and sched.decode else 0, release)
+
+    def _commit(self, sched: Schedule, plan: StepPlan, out, done: list[Sequence]) -> None:
+        st = self.stats
+        nd = plan.items[-1].num_draft if sched.decode else 0
+        if sched.decode:
+            st.verify_s += out.target_s
+            st.verify_calls += 1
+            if nd:
+                st.draft_s += out.draft_s
+                st.draft_calls += 1
+        else:
+            st.prefill_s += out.target_s
+        ctl = self.controller
+        if ctl is not None:
+            ctl.target_cost.observe(out.target_tokens, out.target_s)
+            if nd:
+                ctl.draft_cost.observe(len(sched.decode), out.draft_s)
+        n_prefill = len(sched.prefill)
+        for i, (s, n) in enumerate(sched.prefill):
+            s.num_cached += n
+            if plan.items[i].num_logits:
+                s.commit([int(choose_tokens(out.logits[i], s.request.sampling, s.generator)[0])])
+                if s.finished:
+                    self._finish(s, done)
+        for j, s in enumerate(sched.decode):
+            i = n_prefill + j
+            drafts = out.drafts[i]
+            choice = choose_tokens(out.logits[i], s.request.sampling, s.generator)
+            acc = int(accepted_lengths(torch.tensor([drafts], dtype=torch.long), choice.unsqueeze(0).cpu())[0]) \
+                if drafts else 0
+            choice_l = choice.tolist()
+            kept = s.commit(drafts[:acc] + [choice_l[acc]])
+            s.commit_lengths.append(len(kept))
+            s.draft_lengths.append(len(drafts))
+            s.num_cached += acc + 1
+            st.verify_steps += 1
+            st.committed += len(kept)
+            st.draft_tokens += len(drafts)
+            for k in range(min(acc + 1, len(drafts))):
+                st.reached[k] += 1
+                st.accepted[k] += k < acc
+            if ctl is not None and drafts:
+                ctl.observe_acceptance(len(drafts), acc)
+            if s.finished:
+                self._finish(s, done)
+            else:
+                self.blocks.truncate(s.seq_id, s.num_cached)  # roll back rejected positions
+        if ctl is not None:
+            ctl.end_step()
+
+    def run(self) -> None:
+        """Step until every queued request has finished."""
+        while self.has_unfinished():
+            self.step()
+
+    # ---- start-up cost measurement for the adaptive controller ----
+    def calibrate(self, max_tokens: int = 256) -> None:
+        """Measure target forward cost vs tokens (powers of two up to ``max_tokens`` and the
+        token budget) and drafter cost vs sequences, using scratch sequences that are freed
+        afterwards. Each size runs twice; the second (warm) time is kept."""
+        ctl = self.controller
+        K = self.block_size
+        sizes = [n for n in (2 ** i for i in range(12)) if n <= min(max_tokens, self.config.max_num_tokens)]
+        scratch = -1
+        for n in sizes:
+            if not self.blocks.can_reserve(n):
+                break
+            self.blocks.reserve(scratch, n)
+            table = list(self.blocks.ensure(scratch, n))
+            for rep in range(2):
+                out = self._run(StepPlan([StepItem(scratch, [0] * n, 0, table)], release=[scratch]))
+                if rep:
+                    ctl.target_cost.observe(n, out.target_s)
+            self.blocks.release(scratch)
+        seqs = [s for s in sizes if s <= self.config.max_batch_size and s * K <= self.config.max_num_tokens][:7]
+        for s in seqs:
+            ids = list(range(-2 - s, -2))
+            if not self.blocks.can_reserve(8 + K) or self.blocks.num_unreserved_blocks < s * self.blocks.blocks_for(8 + K):
+                break
+            tables = []
+            for sid in ids:
+                self.blocks.reserve(sid, 8 + K)
+                tables.append(list(self.blocks.ensure(sid, 8 + K)))
+            self._run(StepPlan([StepItem(sid, [0] * 7, 0, t) for sid, t in zip(ids, tables)]))
+            for rep in range(2):
+                out = self._run(StepPlan([StepItem(sid, [0], 7, t, num_draft=K - 1, num_logits=K)
+                                          for sid, t in zip(ids, tables)], draft_block=K))
+                if rep:
+                    ctl.draft_cost.observe(s, out.draft_s)
+                    ctl.target_cost.observe(out.target_tokens, out.target_s)
+            for sid in ids:
+                self.blocks.release(sid)
+            self._release.extend(ids)
+        self._run(StepPlan([], release=self._release))
+        self._release = []
+
+
+class AsyncLLM:
+    """Streams requests through an :class:`LLMEngine` stepped on a background thread.
+
+    ``async for tokens in llm.generate(request)`` yields each batch of committed tokens (one
+    list per verify step); leaving the loop early (``break``, task cancellation) aborts the
+    request. ``close()`` stops the thread.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop:
+            if self.engine.has_unfinished():
+                self.engine.step()
+            else:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    async def generate(self, request: Request) -> AsyncIterator[list[int]]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        end = object()
+        sid = self.engine.add_request(
+            request,
+            on_tokens=lambda _sid, toks: loop.call_soon_threadsafe(queue.put_nowait, list(toks)),
+            on_finish=lambda _sid: loop.call_soon_threadsafe(queue.put_nowait, end),
+        )
+        self._wake.set()
+        finished = False
+        try:
+            while (item := await queue.get()) is not end:
+                yield item
+            finished = True
+        finally:
+            if not finished:
+                self.engine.abort(sid)
+                self._wake.set()
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join()

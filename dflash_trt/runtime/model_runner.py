@@ -1,0 +1,258 @@
+"""One engine iteration on the models: batched drafting, then ONE packed target forward that
+verifies every decode request's block and runs every prefill chunk (ragged, no padding).
+
+The runner is the part every TP rank executes identically: it receives a :class:`StepPlan`
+(plain data: token ids, positions, block tables) built by rank 0's scheduler, owns the paged
+KV pools of its shard, and keeps each sequence's target features until the drafter ingests
+them. It never decides anything: acceptance and sampling happen on rank 0 (``engine.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.drafter import DFlashDrafter, sliding_visible
+from ..models.layers import AttentionMetadata
+from ..models.target import TargetModel
+from .block_manager import slots_of
+from .kv_cache import PagedKVCache
+
+
+@dataclass
+class StepItem:
+    """One sequence's work in an iteration.
+
+    Attributes:
+        seq_id: the sequence.
+        tokens: prefill: the prompt chunk; decode: ``[last committed token]`` (the anchor).
+        start: absolute position of ``tokens[0]`` (= tokens already in the target KV cache).
+        table: the sequence's block table (covers every position this step writes).
+        num_draft: decode only: draft tokens to propose and verify after the anchor (0 = plain
+            decoding step).
+        num_logits: logits wanted for the last ``num_logits`` target positions of this item
+            (prefill: 1 on the chunk that ends the prompt, else 0; decode: ``1 + num_draft``).
+    """
+
+    seq_id: int
+    tokens: list[int]
+    start: int
+    table: list[int]
+    num_draft: int = 0
+    num_logits: int = 0
+
+
+@dataclass
+class StepPlan:
+    """Everything an iteration needs; rank 0 broadcasts it to the other TP ranks.
+
+    Attributes:
+        items: prefill and decode items, in packing order.
+        draft_block: drafter block size used for drafting (positions ``start .. start +
+            draft_block - 1`` are written in the drafter's cache); 0 when nothing is drafted.
+        release: sequences that ended since the last plan (their features are dropped).
+    """
+
+    items: list[StepItem]
+    draft_block: int = 0
+    release: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    """What an iteration produced, per item (same order as ``StepPlan.items``).
+
+    Attributes:
+        drafts: proposed draft tokens (empty for items without drafts).
+        logits: ``[num_logits, vocab]`` target logits (model dtype), or None.
+        draft_s, target_s: wall seconds of the drafter and target forwards.
+        target_tokens: tokens in the target forward.
+    """
+
+    drafts: list[list[int]]
+    logits: list[torch.Tensor | None]
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    target_tokens: int = 0
+
+
+def _packed_meta(starts: list[int], lengths: list[int], query_from: list[int], query_len: int | list[int],
+                 tables: list[list[int]], tpb: int, spare_slot: int, device, window: int | None = None,
+                 causal: bool = True) -> AttentionMetadata:
+    """Attention metadata for ``S`` sequences packed into one row.
+
+    Sequence ``i`` contributes tokens at positions ``starts[i] .. starts[i] + lengths[i] - 1``
+    (all written to its slots); its queries are its last ``query_len`` tokens, whose index in the
+    query tensor starts at ``query_from[i]``. Keys are positions ``0 .. starts[i] + lengths[i] - 1``
+    of the sequence; causal: a query at ``p`` sees keys ``<= p``; non-causal: all of them
+    (minus the sliding ``window`` rule when set).
+    """
+    S = len(starts)
+    qlen = query_len if isinstance(query_len, list) else [query_len] * S
+    ends = [s + n for s, n in zip(starts, lengths)]
+    kv_len = max(ends)
+    tq = max(qlen)
+    positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)])
+    write = torch.cat([slots_of(t, torch.arange(s, e), tpb) for t, s, e in zip(tables, starts, ends)])
+    keys = torch.arange(kv_len)
+    read = torch.full((S, kv_len), spare_slot, dtype=torch.long)
+    qpos = torch.zeros(S, tq, dtype=torch.long)
+    qidx = torch.zeros(S, tq, dtype=torch.long)
+    qvalid = torch.zeros(S, tq, dtype=torch.bool)
+    for i, (t, e, q0, m) in enumerate(zip(tables, ends, query_from, qlen)):
+        read[i, :e] = slots_of(t, keys[:e], tpb)
+        qpos[i, :m] = torch.arange(e - m, e)
+        qidx[i, :m] = torch.arange(q0, q0 + m)
+        qvalid[i, :m] = True
+    n_queries = sum(qlen)
+    qidx[~qvalid] = n_queries
+    end_t = torch.tensor(ends).view(S, 1, 1)
+    if causal:
+        mask = keys.view(1, 1, -1) <= qpos.unsqueeze(-1)
+    else:
+        mask = keys.view(1, 1, -1) < end_t
+        if window is not None:
+            mask = mask & sliding_visible(qpos.unsqueeze(-1), keys.view(1, 1, -1), window)
+    to = lambda x: x.to(device)  # noqa: E731
+    return AttentionMetadata(to(positions).unsqueeze(0), to(write).unsqueeze(0), to(mask.unsqueeze(1)), kv_len,
+                             read_slots=to(read), query_index=to(qidx), query_valid=to(qvalid))
+
+
+class ModelRunner:
+    """Runs :class:`StepPlan` s on a target (and drafter) over paged KV pools.
+
+    Args:
+        target: the target model (this rank's shard under TP).
+        drafter: the DFlash drafter (replicated under TP), or None.
+        num_blocks, tokens_per_block: KV pool geometry (same for target and drafter pools).
+        tp: tensor-parallel group helper (``distributed.TPGroup``) or None; rank 0's drafts are
+            broadcast so every rank verifies the same tokens.
+
+    Memory: target pool ``2 * L * (num_blocks * tokens_per_block + 1) * Hkv * D`` elements,
+    drafter pool likewise with the drafter's layer and head counts.
+    """
+
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, num_blocks: int, tokens_per_block: int,
+                 tp=None):
+        self.target, self.drafter, self.tp = target, drafter, tp
+        self.dtype = target.embed.weight.dtype
+        self.device = target.embed.weight.device
+        self.tpb = tokens_per_block
+        tc = target.cfg
+        self.tcache = PagedKVCache(tc.num_layers, num_blocks, tokens_per_block, tc.num_kv_heads, tc.head_dim,
+                                   self.dtype, self.device)
+        self.spare_slot = num_blocks * tokens_per_block
+        self.dcache = None
+        self.capture: tuple[int, ...] = ()
+        if drafter is not None:
+            dc = drafter.cfg
+            self.dcache = PagedKVCache(dc.num_layers, num_blocks, tokens_per_block, dc.num_kv_heads, dc.head_dim,
+                                       self.dtype, self.device)
+            self.capture = tuple(dc.target_layer_ids)
+        # per sequence: (first position, target features [n, F]) not yet in the drafter's cache
+        self._features: dict[int, tuple[int, torch.Tensor]] = {}
+
+    # ---- target features waiting for the drafter (public so a test can seed a context) ----
+    def store_features(self, seq_id: int, start: int, feats: torch.Tensor) -> None:
+        """Keep features of positions ``start ..``; drops stale ones at or past ``start``
+        (rejected draft positions of the previous verify)."""
+        old = self._features.get(seq_id)
+        if old is not None:
+            first, f = old
+            feats = torch.cat([f[: start - first], feats])
+            start = first
+        self._features[seq_id] = (start, feats)
+
+    def _take_features(self, seq_id: int, upto: int) -> tuple[int, torch.Tensor]:
+        """Features of positions ``[first, upto)`` (removed from the store), and ``first``."""
+        first, f = self._features[seq_id]
+        n = upto - first
+        self._features[seq_id] = (upto, f[n:])
+        return first, f[:n]
+
+    def release(self, seq_ids: list[int]) -> None:
+        for s in seq_ids:
+            self._features.pop(s, None)
+
+    # ---- the iteration ----
+    @torch.inference_mode()
+    def draft(self, items: list[StepItem], block: int) -> list[list[int]]:
+        """ONE drafter forward for all ``items``: each gets ``item.num_draft`` greedy draft tokens.
+
+        Each item's block is ``[anchor, MASK x (block - 1)]`` at positions ``start ..``; it
+        ingests the target features of positions not yet in the drafter's context cache
+        (``[first, start)``) and sees all committed context plus its whole block (non-causal,
+        z-lab sliding rule when the drafter has a window).
+
+        Returns:
+            per item, its ``num_draft`` tokens (int).
+        """
+        d = self.drafter
+        ctx = [self._take_features(it.seq_id, it.start) for it in items]
+        starts = [first for first, _ in ctx]
+        n_ctx = [len(f) for _, f in ctx]
+        tables = [it.table for it in items]
+        # packed order: every item's context tokens, then every item's block tokens
+        ctx_meta_pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, n_ctx)]) if sum(n_ctx) else torch.zeros(0, dtype=torch.long)
+        ctx_slots = torch.cat([slots_of(t, torch.arange(s, s + n), self.tpb) for t, s, n in zip(tables, starts, n_ctx)]) \
+            if sum(n_ctx) else torch.zeros(0, dtype=torch.long)
+        blk = _packed_meta([it.start for it in items], [block] * len(items), [i * block for i in range(len(items))],
+                           block, tables, self.tpb, self.spare_slot, self.device, d.cfg.sliding_window, causal=False)
+        meta = AttentionMetadata(
+            torch.cat([ctx_meta_pos.to(self.device).unsqueeze(0), blk.positions], dim=1),
+            torch.cat([ctx_slots.to(self.device).unsqueeze(0), blk.write_slots], dim=1),
+            blk.mask, blk.kv_len, blk.read_slots, blk.query_index, blk.query_valid)
+        ids = torch.full((len(items), block), d.cfg.mask_token_id, dtype=torch.long)
+        ids[:, 0] = torch.tensor([it.tokens[0] for it in items])
+        feats = torch.cat([f for _, f in ctx]).unsqueeze(0) if sum(n_ctx) else \
+            torch.zeros(1, 0, len(self.capture) * self.target.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        hidden = d(self.target.embed(ids.to(self.device).view(1, -1)), feats, meta, self.dcache.layers)
+        logits = self.target.lm_head(hidden.view(len(items), block, -1)[:, 1:])
+        drafts = logits.argmax(-1)
+        if self.tp is not None:
+            drafts = self.tp.broadcast(drafts)
+        rows = drafts.tolist()
+        return [r[: it.num_draft] for r, it in zip(rows, items)]
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> StepOutput:
+        """Run one iteration: drafting for items with ``num_draft > 0``, then one target forward.
+
+        Returns:
+            :class:`StepOutput`; features of every target position are kept for the drafter.
+        """
+        self.release(plan.release)
+        items = plan.items
+        out = StepOutput(drafts=[[] for _ in items], logits=[None] * len(items))
+        drafting = [i for i, it in enumerate(items) if it.num_draft > 0]
+        if drafting:
+            t = time.perf_counter()
+            for i, dr in zip(drafting, self.draft([items[i] for i in drafting], plan.draft_block)):
+                out.drafts[i] = dr
+            out.draft_s = time.perf_counter() - t
+        if not items:
+            return out
+        t = time.perf_counter()
+        tokens = [it.tokens + out.drafts[i] for i, it in enumerate(items)]
+        lengths = [len(x) for x in tokens]
+        offsets = [0]
+        for n in lengths[:-1]:
+            offsets.append(offsets[-1] + n)
+        meta = _packed_meta([it.start for it in items], lengths, offsets, lengths, [it.table for it in items],
+                            self.tpb, self.spare_slot, self.device)
+        ids = torch.tensor([x for seq in tokens for x in seq], dtype=torch.long, device=self.device).unsqueeze(0)
+        rows = [o + n - it.num_logits + j for o, n, it in zip(offsets, lengths, items) for j in range(it.num_logits)]
+        index = torch.tensor(rows, dtype=torch.long, device=self.device).unsqueeze(0)
+        res = self.target(ids, meta, self.tcache.layers, self.capture, logits_index=index)
+        out.target_s = time.perf_counter() - t
+        out.target_tokens = ids.shape[1]
+        k = 0
+        for i, (it, o, n) in enumerate(zip(items, offsets, lengths)):
+            if it.num_logits:
+                out.logits[i] = res.logits[0, k: k + it.num_logits]
+                k += it.num_logits
+            if self.drafter is not None:
+                self.store_features(it.seq_id, it.start, res.features[0, o: o + n])
+        return out

@@ -1,0 +1,91 @@
+"""Request, result and counter types shared by the engine, the scheduler and their callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    Attributes:
+        prompt_ids: prompt token ids (chat template already applied), non-empty.
+        max_new_tokens: most tokens to generate (>= 1).
+        sampling: temperature / top-p / top-k / seed.
+        stop_token_ids: generation ends after any of these (included in the output); None uses
+            the target's EOS ids.
+    """
+
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: tuple[int, ...] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced.
+
+    Attributes:
+        output_ids: generated token ids (stop token included when one ended it).
+        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` (cancelled).
+        commit_lengths: tokens committed by each verify step (bonus token included).
+        ttft_s: seconds from the request's arrival (``add_request``) to its first token.
+        latency_s: seconds from its arrival to its last token.
+        draft_lengths: draft tokens verified at each of its verify steps (0 = plain step).
+    """
+
+    output_ids: list[int]
+    finish_reason: str
+    commit_lengths: list[int]
+    ttft_s: float
+    latency_s: float
+    draft_lengths: list[int] = field(default_factory=list)
+
+
+@dataclass
+class LoopStats:
+    """Counters over the verify steps of a run (an engine's lifetime or one ``generate`` call).
+
+    ``tau`` is the mean number of tokens committed per verify step (bonus included);
+    ``acceptance_per_position[k-1]`` is P(draft slot k accepted | slot k reached).
+    Times are wall seconds.
+    """
+
+    block_size: int
+    verify_steps: int = 0
+    committed: int = 0
+    draft_tokens: int = 0
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    draft_calls: int = 0
+    verify_s: float = 0.0
+    verify_calls: int = 0
+    prefill_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.reached = [0] * max(self.block_size - 1, 0)
+        self.accepted = [0] * max(self.block_size - 1, 0)
+
+    @property
+    def tau(self) -> float:
+        return self.committed / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def mean_draft_tokens(self) -> float:
+        """Draft tokens verified per verify step (0 for plain decoding)."""
+        return self.draft_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / r if r else 0.0 for a, r in zip(self.accepted, self.reached)]
+
+    def merge(self, other: "LoopStats") -> None:
+        for name in ("verify_steps", "committed", "draft_tokens", "draft_s", "draft_calls", "verify_s", "verify_calls", "prefill_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.reached = [a + b for a, b in zip(self.reached, other.reached)]
+        self.accepted = [a + b for a, b in zip(self.accepted, other.accepted)]

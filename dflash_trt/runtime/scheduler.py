@@ -1,0 +1,179 @@
+"""In-flight (continuous) batching: which sequences run in the next iteration.
+
+Requests join (``add``) and leave (finish, ``abort``) between iterations. Each iteration:
+1. every running sequence whose prompt is in the KV cache decodes (one verify block each);
+2. the remaining token budget (``max_num_tokens``) goes to prompt chunks: first sequences
+   already part-way through their prompt, then waiting requests in arrival order (FIFO: the
+   head of the queue is never overtaken), each admitted only when the block manager can
+   reserve its worst case (prompt + max new tokens + one draft block) and fewer than
+   ``max_batch_size`` sequences run. Admitted sequences are never evicted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import DFlashError
+from .block_manager import BlockManager
+from .request import Request
+
+TokenCallback = Callable[[int, list[int]], None]
+
+
+@dataclass
+class Sequence:
+    """A request's live state.
+
+    Attributes:
+        seq_id: engine-wide id.
+        request: the request.
+        tokens: prompt then committed output tokens.
+        num_cached: positions whose target K/V is in the cache (decode: ``len(tokens) - 1``).
+        output: committed output tokens.
+        finish_reason: None while running; ``"stop"``, ``"length"`` or ``"abort"``.
+    """
+
+    seq_id: int
+    request: Request
+    stops: frozenset[int]
+    generator: torch.Generator | None
+    on_tokens: TokenCallback | None = None
+    on_finish: Callable[[int], None] | None = None
+    arrival_s: float = field(default_factory=time.perf_counter)
+    tokens: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    output: list[int] = field(default_factory=list)
+    commit_lengths: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.request.prompt_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.num_cached >= self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def commit(self, toks: list[int]) -> list[int]:
+        """Append tokens, cut at a stop token or the length limit; returns what was kept and
+        sets ``finish_reason`` when the sequence ends."""
+        room = self.request.max_new_tokens - len(self.output)
+        toks = toks[:room]
+        for i, t in enumerate(toks):
+            if t in self.stops:
+                toks = toks[: i + 1]
+                self.finish_reason = "stop"
+                break
+        if self.finish_reason is None and len(self.output) + len(toks) >= self.request.max_new_tokens:
+            self.finish_reason = "length"
+        now = time.perf_counter()
+        if toks and self.first_token_s is None:
+            self.first_token_s = now
+        self.output.extend(toks)
+        self.tokens.extend(toks)
+        if self.finish_reason is not None:
+            self.finish_s = now
+        if self.on_tokens is not None and toks:
+            self.on_tokens(self.seq_id, toks)
+        return toks
+
+
+@dataclass
+class Schedule:
+    """One iteration's work: decoding sequences and ``(sequence, chunk length)`` prefills."""
+
+    decode: list[Sequence]
+    prefill: list[tuple[Sequence, int]]
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefill)
+
+
+class Scheduler:
+    """FIFO admission by KV capacity, chunked prefill within a token budget.
+
+    Args:
+        blocks: the block manager (capacity).
+        max_batch_size: most running sequences.
+        max_num_tokens: most target tokens per iteration (verify blocks + prompt chunks).
+        reserve_extra: positions reserved past ``prompt + max_new_tokens`` (the drafter writes
+            a whole block past the last committed token).
+    """
+
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_tokens: int, reserve_extra: int):
+        self.blocks = blocks
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.reserve_extra = reserve_extra
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def need(self, req: Request) -> int:
+        """Positions reserved for ``req``."""
+        return len(req.prompt_ids) + req.max_new_tokens + self.reserve_extra
+
+    def check(self, req: Request) -> None:
+        """Raises DFlashError when ``req`` could never be admitted."""
+        if not req.prompt_ids:
+            raise DFlashError("empty prompt")
+        if req.max_new_tokens < 1:
+            raise DFlashError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        n = self.blocks.blocks_for(self.need(req))
+        if n > self.blocks.num_blocks:
+            raise DFlashError(
+                f"request needs {self.need(req)} KV positions ({n} blocks of {self.blocks.tokens_per_block}); "
+                f"the cache holds {self.blocks.num_blocks} blocks")
+
+    def add(self, seq: Sequence) -> None:
+        self.check(seq.request)
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq.seq_id)
+
+    def decoding(self) -> list[Sequence]:
+        return [s for s in self.running if s.prefilled]
+
+    def schedule(self, decode_tokens: int) -> Schedule:
+        """Plan the iteration given ``decode_tokens`` target tokens per decoding sequence."""
+        decode = self.decoding()
+        budget = self.max_num_tokens - decode_tokens * len(decode)
+        prefill: list[tuple[Sequence, int]] = []
+        for s in self.running:
+            if not s.prefilled and budget > 0:
+                n = min(s.prompt_len - s.num_cached, budget)
+                prefill.append((s, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            s = self.waiting[0]
+            if not self.blocks.can_reserve(self.need(s.request)):
+                break  # FIFO: nothing overtakes the head of the queue
+            self.waiting.popleft()
+            self.blocks.reserve(s.seq_id, self.need(s.request))
+            self.running.append(s)
+            n = min(s.prompt_len, budget)
+            prefill.append((s, n))
+            budget -= n
+        return Schedule(decode, prefill)
