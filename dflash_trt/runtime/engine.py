@@ -256,9 +256,14 @@ class LLMEngine:
             ctl.end_step()
 
     def run(self) -> None:
-        """Step until every queued request has finished."""
+        """Step until every queued request has finished, then hand the runner (every TP rank)
+        the last released sequences so it drops their state."""
         while self.has_unfinished():
             self.step()
+        with self._lock:
+            if self._release:
+                release, self._release = self._release, []
+                self._run(StepPlan([], release=release))
 
     # ---- start-up cost measurement for the adaptive controller ----
     def calibrate(self, max_tokens: int = 256) -> None:
