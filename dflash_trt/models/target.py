@@ -49,10 +49,15 @@ class TargetLayer(nn.Module):
         self.attn = TargetAttention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        # tensor parallelism (runtime/distributed.shard_target): a group whose ``all_reduce``
+        # sums the row-parallel outputs of ``attn.o`` and ``mlp.down`` over the ranks
+        self.tp = None
 
     def forward(self, x, cos, sin, kv, meta):
-        x = x + self.attn(self.attn_norm(x), cos, sin, kv, meta)
-        return x + self.mlp(self.mlp_norm(x))
+        a = self.attn(self.attn_norm(x), cos, sin, kv, meta)
+        x = x + (a if self.tp is None else self.tp.all_reduce(a))
+        m = self.mlp(self.mlp_norm(x))
+        return x + (m if self.tp is None else self.tp.all_reduce(m))
 
 
 @dataclass
@@ -75,11 +80,17 @@ class TargetModel(nn.Module):
 
     Parameter names are ours (fused ``qkv`` / ``gate_up``); :meth:`load_hf_state_dict` maps HF
     Llama/Qwen names onto them.
+
+    Tensor parallelism: ``runtime/distributed.shard_target`` makes this rank's shard in place
+    (Megatron-LM column/row-parallel linears, vocab-parallel LM head with a forward hook that
+    all-gathers the logits); ``tp`` is then the group and ``cfg`` holds the local head counts.
+    With ``tp`` None (the default) nothing here communicates.
     """
 
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.cfg = cfg
+        self.tp = None  # set by runtime/distributed.shard_target
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(TargetLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -1,0 +1,339 @@
+"""Tensor parallelism across MPI ranks: rank set-up, the target's shards, the worker loop.
+
+One process per rank, started by ``mpiexec -n N`` (MPICH from the ``mpich`` wheel, or any MPI
+that mpi4py was built against). MPI gives the ranks and the rendezvous; the tensors move over
+``torch.distributed`` (gloo on CPU: CPU torch has no MPI backend; NCCL on CUDA):
+
+- :func:`init_tp` -> :class:`TPGroup` (None on a single rank);
+- :func:`shard_target` turns a full target into this rank's Megatron-LM shard, in place;
+- rank 0 runs the :class:`~.engine.LLMEngine` (scheduler, drafting decisions, acceptance,
+  sampling) and sends every :class:`~.model_runner.StepPlan` to the others with
+  :meth:`TPGroup.send_plan`; every rank executes it with its own
+  :class:`~.model_runner.ModelRunner` (:func:`run_worker` on ranks > 0);
+- :func:`tp_engine` wires the three together.
+
+Sharding (Megatron-LM, Shoeybi et al. 2019, arXiv:1909.08053 §3: ``ColumnParallelLinear`` /
+``RowParallelLinear`` in ``megatron/core/tensor_parallel/layers.py``; vLLM and TensorRT-LLM use
+the same split):
+
+==============  ===================================================  =========================
+module          this rank holds                                      after it
+==============  ===================================================  =========================
+``attn.qkv``    rows of its q heads, of its KV heads' k and v        (column-parallel, local)
+                (bias rows too: Qwen2)
+``attn.o``      input columns of its q heads                         all-reduce (row-parallel)
+``mlp.gate_up`` its rows of gate AND its rows of up                  (column-parallel, local)
+``mlp.down``    its input columns                                    all-reduce (row-parallel)
+``lm_head``     its vocabulary rows                                  all-gather of the logits
+``embed``       everything (replicated)                              --
+norms           everything (replicated; q_norm / k_norm are per-head
+                vectors shared by all heads)                         --
+==============  ===================================================  =========================
+
+Attention is split by whole KV heads, as evenly as possible, earlier ranks taking the extra
+ones (SmolLM2-135M: 9 query / 3 KV heads; TP=2 gives rank 0 KV heads 0-1 = query heads 0-5 and
+rank 1 KV head 2 = query heads 6-8). Each query head stays with its KV group, so attention
+needs no communication, and each rank's paged KV pool holds only its own KV heads (the
+:class:`~.model_runner.ModelRunner` sizes its pools from ``model.cfg``, which becomes the local
+shape). The MLP's intermediate dimension and the vocabulary are split the same way.
+
+The drafter is REPLICATED on every rank: it is 1-5 small layers and latency-bound, so sharding
+it would put two all-reduces per layer on the drafting critical path for little GEMM saving;
+its input (the target features: full hidden states, identical on every rank after the
+all-reduces) is already present everywhere. Rank 0's draft tokens are broadcast
+(``ModelRunner.draft``) so every rank verifies exactly the same tokens.
+
+Weights: each rank loads the full (tp 1) checkpoint and slices it (the default model is small).
+An engine directory built with ``dflash-trt build --tp N`` holds ``target/rank{r}.safetensors``
+(TensorRT-LLM layout, even splits, vocab padded); reading only rank ``r``'s file is not wired
+yet (its embedding is vocab-split, which the replicated embedding here does not take), so
+``checkpoints.engine.load_engine`` still refuses tp_size > 1 engines.
+
+Numerics: the row-parallel outputs are summed over ranks in another order than one GEMM sums
+them, so logits match the tp 1 model only to rounding (SmolLM2 fp32, TP=2: max |diff| 7e-5 on
+logits of magnitude ~20); greedy outputs can differ only where the target's top-2 logits tie.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import DFlashError
+from ..models.drafter import DFlashDrafter
+from ..models.target import TargetModel
+from .engine import EngineConfig, LLMEngine, check_block_size
+from .model_runner import ModelRunner, StepPlan
+
+__all__ = ["TPGroup", "init_tp", "run_worker", "shard_target", "split_sizes", "tp_engine"]
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """``n`` items in ``parts`` contiguous pieces as even as possible, earlier pieces taking
+    the extra ones (``split_sizes(3, 2) == [2, 1]``)."""
+    return [n // parts + (r < n % parts) for r in range(parts)]
+
+
+class TPGroup:
+    """This rank's view of the tensor-parallel group.
+
+    Collectives go through the default ``torch.distributed`` process group (gloo / NCCL);
+    plans go through MPI (``comm.bcast``, pickled). Every method except :meth:`send_plan`,
+    :meth:`recv_plan` and :meth:`shutdown` is a collective that every rank must call in the
+    same order with tensors of the same shape and dtype.
+
+    Attributes:
+        rank, size: this rank and the group size.
+        device: where this rank's tensors live (``cpu``, or ``cuda:<local rank>``).
+        comm: the mpi4py communicator.
+    """
+
+    def __init__(self, comm, rank: int, size: int, device: torch.device):
+        self.comm, self.rank, self.size, self.device = comm, rank, size, device
+        self._workers_looping = False  # rank 0: the other ranks are in run_worker
+
+    # ---- tensor collectives ----
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place (in ``x``'s dtype, as Megatron-LM / vLLM do);
+        returns ``x``."""
+        dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+        """Concatenate every rank's ``x`` on the last dimension, in rank order.
+
+        Args:
+            x: ``[..., n_r]``; all other dimensions equal on every rank; any dtype gloo / NCCL
+                take (fp32, bf16, fp16, int64).
+            sizes: every rank's ``n_r`` when known (from the sharding); otherwise they are
+                gathered first (one more small collective). Uneven sizes are fine: the shards
+                are zero-padded to the largest for the gather (gloo's all_gather needs equal
+                shapes) and trimmed after.
+
+        Returns:
+            ``[..., sum(sizes)]`` on every rank.
+        """
+        if sizes is None:
+            n = torch.tensor([x.shape[-1]], dtype=torch.long, device=x.device)
+            ns = [torch.zeros_like(n) for _ in range(self.size)]
+            dist.all_gather(ns, n)
+            sizes = [int(t) for t in ns]
+        m = max(sizes)
+        x = x.contiguous()
+        if x.shape[-1] < m:
+            x = torch.cat([x, x.new_zeros((*x.shape[:-1], m - x.shape[-1]))], dim=-1)
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x)
+        return torch.cat([p[..., :s] for p, s in zip(parts, sizes)], dim=-1)
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``t`` on every rank (``t`` must have the same shape and dtype everywhere);
+        returns the received tensor (``t`` itself, overwritten in place)."""
+        dist.broadcast(t, src=0)
+        return t
+
+    # ---- plans (rank 0 -> the others, over MPI) ----
+    def send_plan(self, plan: StepPlan | None) -> None:
+        """Rank 0: hand ``plan`` to every other rank (None ends their :func:`run_worker`)."""
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 sends plans")
+        self.comm.bcast(plan, root=0)
+
+    def recv_plan(self) -> StepPlan | None:
+        """Ranks > 0: the next plan from rank 0 (blocks until it comes); None = stop."""
+        if self.rank == 0:
+            raise RuntimeError("rank 0 does not receive plans")
+        return self.comm.bcast(None, root=0)
+
+    def stop_workers(self) -> None:
+        """Rank 0: end the other ranks' :func:`run_worker` loops (no-op when they are not
+        looping, and on the other ranks)."""
+        if self.rank == 0 and self._workers_looping:
+            self._workers_looping = False
+            self.send_plan(None)
+
+    def shutdown(self) -> None:
+        """Every rank calls it last: rank 0 first stops the workers' loops; then the process
+        group is destroyed (MPI itself is finalized by mpi4py at exit)."""
+        self.stop_workers()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_tp(backend: str | None = None) -> TPGroup | None:
+    """Join the tensor-parallel group of this ``mpiexec`` job (single node).
+
+    Rank and size come from ``MPI.COMM_WORLD``; rank 0 picks a free TCP port on 127.0.0.1 and
+    broadcasts it over MPI, then every rank joins ``torch.distributed`` there. With NCCL each
+    rank takes GPU ``local rank`` (from an MPI shared-memory split); with gloo the tensors stay
+    on the CPU. ``GLOO_SOCKET_IFNAME`` defaults to ``lo``.
+
+    Args:
+        backend: ``gloo`` / ``nccl``; default NCCL when CUDA is available, else gloo.
+
+    Returns:
+        the :class:`TPGroup`, or None when the job has one rank (also when started without
+        mpiexec).
+
+    Raises:
+        DFlashError: mpi4py (or an MPI library) is not installed; NCCL with more ranks on a
+            node than GPUs.
+    """
+    try:
+        from mpi4py import MPI
+    except ImportError as e:  # pragma: no cover - mpi4py is a dependency
+        raise DFlashError(f"tensor parallelism needs mpi4py and an MPI library (pip install mpich mpi4py): {e}") from None
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        return None
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        local_rank, local_size = local.Get_rank(), local.Get_size()
+        local.Free()
+        gpus = torch.cuda.device_count()
+        if local_size > gpus:  # NCCL refuses two ranks on one GPU
+            raise DFlashError(f"{local_size} ranks on this node but {gpus} GPU(s): start at most one rank per GPU")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    port = comm.bcast(_free_port() if rank == 0 else None, root=0)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    return TPGroup(comm, rank, size, device)
+
+
+def _param(t: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(t.contiguous(), requires_grad=like.requires_grad)
+
+
+@torch.no_grad()
+def shard_target(model: TargetModel, tp: TPGroup) -> TargetModel:
+    """Turn a full (tp 1) target into rank ``tp.rank``'s shard, in place (see the module
+    docstring for the split). Returns ``model``.
+
+    Afterwards ``model.cfg`` is a copy with the LOCAL ``num_heads``, ``num_kv_heads`` and
+    ``intermediate_size`` (``vocab_size`` and ``hidden_size`` stay global: the embedding is
+    replicated and the logits are gathered to the full vocabulary), every decoder layer has
+    ``layer.tp = tp`` (all-reduce after ``o`` and after ``down``), and ``lm_head`` carries a
+    forward hook that all-gathers its vocab-parallel logits, so ``model.lm_head(x)`` returns
+    full ``[..., vocab]`` logits on every rank — also when the runner calls it for drafting.
+    The forward becomes a collective: every rank must run the same forwards.
+
+    The embedding stays replicated although SmolLM2 ties it to the LM head: a vocab-parallel
+    embedding would need one more all-reduce per forward (masked lookup, then a sum) to save
+    ``1 - 1/N`` of the embedding per rank (SmolLM2 fp32, TP=2: 57 MB).
+    A tied head becomes a separate parameter (the local rows of the embedding).
+
+    Raises:
+        DFlashError: ``tp.size`` exceeds the target's KV heads ("tp_size 4 exceeds the
+            target's 3 KV heads"), or the model is already sharded.
+    """
+    cfg = model.cfg
+    n, r = tp.size, tp.rank
+    if getattr(model, "tp", None) is not None:
+        raise DFlashError("the target is already sharded")
+    if n > cfg.num_kv_heads:
+        raise DFlashError(f"tp_size {n} exceeds the target's {cfg.num_kv_heads} KV heads "
+                          f"(each rank must hold at least one whole KV head)")
+    d, H, Hkv, inter = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    group = H // Hkv
+    kv_sizes = split_sizes(Hkv, n)
+    k0, nkv = sum(kv_sizes[:r]), kv_sizes[r]
+    q0, nq = k0 * group, nkv * group
+    i_sizes = split_sizes(inter, n)
+    i0, ni = sum(i_sizes[:r]), i_sizes[r]
+    v_sizes = split_sizes(cfg.vocab_size, n)
+    v0, nv = sum(v_sizes[:r]), v_sizes[r]
+    qkv_rows = torch.cat([torch.arange(q0 * d, (q0 + nq) * d),
+                          H * d + torch.arange(k0 * d, (k0 + nkv) * d),
+                          (H + Hkv) * d + torch.arange(k0 * d, (k0 + nkv) * d)])
+    mlp_rows = torch.cat([torch.arange(i0, i0 + ni), inter + torch.arange(i0, i0 + ni)])
+    for layer in model.layers:
+        a, m = layer.attn, layer.mlp
+        rows = qkv_rows.to(a.qkv.weight.device)
+        a.qkv.weight = _param(a.qkv.weight[rows], a.qkv.weight)
+        if a.qkv.bias is not None:
+            a.qkv.bias = _param(a.qkv.bias[rows], a.qkv.bias)
+        a.qkv.out_features = len(rows)
+        a.o.weight = _param(a.o.weight[:, q0 * d: (q0 + nq) * d], a.o.weight)
+        a.o.in_features = nq * d
+        a.h, a.hkv = nq, nkv
+        m.gate_up.weight = _param(m.gate_up.weight[mlp_rows.to(m.gate_up.weight.device)], m.gate_up.weight)
+        m.gate_up.out_features = 2 * ni
+        m.down.weight = _param(m.down.weight[:, i0: i0 + ni], m.down.weight)
+        m.down.in_features = ni
+        m.intermediate = ni
+        layer.tp = tp
+    head = model.lm_head
+    head.weight = _param(head.weight[v0: v0 + nv], head.weight)  # unties a tied head
+    head.out_features = nv
+    head.register_forward_hook(lambda _mod, _inp, out: tp.all_gather_last(out, v_sizes))
+    model.cfg = dataclasses.replace(cfg, num_heads=nq, num_kv_heads=nkv, intermediate_size=ni)
+    model.tp = tp
+    return model
+
+
+def run_worker(runner: ModelRunner, tp: TPGroup) -> None:
+    """Ranks > 0: execute rank 0's plans until it sends None (:meth:`TPGroup.stop_workers`)."""
+    while (plan := tp.recv_plan()) is not None:
+        runner.step(plan)
+
+
+def tp_engine(target: TargetModel, drafter: DFlashDrafter | None, stop_token_ids: tuple[int, ...],
+              config: EngineConfig, tp: TPGroup, runner_cls: type[ModelRunner] = ModelRunner) -> LLMEngine | None:
+    """Shard ``target`` (in place) and serve it on every rank of ``tp``.
+
+    Every rank calls it with the same arguments (the full target, the same drafter, the same
+    config). Rank 0 gets an :class:`LLMEngine` whose every iteration is mirrored by the other
+    ranks; those ranks loop in :func:`run_worker` and return None once rank 0 calls
+    ``tp.stop_workers()`` (or ``tp.shutdown()``). Call ``tp.shutdown()`` on every rank at the end.
+
+    Order: the workers enter their loop right after building their runner, so they are waiting
+    in the plan broadcast when rank 0's engine constructor sends its first plans
+    (:meth:`LLMEngine.calibrate` in adaptive mode); MPI's bcast blocks both sides until they meet.
+    A setting rank 0's engine rejects stops the workers before the error propagates.
+
+    Args:
+        target: the full target (sharded here unless ``target.tp`` is already set); it is moved
+            to ``tp.device``, as is the drafter.
+        runner_cls: the :class:`ModelRunner` class (a test may substitute its own proposer; it
+            must propose the same drafts on every rank).
+
+    Raises:
+        DFlashError: a bad block size (on every rank), tp_size above the KV heads, anything
+            ``LLMEngine`` rejects (rank 0; the workers are stopped first). An error on one rank
+            in the middle of a step leaves the others waiting in a collective: run under
+            ``python -m mpi4py`` so that an uncaught exception aborts the whole job.
+    """
+    K = config.block_size if config.block_size is not None else (drafter.cfg.block_size if drafter else 1)
+    check_block_size(drafter, K)
+    if getattr(target, "tp", None) is None:
+        shard_target(target, tp)
+    if drafter is not None:
+        drafter.to(tp.device)
+    target.to(tp.device)
+    num_blocks = max(config.kv_capacity_tokens // config.tokens_per_block, 1)
+    runner = runner_cls(target, drafter if K > 1 else None, num_blocks, config.tokens_per_block, tp=tp)
+    if tp.rank != 0:
+        run_worker(runner, tp)
+        return None
+    tp._workers_looping = True
+    try:
+        return LLMEngine(target, drafter, stop_token_ids, config, runner=runner, tp=tp)
+    except BaseException:
+        tp.stop_workers()
+        raise
