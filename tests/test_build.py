@@ -278,6 +278,26 @@ def test_fp8_engine_runs_in_the_runtime(tmp_path, smollm2):
     spec = engine.generate([Request(ids, 12, greedy)], 8)[0].output_ids
     assert plain == spec and len(plain) == 12
 
+    # FP8 GEMMs (torch._scaled_mm over the engine's own e4m3 bytes and calibrated input scale)
+    from dflash_trt.checkpoints.sources import load_safetensors_file
+    from dflash_trt.quantization.fp8_linear import Fp8Linear
+
+    t8, d8, _ = load_engine(out, fp8_gemm=True)
+    qkv = t8.model.layers[3].attn.qkv
+    assert isinstance(qkv, Fp8Linear) and isinstance(t8.model.layers[3].mlp.gate_up, Fp8Linear)
+    assert not isinstance(t8.model.lm_head, Fp8Linear) and not isinstance(d8.fc, Fp8Linear)  # drafter is NVFP4
+    rank = load_safetensors_file(out / "target" / "rank0.safetensors", "t")
+    a = rank["transformer.layers.3.attention.qkv.activation_scaling_factor"]
+    assert torch.equal(qkv.input_scale.reshape(1), a)
+    x = torch.randn(5, qkv.in_features) * 0.5
+    xq = (x / a).clamp(-448, 448).to(torch.float8_e4m3fn).float() * a  # fake-quantized activation
+    want = xq @ target.model.layers[3].attn.qkv.weight.detach().t()
+    got = qkv(x)
+    assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
+    e8 = DFlashEngine(t8.model, d8, t8.stop_token_ids)
+    p8 = e8.generate([Request(ids, 12, greedy)], 1)[0].output_ids
+    assert e8.generate([Request(ids, 12, greedy)], 8)[0].output_ids == p8
+
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dflash_trt.cli", *args], capture_output=True, text=True, timeout=600)

@@ -76,14 +76,48 @@ def state_dict_from_rank(specs: list[L.TensorSpec], tensors: dict[str, torch.Ten
     return out
 
 
+def fp8_modules(model: torch.nn.Module, specs: list[L.TensorSpec], tensors: dict[str, torch.Tensor]) -> int:
+    """Swap every linear whose engine weight is FP8 for an :class:`Fp8Linear` over the engine's
+    own e4m3 bytes (``torch._scaled_mm``), instead of the dequantized copy. Fused tensors (q/k/v,
+    fc/gate) are split or joined onto our modules; their members share the per-tensor scales
+    (ModelOpt's fused export), so the FP8 GEMM is exact to the stored format. Returns how many
+    modules were swapped."""
+    from ..quantization.fp8_linear import Fp8Linear, replace_linear
+
+    parts: dict[str, list[tuple[int, str]]] = {}
+    for sp in specs:
+        if sp.linear and tensors[sp.name].dtype == torch.float8_e4m3fn:
+            parts.setdefault(sp.module, []).append((sp.rows[0] if sp.rows else 0, sp.name))
+    swapped = 0
+    for module, names in parts.items():
+        names = [n for _, n in sorted(names)]
+        bases = [n[: -len(".weight")] for n in names]
+        ws = {tensors[b + ".weights_scaling_factor"].item() for b in bases}
+        acts = {tensors[b + ".activation_scaling_factor"].item() for b in bases}
+        if len(ws) != 1 or len(acts) != 1:
+            continue  # members with their own scales: keep the dequantized weights
+        w = torch.cat([tensors[n] for n in names])
+        w_scale = tensors[bases[0] + ".weights_scaling_factor"]
+        a_scale = tensors[bases[0] + ".activation_scaling_factor"]
+        targets = module.split("|")
+        sizes = [model.get_submodule(t).weight.shape[0] for t in targets]
+        for t, piece in zip(targets, torch.split(w, sizes)):
+            old = model.get_submodule(t)
+            replace_linear(model, t, Fp8Linear(piece, w_scale, a_scale, old.bias))
+            swapped += 1
+    return swapped
+
+
 def load_engine(engine_dir: str | Path, dtype: torch.dtype | None = None,
-                rank: int = 0) -> tuple[LoadedTarget, DFlashDrafter, dict]:
+                rank: int = 0, fp8_gemm: bool = False) -> tuple[LoadedTarget, DFlashDrafter, dict]:
     """Load the target and drafter of an engine directory for TP rank ``rank``.
 
     Args:
         engine_dir: output of ``dflash-trt build``.
         dtype: compute dtype (default: the build's ``dtype``).
         rank: TP rank whose file is read.
+        fp8_gemm: run FP8 linears as FP8 GEMMs (``torch._scaled_mm``, see :func:`fp8_modules`)
+            instead of dequantizing them to ``dtype``.
 
     Returns:
         ``(target, drafter, manifest)``.
@@ -110,7 +144,10 @@ def load_engine(engine_dir: str | Path, dtype: torch.dtype | None = None,
     if tcfg.tie_word_embeddings:
         sd["lm_head.weight"] = sd["embed.weight"]
     model.load_state_dict(sd, strict=True)
-    target = with_tokenizer(model.to(cdt).eval(), d / "hf" / "target")
+    model = model.to(cdt).eval()
+    if fp8_gemm:
+        fp8_modules(model, L.target_specs(tcfg), tt)
+    target = with_tokenizer(model, d / "hf" / "target")
 
     dj = read_json(d / "hf" / "drafter" / "config.json", "engine drafter")
     dj.pop("quantization_config", None)
@@ -118,7 +155,10 @@ def load_engine(engine_dir: str | Path, dtype: torch.dtype | None = None,
     dt = load_safetensors_file(d / "drafter" / f"rank{rank}.safetensors", "engine drafter")
     drafter = DFlashDrafter(dcfg)
     drafter.load_state_dict(state_dict_from_rank(L.drafter_specs(dcfg), dt, drafter.state_dict(), cdt), strict=True)
-    return target, drafter.to(cdt).eval(), m
+    drafter = drafter.to(cdt).eval()
+    if fp8_gemm:
+        fp8_modules(drafter, L.drafter_specs(dcfg), dt)
+    return target, drafter, m
 
 
 def engine_files_ok(engine_dir: str | Path) -> list[str]:
@@ -133,7 +173,7 @@ def engine_files_ok(engine_dir: str | Path) -> list[str]:
 
 
 def load_models(target_spec: str | None, drafter_spec: str | None, engine_dir: str | None, dtype: torch.dtype,
-                need_drafter: bool = True) -> tuple[LoadedTarget, DFlashDrafter | None]:
+                need_drafter: bool = True, fp8_gemm: bool = False) -> tuple[LoadedTarget, DFlashDrafter | None]:
     """What ``generate`` / ``bench`` run: an engine directory (``--engine``) or a checkpoint pair.
 
     Raises:
@@ -146,5 +186,5 @@ def load_models(target_spec: str | None, drafter_spec: str | None, engine_dir: s
         return load_pair(target_spec, drafter_spec, dtype, need_drafter=need_drafter)
     if target_spec or drafter_spec:
         raise DFlashError("--engine holds the target and the drafter; drop --target / --drafter")
-    target, drafter, _ = load_engine(engine_dir, dtype)
+    target, drafter, _ = load_engine(engine_dir, dtype, fp8_gemm=fp8_gemm)
     return target, drafter
