@@ -51,7 +51,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-prompts", type=int, default=10)
     b.add_argument("--json", dest="json_out", help="write the result JSON here")
     b.add_argument("--peers", default="", help="comma list of peers: hf, prompt-lookup, zlab (z-lab reference loop, same drafter)")
-    b.add_argument("--plot", help="write a PNG (throughput per mode, acceptance per draft position)")
+    b.add_argument("--plot", help="write a PNG (throughput per mode, acceptance per draft position; with "
+                   "--concurrency: total vs per-user tokens/s)")
+    ld = b.add_argument_group("load benchmark (--concurrency): dflash and plain decoding under in-flight batching")
+    ld.add_argument("--concurrency", help="comma list of most requests in flight, e.g. 1,4,16,32: run the load "
+                    "benchmark instead of the batch-1 comparison")
+    ld.add_argument("--request-rate", default=None, help="Poisson arrivals in req/s (default: inf, all at t=0)")
+    ld.add_argument("--num-requests", type=int, default=None,
+                    help="requests per concurrency C (default: max(2*C, --num-prompts); prompts are cycled)")
+    ld.add_argument("--max-batch-size", type=int, default=None, help="most running sequences (default 64)")
+    ld.add_argument("--max-num-tokens", type=int, default=None, help="most target tokens per iteration (default 2048)")
+    ld.add_argument("--tokens-per-block", type=int, default=None, help="KV-cache block size in positions (default 32)")
+    ld.add_argument("--kv-capacity", type=int, default=None, metavar="TOKENS",
+                    help="KV positions per engine (default: with --engine min(its memory plan, 65536), else 65536)")
+    ld.add_argument("--no-adaptive", action="store_true",
+                    help="dflash drafts a fixed block_size - 1 tokens (default: the adaptive controller)")
     _common(b)
 
     i = sub.add_parser("init-drafter", help="write a randomly initialised drafter matched to a target")
@@ -209,9 +223,61 @@ def cmd_generate(args) -> None:
           f"finish: {out.finish_reason}]")
 
 
+_LOAD_FLAGS = ("request_rate", "num_requests", "max_batch_size", "max_num_tokens", "tokens_per_block", "kv_capacity",
+               "no_adaptive")
+
+
+def _rate(text: str | None) -> float | None:
+    """``--request-rate``: a positive number of req/s, or inf; None stays None (all at t=0)."""
+    if text is None:
+        return None
+    try:
+        r = float(text)
+    except ValueError:
+        raise DFlashError(f"--request-rate takes a number of requests per second or inf, got {text!r}") from None
+    if not r > 0:
+        raise DFlashError(f"--request-rate must be > 0 req/s (inf = all at once), got {text}")
+    return r
+
+
+def cmd_bench_load(args) -> None:
+    from .bench.load import LoadConfig, format_load_table, run_load_bench
+
+    if args.peers:
+        raise DFlashError("--peers runs the batch-1 comparison; drop --peers with --concurrency")
+    conc = _int_list(args.concurrency, "--concurrency")
+    if not conc:
+        raise DFlashError(f"--concurrency takes comma-separated integers >= 1, got {args.concurrency!r}")
+    cfg = LoadConfig(
+        concurrency=conc, request_rate=_rate(args.request_rate), num_requests=args.num_requests,
+        dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+        block_size=args.block_size, adaptive=not args.no_adaptive, temperature=args.temperature,
+        target=args.target, drafter=args.drafter, engine=args.engine, dtype=_compute_dtype(args),
+        max_batch_size=64 if args.max_batch_size is None else args.max_batch_size,
+        max_num_tokens=2048 if args.max_num_tokens is None else args.max_num_tokens,
+        tokens_per_block=32 if args.tokens_per_block is None else args.tokens_per_block,
+        kv_capacity=args.kv_capacity, json_out=args.json_out, seed=args.seed,
+    )
+    cfg.validate()
+    _setup_threads(args.threads)
+    result = run_load_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(format_load_table(result))
+    if args.json_out:
+        print(f"wrote {args.json_out}")
+    if args.plot:
+        from .bench.plots import plot_load
+
+        print(f"wrote {plot_load(result, args.plot)}")
+
+
 def cmd_bench(args) -> None:
     from .bench.runner import BenchConfig, format_table, run_bench
 
+    if args.concurrency is not None:
+        return cmd_bench_load(args)
+    given = [f"--{f.replace('_', '-')}" for f in _LOAD_FLAGS if getattr(args, f) not in (None, False)]
+    if given:
+        raise DFlashError(f"{', '.join(given)}: load benchmark flag(s); add --concurrency")
     _setup_threads(args.threads)
     cfg = BenchConfig(
         dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,

@@ -1,4 +1,5 @@
-"""PNG figures for a bench result: throughput of every mode and acceptance per draft position."""
+"""PNG figures for bench results: throughput of every mode and acceptance per draft position
+(batch 1), and throughput against per-user speed under load (``--concurrency``)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,47 @@ def plot_bench(result: dict, out: str | Path) -> Path:
     b.set_xlabel("draft position k")
     b.set_ylabel("P(accepted | reached)")
     b.set_title(f"tau {result['tau']:.2f} (tokens per verify step)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_load(result: dict, out: str | Path) -> Path:
+    """Write a PNG for a :func:`dflash_trt.bench.load.run_load_bench` result: total output
+    tokens/s (y) against per-user tokens/s (x), one line per mode, each point labelled with its
+    concurrency. Returns the path written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # label, colour, marker, label offset (points): ar labels above the points, dflash below
+    styles = {"ar": ("plain decoding (K=1)", "#888888", "s", (4, 6)),
+              "dflash": (f"DFlash (K={result['block_size']}{', adaptive' if result['adaptive'] else ''})", "#1f77b4",
+                         "o", (4, -13))}
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for mode in dict.fromkeys(r["mode"] for r in result["load"]):
+        rows = sorted((r for r in result["load"] if r["mode"] == mode), key=lambda r: r["concurrency"])
+        xs = [r["per_user_tokens_per_s"] for r in rows]
+        ys = [r["output_tokens_per_s"] for r in rows]
+        label, color, marker, offset = styles.get(mode, (mode, None, "o", (4, 6)))
+        ax.plot(xs, ys, marker=marker, color=color, label=label)
+        for r, x, y in zip(rows, xs, ys):
+            ax.annotate(f"C={r['concurrency']}", (x, y), textcoords="offset points", xytext=offset, fontsize=8,
+                        color=color)
+    ax.set_xlabel("per-user output tokens / s (median over requests)")
+    ax.set_ylabel("total output tokens / s")
+    pts = [(r["per_user_tokens_per_s"] or 0.0, r["output_tokens_per_s"] or 0.0) for r in result["load"]]
+    ax.set_xlim(0, max((x for x, _ in pts), default=1.0) * 1.18 or 1.0)
+    ax.set_ylim(0, max((y for _, y in pts), default=1.0) * 1.12 or 1.0)
+    rate = "all at t=0" if result["request_rate"] is None else f"{result['request_rate']:g} req/s"
+    ax.set_title(f"{result['dataset']}, {result['max_new_tokens']} new tokens, arrivals {rate}, "
+                 f"{result['dtype']}, {result['device']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
