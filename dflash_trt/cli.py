@@ -261,6 +261,8 @@ def cmd_bench_load(args) -> None:
     cfg.validate()
     _setup_threads(args.threads)
     result = run_load_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    if result is None:  # a TP worker rank under mpiexec
+        return
     print(format_load_table(result))
     if args.json_out:
         print(f"wrote {args.json_out}")

@@ -239,7 +239,7 @@ def test_controller_prefers_drafting_when_verify_is_flat_and_accepted():
     c.draft_cost.observe(1, 0.01)
     for _ in range(50):
         c.observe_acceptance(7, 7)
-    assert c.choose(seqs=1) == 7
+    assert c.choose(seqs=1) == (7, False)
     c2 = DraftLengthController(max_draft=7, probe=4)
     for n in (1, 8, 64, 128):
         c2.target_cost.observe(n, 0.01 * n)  # compute-bound: cost linear in tokens
@@ -247,7 +247,9 @@ def test_controller_prefers_drafting_when_verify_is_flat_and_accepted():
     for _ in range(50):
         c2.observe_acceptance(7, 0)  # nothing accepted
     picks = [c2.choose(seqs=16) for _ in range(12)]
-    assert picks[:3] == [0, 0, 0] and 7 in picks, picks  # plain decoding, with a probe every few steps
+    # plain decoding, with a one-sequence probe of the full block every few steps
+    assert picks[:3] == [(0, False)] * 3 and (7, True) in picks, picks
+    assert c2.acceptance()[0] < 0.05  # no new evidence between probes: the estimate stays low
 
 
 def test_cost_model_interpolates_and_learns():

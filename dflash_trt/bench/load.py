@@ -44,6 +44,7 @@ import torch
 from ..checkpoints.engine import load_models, read_manifest
 from ..checkpoints.loader import parse_dtype
 from ..errors import DFlashError
+from ..runtime.distributed import TPEngines, init_tp
 from ..runtime.engine import EngineConfig, LLMEngine
 from ..runtime.executor import first_divergence, top2_margin
 from ..runtime.request import LoopStats, Request
@@ -233,8 +234,11 @@ def controller_state(ctl) -> dict:
             "acceptance": ctl.acceptance()}
 
 
-def run_load_bench(cfg: LoadConfig, progress=print) -> dict:
+def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
     """Run the load benchmark and return the result dict (also written to ``cfg.json_out``).
+
+    Under ``mpiexec -n N`` the target is tensor-parallel over the N ranks: rank 0 runs the
+    benchmark and returns the result, the other ranks serve as TP workers and return None.
 
     Raises:
         DFlashError: bad settings, bad checkpoints, impossible block size or engine settings.
@@ -250,19 +254,39 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict:
     target, drafter = load_models(cfg.target, cfg.drafter, cfg.engine, dtype, need_drafter="dflash" in cfg.modes)
     prompts = [chat_prompt_ids(target.tokenizer, t) for t in texts]
     K = cfg.block_size or (drafter.cfg.block_size if drafter is not None else 1)
+    # under mpiexec: rank 0 runs the benchmark, the other ranks mirror every engine (TP shards)
+    tp = init_tp()
+    tp_engines = TPEngines(target.model, drafter, target.stop_token_ids, tp) if tp is not None else None
+    if tp is not None and tp.rank != 0:
+        tp_engines.serve()
+        tp.shutdown()
+        return None
 
     engines: dict[str, LLMEngine] = {}
-    for mode in cfg.modes:
+
+    def engine_for(mode: str) -> LLMEngine:
+        """The mode's engine, built and warmed up once (under TP: anew for every run, since the
+        worker ranks mirror one engine at a time)."""
+        if mode in engines and tp is None:
+            return engines[mode]
         ecfg = EngineConfig(block_size=K if mode == "dflash" else 1, adaptive=cfg.adaptive and mode == "dflash",
                             max_batch_size=cfg.max_batch_size, max_num_tokens=cfg.max_num_tokens,
                             tokens_per_block=cfg.tokens_per_block, kv_capacity_tokens=kv_cap)
-        progress(f"{mode}: building the engine (block size {ecfg.block_size}"
-                 f"{', adaptive: measuring forward costs' if ecfg.adaptive else ''}) ...")
-        eng = LLMEngine(target.model, drafter if mode == "dflash" else None, target.stop_token_ids, ecfg)
+        if mode not in engines:
+            progress(f"{mode}: building the engine (block size {ecfg.block_size}"
+                     f"{', adaptive: measuring forward costs' if ecfg.adaptive else ''}"
+                     f"{f', TP {tp.size}' if tp else ''}) ...")
+        use_drafter = mode == "dflash"
+        eng = (tp_engines.make(ecfg, use_drafter) if tp is not None else
+               LLMEngine(target.model, drafter if use_drafter else None, target.stop_token_ids, ecfg))
         warm = eng.add_request(Request(prompts[0], min(8, cfg.max_new_tokens), sampling))  # untimed
         eng.run()
         eng.result(warm)
         engines[mode] = eng
+        return eng
+
+    for mode in cfg.modes:
+        engine_for(mode)
 
     rows = []
     for c in cfg.concurrency:
@@ -271,7 +295,7 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict:
         req_prompts = [prompts[i % len(prompts)] for i in range(n)]
         outputs: dict[str, list[list[int]]] = {}
         for mode in cfg.modes:
-            eng = engines[mode]
+            eng = engine_for(mode)
             eng.stats = LoopStats(eng.block_size)  # count the timed requests only
             reqs = [Request(p, cfg.max_new_tokens, sampling) for p in req_prompts]
             with tqdm(total=n, desc=f"C={c} {mode}", unit="req", leave=False, disable=None) as bar:
@@ -286,9 +310,9 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict:
             divergences = []
             for i, (a, b) in enumerate(zip(outputs["ar"], outputs["dflash"])):
                 k = first_divergence(a, b)
-                if k is not None:
-                    divergences.append({"request": i, "prompt": i % len(prompts), "token": k,
-                                        "top2_margin": top2_margin(target.model, req_prompts[i] + a[:k])})
+                if k is not None:  # (a TP-sharded target only runs forwards on every rank: no margin)
+                    margin = top2_margin(target.model, req_prompts[i] + a[:k]) if tp is None else None
+                    divergences.append({"request": i, "prompt": i % len(prompts), "token": k, "top2_margin": margin})
             lossless = not divergences
         for row in rows[-len(cfg.modes):]:
             row["lossless"] = lossless
@@ -314,8 +338,12 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict:
         "engine_config": {"max_batch_size": cfg.max_batch_size, "max_num_tokens": cfg.max_num_tokens,
                           "tokens_per_block": cfg.tokens_per_block, "kv_capacity_tokens": kv_cap,
                           "kv_capacity_source": kv_src},
+        "tp_size": tp.size if tp is not None else 1,
         "load": rows,
     }
+    if tp is not None:
+        tp_engines.close()
+        tp.shutdown()
     if cfg.json_out:
         out = Path(cfg.json_out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -343,8 +371,8 @@ def format_load_table(r: dict) -> str:
     for x in r["load"]:
         note = str(x["lossless"])
         if x["divergences"]:
-            worst = max(d["top2_margin"] for d in x["divergences"])
-            note += f" ({len(x['divergences'])} diverged, top-2 margin <= {worst:.2g})"
+            margins = [d["top2_margin"] for d in x["divergences"] if d["top2_margin"] is not None]
+            note += f" ({len(x['divergences'])} diverged" + (f", top-2 margin <= {max(margins):.2g})" if margins else ")")
         lines.append(
             f"{x['concurrency']:>4} {x['mode']:<7} {x['requests']:>5} {x['output_tokens']:>7} "
             f"{x['output_tokens_per_s']:>8.1f} {x['per_user_tokens_per_s']:>10.1f} "

@@ -6,15 +6,17 @@ Model (measured, not assumed):
   powers of two and updated with every real iteration (exponential moving average per point,
   linear interpolation between points);
 - ``draft_cost(s)``: seconds of one drafter forward for ``s`` sequences, likewise;
-- ``q_k``: P(draft slot k accepted | slot k reached), decayed counts over recent steps.
+- ``q_k``: P(draft slot k accepted | slot k reached), counts that decay with every new
+  observation (recent verify steps dominate; without new drafts the estimate stays put).
 
 With ``S`` sequences decoding and ``P`` prefill tokens in the iteration, ``k`` drafts each give
 ``E(k) = 1 + sum_{j<=k} prod_{i<=j} q_i`` expected committed tokens per sequence, so the rate is
 ``S * E(k) / (target_cost(S * (k + 1) + P) + draft_cost(S) [k > 0])``; the controller takes the
 best ``k``. When the batch grows, ``target_cost`` stops being flat in ``n`` and the best ``k``
 falls toward 0: DFlash turns into plain decoding instead of losing to it. While plain decoding
-wins, every ``probe`` iterations (doubling up to ``max_probe`` while drafting keeps losing) one
-iteration drafts the full block to keep ``q_k`` current.
+wins, every ``probe`` iterations (doubling up to ``max_probe`` while drafting keeps losing) ONE
+sequence of the batch drafts the full block to keep ``q_k`` current; the probe adds one drafter
+forward and ``max_draft`` target tokens to that iteration, whatever the batch size.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class DraftLengthController:
 
     Args:
         max_draft: most draft tokens (drafter block size - 1).
-        decay: per-step decay of the acceptance counts (recent behaviour dominates).
+        decay: decay of the acceptance counts per observed verify step.
         prior: acceptance assumed before any evidence (pseudo-count 1).
         probe, max_probe: exploration interval bounds, in iterations.
     """
@@ -98,10 +100,12 @@ class DraftLengthController:
         cost = self.target_cost(seqs * (k + 1) + prefill_tokens) + (self.draft_cost(seqs) if k else 0.0)
         return seqs * self.expected_committed(k) / max(cost, 1e-9)
 
-    def choose(self, seqs: int, prefill_tokens: int = 0, token_budget: int | None = None) -> int:
-        """Draft tokens for this iteration (0..max_draft); ``seqs`` sequences are decoding."""
+    def choose(self, seqs: int, prefill_tokens: int = 0, token_budget: int | None = None) -> tuple[int, bool]:
+        """``(draft tokens per sequence, probe)`` for this iteration; ``seqs`` sequences are
+        decoding. ``probe`` true means plain decoding wins but one sequence should draft the
+        returned number of tokens to refresh the acceptance estimates."""
         if seqs == 0 or self.max_draft == 0:
-            return 0
+            return 0, False
         top = self.max_draft
         if token_budget is not None:
             top = max(0, min(top, token_budget // seqs - 1))
@@ -109,23 +113,20 @@ class DraftLengthController:
         if best > 0:
             self.since_draft = 0
             self.probe_every = self.min_probe
-            return best
+            return best, False
         self.since_draft += 1
         if self.since_draft >= self.probe_every and top > 0:
             self.since_draft = 0
             self.probe_every = min(2 * self.probe_every, self.max_probe)
-            return top
-        return 0
+            return top, True
+        return 0, False
 
     def observe_acceptance(self, num_draft: int, accepted: int) -> None:
         """One verify step of one sequence: ``accepted`` of its ``num_draft`` drafts taken."""
+        self.reached = [r * self.decay for r in self.reached]
+        self.accepted = [a * self.decay for a in self.accepted]
         for k in range(num_draft):
             if k > accepted:
                 break
             self.reached[k] += 1
             self.accepted[k] += k < accepted
-
-    def end_step(self) -> None:
-        """Decay the counts once per iteration."""
-        self.reached = [r * self.decay for r in self.reached]
-        self.accepted = [a * self.decay for a in self.accepted]

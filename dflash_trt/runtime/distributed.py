@@ -337,3 +337,41 @@ def tp_engine(target: TargetModel, drafter: DFlashDrafter | None, stop_token_ids
     except BaseException:
         tp.stop_workers()
         raise
+
+
+class TPEngines:
+    """Engines built one after another on the same TP group, driven by rank 0 (e.g. the load
+    benchmark's DFlash and plain-decoding engines under ``mpiexec -n N dflash-trt bench``).
+
+    Rank 0 calls :meth:`make` for each engine (the previous one's workers are stopped first)
+    and :meth:`close` at the end; the other ranks call :meth:`serve`, which mirrors every
+    :meth:`make` with :func:`tp_engine` and returns after :meth:`close`. Commands travel by
+    MPI bcast in the same order as the plans, so both sides always agree on what comes next.
+
+    Args:
+        target: the full target (sharded in place by the first engine).
+        drafter: the drafter (replicated), or None.
+        stop_token_ids: default stop ids.
+        tp: the TP group.
+    """
+
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, stop_token_ids: tuple[int, ...],
+                 tp: TPGroup):
+        self.target, self.drafter, self.stop_token_ids, self.tp = target, drafter, tuple(stop_token_ids), tp
+
+    def make(self, config: EngineConfig, with_drafter: bool = True) -> LLMEngine:
+        """Rank 0: a new engine mirrored on every rank (the previous one stops serving)."""
+        self.tp.stop_workers()
+        self.tp.comm.bcast(("engine", config, with_drafter), root=0)
+        return tp_engine(self.target, self.drafter if with_drafter else None, self.stop_token_ids, config, self.tp)
+
+    def serve(self) -> None:
+        """Ranks != 0: build and serve each engine rank 0 makes, until :meth:`close`."""
+        while (cmd := self.tp.comm.bcast(None, root=0)) is not None:
+            _, config, with_drafter = cmd
+            tp_engine(self.target, self.drafter if with_drafter else None, self.stop_token_ids, config, self.tp)
+
+    def close(self) -> None:
+        """Rank 0: stop the last engine's workers and end :meth:`serve` on the other ranks."""
+        self.tp.stop_workers()
+        self.tp.comm.bcast(None, root=0)

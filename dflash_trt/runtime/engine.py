@@ -177,12 +177,13 @@ class LLMEngine:
                 seq.finish_s = time.perf_counter()
                 self._finish(seq, done)
         decoding = self.scheduler.decoding()
+        probe = False
         if self.controller is not None:
-            nd = self.controller.choose(len(decoding), token_budget=self.config.max_num_tokens)
+            nd, probe = self.controller.choose(len(decoding), token_budget=self.config.max_num_tokens)
         else:
             nd = self.block_size - 1
-        sched = self.scheduler.schedule(1 + nd)
-        plan = self._plan(sched, nd)
+        sched = self.scheduler.schedule(1 if probe else 1 + nd)
+        plan = self._plan(sched, [nd] if probe else [nd] * len(sched.decode))
         if not plan.items:
             if plan.release:
                 self._run(plan)  # let the other ranks drop released state
@@ -191,28 +192,33 @@ class LLMEngine:
         self._commit(sched, plan, out, done)
         return done
 
-    def _plan(self, sched: Schedule, nd: int) -> StepPlan:
+    def _plan(self, sched: Schedule, drafts: list[int]) -> StepPlan:
+        """Items for the schedule; decoding sequence ``j`` drafts ``drafts[j]`` tokens (0 past
+        the list's end)."""
         items = []
         for s, n in sched.prefill:
             table = self.blocks.ensure(s.seq_id, s.num_cached + n)
             ends_prompt = s.num_cached + n == s.prompt_len
             items.append(StepItem(s.seq_id, s.tokens[s.num_cached: s.num_cached + n], s.num_cached, list(table),
                                   num_logits=int(ends_prompt)))
-        for s in sched.decode:
+        any_draft = False
+        for j, s in enumerate(sched.decode):
+            nd = drafts[j] if j < len(drafts) else 0
+            any_draft |= nd > 0
             span = self.block_size if nd else 1  # the drafter writes a whole block
             table = self.blocks.ensure(s.seq_id, s.num_cached + span)
             items.append(StepItem(s.seq_id, [s.tokens[-1]], s.num_cached, list(table), num_draft=nd,
                                   num_logits=1 + nd))
         release, self._release = self._release, []
-        return StepPlan(items, self.block_size if nd and sched.decode else 0, release)
+        return StepPlan(items, self.block_size if any_draft else 0, release)
 
     def _commit(self, sched: Schedule, plan: StepPlan, out, done: list[Sequence]) -> None:
         st = self.stats
-        nd = plan.items[-1].num_draft if sched.decode else 0
+        drafted = any(it.num_draft for it in plan.items)
         if sched.decode:
             st.verify_s += out.target_s
             st.verify_calls += 1
-            if nd:
+            if drafted:
                 st.draft_s += out.draft_s
                 st.draft_calls += 1
         else:
@@ -220,8 +226,8 @@ class LLMEngine:
         ctl = self.controller
         if ctl is not None:
             ctl.target_cost.observe(out.target_tokens, out.target_s)
-            if nd:
-                ctl.draft_cost.observe(len(sched.decode), out.draft_s)
+            if drafted:
+                ctl.draft_cost.observe(sum(1 for it in plan.items if it.num_draft), out.draft_s)
         n_prefill = len(sched.prefill)
         for i, (s, n) in enumerate(sched.prefill):
             s.num_cached += n
@@ -252,8 +258,6 @@ class LLMEngine:
                 self._finish(s, done)
             else:
                 self.blocks.truncate(s.seq_id, s.num_cached)  # roll back rejected positions
-        if ctl is not None:
-            ctl.end_step()
 
     def run(self) -> None:
         """Step until every queued request has finished, then hand the runner (every TP rank)
