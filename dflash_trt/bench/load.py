@@ -85,6 +85,7 @@ class LoadConfig:
     target: str | None = None
     drafter: str | None = None
     engine: str | None = None
+    fp8_gemm: bool = False
     dtype: str = "fp32"
     max_batch_size: int = 64
     max_num_tokens: int = 2048
@@ -251,7 +252,8 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
     dtype = parse_dtype(cfg.dtype)
     texts = load_prompts(cfg.dataset, cfg.num_prompts)
     sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
-    target, drafter = load_models(cfg.target, cfg.drafter, cfg.engine, dtype, need_drafter="dflash" in cfg.modes)
+    target, drafter = load_models(cfg.target, cfg.drafter, cfg.engine, dtype, need_drafter="dflash" in cfg.modes,
+                                  fp8_gemm=cfg.fp8_gemm)
     prompts = [chat_prompt_ids(target.tokenizer, t) for t in texts]
     K = cfg.block_size or (drafter.cfg.block_size if drafter is not None else 1)
     # under mpiexec: rank 0 runs the benchmark, the other ranks mirror every engine (TP shards)

@@ -37,6 +37,7 @@ class BenchConfig:
     target: str | None = None
     drafter: str | None = None
     engine: str | None = None
+    fp8_gemm: bool = False
     dtype: str = "fp32"
     peers: tuple[str, ...] = ()
     json_out: str | None = None
@@ -84,7 +85,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     texts = load_prompts(cfg.dataset, cfg.num_prompts)
     if cfg.engine and cfg.peers:
         raise DFlashError("peers run on HF checkpoints; bench an engine (--engine) without --peers")
-    target, drafter = load_models(cfg.target, cfg.drafter, cfg.engine, dtype)
+    target, drafter = load_models(cfg.target, cfg.drafter, cfg.engine, dtype, fp8_gemm=cfg.fp8_gemm)
     engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
     K = cfg.block_size or drafter.cfg.block_size
     engine.check_block_size(K)

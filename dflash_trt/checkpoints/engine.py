@@ -177,11 +177,13 @@ def load_models(target_spec: str | None, drafter_spec: str | None, engine_dir: s
     """What ``generate`` / ``bench`` run: an engine directory (``--engine``) or a checkpoint pair.
 
     Raises:
-        DFlashError: ``--engine`` together with ``--target`` / ``--drafter``, or anything the
-            loaders raise.
+        DFlashError: ``--engine`` together with ``--target`` / ``--drafter``, ``fp8_gemm``
+            without an engine, or anything the loaders raise.
     """
     from .loader import load_pair
 
+    if fp8_gemm and engine_dir is None:
+        raise DFlashError("--fp8-gemm needs --engine (an FP8 engine from dflash-trt build)")
     if engine_dir is None:
         return load_pair(target_spec, drafter_spec, dtype, need_drafter=need_drafter)
     if target_spec or drafter_spec:
