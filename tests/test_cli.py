@@ -4,28 +4,11 @@ giving one line on stderr, exit status 2 and no traceback."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
+from helpers import error_line, run
 
-CLI = [sys.executable, "-m", "dflash_trt.cli"]
-
-
-def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    return subprocess.run(CLI + list(args), capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def error_line(proc: subprocess.CompletedProcess) -> str:
-    """The last stderr line, after checking it is our one-line error with exit status 2."""
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("dflash-trt: error:")]
-    assert len(lines) == 1, proc.stderr[-2000:]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -13,17 +13,14 @@ import asyncio
 import random
 
 import pytest
-import torch
+from helpers import OracleRunner, check_same
 
 from dflash_trt.bench.datasets import chat_prompt_ids, mixed_prompts
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.adaptive import CostModel, DraftLengthController
 from dflash_trt.runtime.block_manager import BlockManager
 from dflash_trt.runtime.engine import AsyncLLM, EngineConfig, LLMEngine
-from dflash_trt.runtime.executor import DFlashEngine, Request, first_divergence, top2_margin
-from dflash_trt.runtime.model_runner import ModelRunner
-
-TIE = 1e-4
+from dflash_trt.runtime.executor import DFlashEngine, Request
 
 
 def reference_outputs(smollm2, reqs: list[Request]) -> list[list[int]]:
@@ -33,15 +30,7 @@ def reference_outputs(smollm2, reqs: list[Request]) -> list[list[int]]:
 
 
 def ties_or_fail(model, reqs, refs, outs) -> int:
-    ties = 0
-    for r, ref, got in zip(reqs, refs, outs):
-        i = first_divergence(ref, got)
-        if i is None:
-            continue
-        margin = top2_margin(model, r.prompt_ids + ref[:i])
-        assert margin < TIE, f"mismatch at new token {i}, top-2 margin {margin:.3g}: {ref} vs {got}"
-        ties += 1
-    return ties
+    return sum(check_same(model, r.prompt_ids, ref, got) for r, ref, got in zip(reqs, refs, outs))
 
 
 def drive(engine: LLMEngine, reqs: list[Request], concurrency: int, rng: random.Random,
@@ -120,24 +109,6 @@ def refs16(smollm2, reqs16):
     return reference_outputs(smollm2, reqs16)
 
 
-class OracleRunner(ModelRunner):
-    """Proposes the reference continuation with every 5th position corrupted (long accepted
-    prefixes and mid-block rejections under batching). Sequence id = request index."""
-
-    prompts: list = []
-    reference: list = []
-
-    def draft(self, items, block):
-        super().draft(items, block)
-        out = []
-        for it in items:
-            seq = self.prompts[it.seq_id] + self.reference[it.seq_id]
-            toks = [seq[p] if p < len(seq) else 0 for p in range(it.start + 1, it.start + 1 + it.num_draft)]
-            out.append([t if (it.start + 1 + k) % 5 else (t + 1) % self.target.cfg.vocab_size
-                        for k, t in enumerate(toks)])
-        return out
-
-
 @pytest.mark.parametrize("concurrency", [1, 4, 16])
 @pytest.mark.parametrize("proposer", ["drafter", "oracle"])
 def test_lossless_under_batching(smollm2, random_drafter, reqs16, refs16, concurrency, proposer):
@@ -146,7 +117,7 @@ def test_lossless_under_batching(smollm2, random_drafter, reqs16, refs16, concur
                        kv_capacity_tokens=16 * 8 * 10)
     runner = None
     if proposer == "oracle":
-        OracleRunner.prompts, OracleRunner.reference = [r.prompt_ids for r in reqs16], refs16
+        OracleRunner.continuations = [r.prompt_ids + ref for r, ref in zip(reqs16, refs16)]
         runner = OracleRunner(smollm2.model, random_drafter, cfg.kv_capacity_tokens // 8, 8)
     engine = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, cfg, runner=runner)
     outputs, streamed, order = drive(engine, reqs16, concurrency, random.Random(concurrency))

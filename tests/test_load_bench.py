@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
+from helpers import error_line, run
 
 from dflash_trt.bench.load import (
     DEFAULT_KV_CAPACITY, LoadConfig, arrival_times, drive, kv_capacity_for,
@@ -19,26 +17,11 @@ from dflash_trt.runtime.engine import EngineConfig, LLMEngine
 from dflash_trt.runtime.executor import first_divergence, top2_margin
 from dflash_trt.runtime.request import Request
 
-CLI = [sys.executable, "-m", "dflash_trt.cli"]
 TIE = 1e-4  # fp32 top-2 logit margin below which a greedy divergence is a numerical tie (test_lossless.py)
 
 ROW_KEYS = ("concurrency", "mode", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
             "mean_draft_tokens", "tau", "requests", "output_tokens", "per_user_tokens_per_s", "wall_s", "lossless",
             "divergences")
-
-
-def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    return subprocess.run(CLI + list(args), capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def error_line(proc: subprocess.CompletedProcess) -> str:
-    """The last stderr line, after checking it is our one-line error with exit status 2."""
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("dflash-trt: error:")]
-    assert len(lines) == 1, proc.stderr[-2000:]
-    return lines[0]
 
 
 def test_load_bench_cli_json_table_plot(tmp_path):

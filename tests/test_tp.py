@@ -21,16 +21,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import check_same
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.distributed import shard_target, split_sizes
 from dflash_trt.runtime.engine import LLMEngine
-from dflash_trt.runtime.executor import first_divergence, top2_margin
 from dflash_trt.runtime.request import Request
 
 from tp_worker import MAX_NEW, RUNS, engine_config, prompts_for
 
-TIE = 1e-4
 WORKER = Path(__file__).with_name("tp_worker.py")
 
 
@@ -60,16 +59,6 @@ def tp2(tmp_path_factory, smollm2):
 @pytest.fixture(scope="module")
 def prompts(smollm2):
     return prompts_for(smollm2.tokenizer)
-
-
-def check_same(model, prompt, ref, got) -> int:
-    """0 if identical; 1 if they first differ at a numerical tie; fails otherwise."""
-    i = first_divergence(ref, got)
-    if i is None:
-        return 0
-    margin = top2_margin(model, prompt + ref[:i])
-    assert margin < TIE, f"mismatch at new token {i} with top-2 margin {margin:.3g} (not a tie): {ref} vs {got}"
-    return 1
 
 
 def run_tp1(smollm2, drafter, prompts, block_size, adaptive):

@@ -22,6 +22,7 @@ import json
 import sys
 
 import torch
+from helpers import OracleRunner
 
 from dflash_trt.bench.datasets import chat_prompt_ids, mixed_prompts
 from dflash_trt.checkpoints.loader import default_mask_token_id, load_target
@@ -30,33 +31,12 @@ from dflash_trt.models.layers import AttentionMetadata
 from dflash_trt.runtime.distributed import init_tp, shard_target, tp_engine
 from dflash_trt.runtime.engine import EngineConfig
 from dflash_trt.runtime.kv_cache import KVCache
-from dflash_trt.runtime.model_runner import ModelRunner
 from dflash_trt.runtime.request import Request
 
 NUM_PROMPTS = 4
 MAX_NEW = 16
 #: (name, block size, adaptive)
 RUNS = [("block1", 1, False), ("block8", 8, False), ("block8_adaptive", 8, True)]
-
-
-class OracleRunner(ModelRunner):
-    """Drafts ``continuations[seq_id]`` (the prompt + its block-1 output), every 5th position
-    corrupted; identical on every rank. Sequence ids are request indices."""
-
-    continuations: list[list[int]] = []
-
-    def draft(self, items, block):
-        super().draft(items, block)  # the drafter forward, the gathered LM head, the broadcast
-        out = []
-        for it in items:
-            seq = self.continuations[it.seq_id]
-            toks = []
-            for k in range(1, it.num_draft + 1):
-                p = it.start + k
-                tok = seq[p] if p < len(seq) else 0
-                toks.append(tok if p % 5 else (tok + 1) % self.target.cfg.vocab_size)
-            out.append(toks)
-        return out
 
 
 def engine_config(block_size: int, adaptive: bool) -> EngineConfig:

@@ -31,12 +31,9 @@ lossless-ness bug).
 from __future__ import annotations
 
 import heapq
-import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -50,7 +47,7 @@ from ..runtime.executor import first_divergence, top2_margin
 from ..runtime.request import LoopStats, Request
 from ..runtime.sampling import SamplingParams
 from .datasets import DATASETS, chat_prompt_ids, load_prompts
-from .runner import device_name
+from .runner import device_name, write_json
 
 #: KV capacity (tokens) when neither ``kv_capacity`` nor an engine memory plan says otherwise,
 #: and the cap applied to an engine plan's capacity
@@ -347,11 +344,7 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
         tp_engines.close()
         tp.shutdown()
     if cfg.json_out:
-        out = Path(cfg.json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp, out)
+        write_json(cfg.json_out, result)
     return result
 
 

@@ -145,12 +145,18 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         "peers": peers,
     }
     if cfg.json_out:
-        out = Path(cfg.json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp, out)
+        write_json(cfg.json_out, result)
     return result
+
+
+def write_json(path: str | Path, result: dict) -> Path:
+    """Write a bench result as indented JSON, atomically (temporary file, then rename)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out)
+    return out
 
 
 def _ties(r: dict) -> str:

@@ -1,0 +1,62 @@
+"""Helpers shared by the tests (imported as ``helpers``: pytest puts tests/ on sys.path, and
+``tests/tp_worker.py`` runs from this folder)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from dflash_trt.runtime.executor import first_divergence, top2_margin
+from dflash_trt.runtime.model_runner import ModelRunner
+
+CLI = [sys.executable, "-m", "dflash_trt.cli"]
+#: fp32 top-2 logit margin below which two decoding runs may differ (a numerical tie)
+TIE = 1e-4
+
+
+def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``dflash-trt ARGS`` in a subprocess."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run(CLI + list(args), capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    """The last stderr line, after checking it is our one-line error with exit status 2."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("dflash-trt: error:")]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    return lines[0]
+
+
+def check_same(model, prompt, ref, got) -> int:
+    """0 if identical; 1 if they first differ at a numerical tie; fails otherwise."""
+    i = first_divergence(ref, got)
+    if i is None:
+        return 0
+    margin = top2_margin(model, prompt + ref[:i])
+    assert margin < TIE, f"mismatch at new token {i} with top-2 margin {margin:.3g} (not a tie): {ref} vs {got}"
+    return 1
+
+
+class OracleRunner(ModelRunner):
+    """Drafts ``continuations[seq_id]`` (prompt + its plain-decoding output) with every 5th
+    position corrupted, so verify accepts long prefixes and rejects mid-block: exercises
+    multi-token acceptance and KV rollback on the real model (a random drafter is almost never
+    accepted). Still runs the real drafter forward to keep that path live. Sequence ids are
+    request indices; set ``OracleRunner.continuations`` before use."""
+
+    continuations: list[list[int]] = []
+
+    def draft(self, items, block):
+        super().draft(items, block)
+        out = []
+        for it in items:
+            seq = self.continuations[it.seq_id]
+            toks = []
+            for p in range(it.start + 1, it.start + 1 + it.num_draft):
+                tok = seq[p] if p < len(seq) else 0
+                toks.append(tok if p % 5 else (tok + 1) % self.target.cfg.vocab_size)
+            out.append(toks)
+        return out
