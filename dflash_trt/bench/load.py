@@ -249,12 +249,13 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
     dtype = parse_dtype(cfg.dtype)
     texts = load_prompts(cfg.dataset, cfg.num_prompts)
     sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
+    # under mpiexec: rank 0 runs the benchmark, the other ranks mirror every engine (TP shards;
+    # with a tp_size N engine each rank reads only its own target rank file)
+    tp = init_tp()
     target, drafter = load_models(cfg.target, cfg.drafter, cfg.engine, dtype, need_drafter="dflash" in cfg.modes,
-                                  fp8_gemm=cfg.fp8_gemm)
+                                  fp8_gemm=cfg.fp8_gemm, rank=tp.rank if tp else 0, world_size=tp.size if tp else 1)
     prompts = [chat_prompt_ids(target.tokenizer, t) for t in texts]
     K = cfg.block_size or (drafter.cfg.block_size if drafter is not None else 1)
-    # under mpiexec: rank 0 runs the benchmark, the other ranks mirror every engine (TP shards)
-    tp = init_tp()
     tp_engines = TPEngines(target.model, drafter, target.stop_token_ids, tp) if tp is not None else None
     if tp is not None and tp.rank != 0:
         tp_engines.serve()

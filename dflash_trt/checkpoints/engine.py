@@ -7,6 +7,8 @@ process reads only the rank file of its own TP rank.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -108,9 +110,48 @@ def fp8_modules(model: torch.nn.Module, specs: list[L.TensorSpec], tensors: dict
     return swapped
 
 
+def unshard_rank_files(specs: list[L.TensorSpec], ranks: list[dict[str, torch.Tensor]],
+                       qkv: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+    """One tp_size-1 tensor dict from every rank's tensors (inverse of the builder's sharding):
+    weights, biases and NVFP4 block scales are reassembled by their spec's split, per-tensor
+    scales are the same on every rank."""
+    by_name = {sp.name: sp for sp in specs}
+    by_base = {sp.name[: -len(".weight")]: sp for sp in specs if sp.name.endswith(".weight")}
+    out: dict[str, torch.Tensor] = {}
+    for name in ranks[0]:
+        parts = [r[name] for r in ranks]
+        sp = by_name.get(name)
+        if sp is None:  # a scale tensor: "<base>.<suffix>"
+            sp = by_base[name.rsplit(".", 1)[0]]
+            if parts[0].dim() != 2:  # per-tensor scales: the same on every rank
+                out[name] = parts[0]
+                continue
+        out[name] = L.unshard(parts, sp.split, qkv)
+    return out
+
+
+@dataclass
+class EngineShard:
+    """What a rank of a tp_size > 1 engine holds besides its layers: its rank, the group size,
+    the unpadded vocabulary and its own rows of the (padded, vocab-parallel) embedding. The
+    runtime (``runtime/distributed.attach_engine_shard``) gathers the embedding over the group
+    and wires the all-reduces; before that the model cannot run."""
+
+    rank: int
+    tp_size: int
+    vocab_size: int
+    embed_rows: torch.Tensor
+
+
 def load_engine(engine_dir: str | Path, dtype: torch.dtype | None = None,
-                rank: int = 0, fp8_gemm: bool = False) -> tuple[LoadedTarget, DFlashDrafter, dict]:
+                rank: int = 0, fp8_gemm: bool = False, world_size: int = 1) -> tuple[LoadedTarget, DFlashDrafter, dict]:
     """Load the target and drafter of an engine directory for TP rank ``rank``.
+
+    A tp_size 1 engine gives complete models. A tp_size N > 1 engine must run as N ranks
+    (``world_size``): rank r reads only ``target/rank{r}.safetensors`` and gets its target
+    shard (local heads, intermediate and LM-head rows; ``model.engine_shard`` holds its
+    embedding rows, see :class:`EngineShard`). The drafter is replicated by the runtime, so every
+    rank reassembles it from the drafter's rank files (a few MB).
 
     Args:
         engine_dir: output of ``dflash-trt build``.
@@ -118,46 +159,61 @@ def load_engine(engine_dir: str | Path, dtype: torch.dtype | None = None,
         rank: TP rank whose file is read.
         fp8_gemm: run FP8 linears as FP8 GEMMs (``torch._scaled_mm``, see :func:`fp8_modules`)
             instead of dequantizing them to ``dtype``.
+        world_size: ranks in this job.
 
     Returns:
         ``(target, drafter, manifest)``.
 
     Raises:
-        DFlashError: bad directory or manifest, a missing or corrupt rank file, a tp_size > 1
-            engine (the single-process runtime runs tp_size 1; multi-rank serving runs one
-            process per rank under mpiexec).
+        DFlashError: bad directory or manifest, a missing or corrupt rank file, an engine whose
+            tp_size differs from ``world_size``.
     """
     d = Path(engine_dir).expanduser()
     m = read_manifest(d)
     tp = int(m.get("tp_size", 1))
-    if tp != 1:
-        raise DFlashError(f"engine {d} has tp_size {tp}: the single-process runtime runs tp_size 1 engines; "
-                          f"start one process per rank under mpiexec -n {tp}")
+    if tp != world_size and not (tp == 1 and world_size > 1):
+        raise DFlashError(f"engine {d} has tp_size {tp}: run it as {tp} ranks (mpiexec -n {tp}); "
+                          f"this job has {world_size}")
     cdt = dtype or parse_dtype(m.get("dtype", "fp32"))
     hf = read_json(d / "hf" / "target" / "config.json", "engine target")
     hf.pop("quantization_config", None)
     tcfg = TargetConfig.from_hf(hf)
-    tt = load_safetensors_file(d / "target" / f"rank{rank}.safetensors", "engine target")
-    model = TargetModel(tcfg)
-    own = model.state_dict()
-    sd = state_dict_from_rank(L.target_specs(tcfg), tt, own, cdt)
-    if tcfg.tie_word_embeddings:
-        sd["lm_head.weight"] = sd["embed.weight"]
+    tt = load_safetensors_file(d / "target" / f"rank{rank if tp > 1 else 0}.safetensors", "engine target")
+    specs = L.target_specs(tcfg)
+    if tp == 1:
+        model = TargetModel(tcfg)
+        sd = state_dict_from_rank(specs, tt, model.state_dict(), cdt)
+        if tcfg.tie_word_embeddings:
+            sd["lm_head.weight"] = sd["embed.weight"]
+    else:
+        local = dataclasses.replace(tcfg, num_heads=tcfg.num_heads // tp, num_kv_heads=tcfg.num_kv_heads // tp,
+                                    intermediate_size=tcfg.intermediate_size // tp)
+        model = TargetModel(local)
+        head = dequantized(tt, "lm_head.weight", cdt)
+        model.lm_head = torch.nn.Linear(tcfg.hidden_size, head.shape[0], bias=False)  # unties a tied head
+        sd = state_dict_from_rank([sp for sp in specs if sp.split != L.VOCAB], tt, model.state_dict(), cdt)
+        sd["lm_head.weight"] = head
+        sd["embed.weight"] = torch.zeros_like(model.embed.weight, dtype=cdt)  # gathered by the runtime
+        model.engine_shard = EngineShard(rank, tp, tcfg.vocab_size,
+                                         dequantized(tt, "transformer.vocab_embedding.weight", cdt))
     model.load_state_dict(sd, strict=True)
     model = model.to(cdt).eval()
     if fp8_gemm:
-        fp8_modules(model, L.target_specs(tcfg), tt)
+        fp8_modules(model, specs, tt)
     target = with_tokenizer(model, d / "hf" / "target")
 
     dj = read_json(d / "hf" / "drafter" / "config.json", "engine drafter")
     dj.pop("quantization_config", None)
     dcfg = drafter_config_from_json(dj)
-    dt = load_safetensors_file(d / "drafter" / f"rank{rank}.safetensors", "engine drafter")
+    dspecs = L.drafter_specs(dcfg)
+    dt = [load_safetensors_file(d / "drafter" / f"rank{r}.safetensors", "engine drafter") for r in range(tp)]
+    dt = dt[0] if tp == 1 else unshard_rank_files(dspecs, dt, L.qkv_sizes(dcfg.num_heads, dcfg.num_kv_heads,
+                                                                            dcfg.head_dim))
     drafter = DFlashDrafter(dcfg)
-    drafter.load_state_dict(state_dict_from_rank(L.drafter_specs(dcfg), dt, drafter.state_dict(), cdt), strict=True)
+    drafter.load_state_dict(state_dict_from_rank(dspecs, dt, drafter.state_dict(), cdt), strict=True)
     drafter = drafter.to(cdt).eval()
     if fp8_gemm:
-        fp8_modules(drafter, L.drafter_specs(dcfg), dt)
+        fp8_modules(drafter, dspecs, dt)
     return target, drafter, m
 
 
@@ -173,7 +229,8 @@ def engine_files_ok(engine_dir: str | Path) -> list[str]:
 
 
 def load_models(target_spec: str | None, drafter_spec: str | None, engine_dir: str | None, dtype: torch.dtype,
-                need_drafter: bool = True, fp8_gemm: bool = False) -> tuple[LoadedTarget, DFlashDrafter | None]:
+                need_drafter: bool = True, fp8_gemm: bool = False, rank: int = 0,
+                world_size: int = 1) -> tuple[LoadedTarget, DFlashDrafter | None]:
     """What ``generate`` / ``bench`` run: an engine directory (``--engine``) or a checkpoint pair.
 
     Raises:
@@ -188,5 +245,5 @@ def load_models(target_spec: str | None, drafter_spec: str | None, engine_dir: s
         return load_pair(target_spec, drafter_spec, dtype, need_drafter=need_drafter)
     if target_spec or drafter_spec:
         raise DFlashError("--engine holds the target and the drafter; drop --target / --drafter")
-    target, drafter, _ = load_engine(engine_dir, dtype, fp8_gemm=fp8_gemm)
+    target, drafter, _ = load_engine(engine_dir, dtype, rank=rank, fp8_gemm=fp8_gemm, world_size=world_size)
     return target, drafter

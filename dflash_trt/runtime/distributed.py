@@ -321,8 +321,10 @@ def tp_engine(target: TargetModel, drafter: DFlashDrafter | None, stop_token_ids
     """
     K = config.block_size if config.block_size is not None else (drafter.cfg.block_size if drafter else 1)
     check_block_size(drafter, K)
-    if getattr(target, "tp", None) is None:
-        shard_target(target, tp)
+    if getattr(target, "engine_shard", None) is not None:
+        attach_engine_shard(target, tp)  # a tp_size N engine: this rank read its own file
+    elif getattr(target, "tp", None) is None:
+        shard_target(target, tp)  # a tp_size 1 checkpoint: split it here
     if drafter is not None:
         drafter.to(tp.device)
     target.to(tp.device)
@@ -375,3 +377,30 @@ class TPEngines:
         """Rank 0: stop the last engine's workers and end :meth:`serve` on the other ranks."""
         self.tp.stop_workers()
         self.tp.comm.bcast(None, root=0)
+
+
+@torch.no_grad()
+def attach_engine_shard(model: TargetModel, tp: TPGroup) -> TargetModel:
+    """Make a target shard read from a tp_size N engine (``load_engine(..., rank=r,
+    world_size=N)``: rank r's own file only) runnable on the group: the vocab-parallel
+    embedding rows are gathered into a full, replicated embedding (as :func:`shard_target`
+    keeps it), every layer all-reduces after ``o`` and ``down``, and the LM head's local rows
+    are gathered to full logits (the vocabulary padding trimmed). Returns ``model``.
+
+    Raises:
+        DFlashError: the shard was written for another rank or group size.
+    """
+    sh = model.engine_shard
+    if (sh.rank, sh.tp_size) != (tp.rank, tp.size):
+        raise DFlashError(f"engine shard of rank {sh.rank}/{sh.tp_size} loaded on rank {tp.rank}/{tp.size}")
+    rows = sh.embed_rows.to(tp.device)
+    full = tp.all_gather_last(rows.t().contiguous()).t()[: sh.vocab_size]
+    model.embed.weight.copy_(full)
+    for layer in model.layers:
+        layer.tp = tp
+    local = model.lm_head.out_features
+    model.lm_head.register_forward_hook(
+        lambda _mod, _inp, out: tp.all_gather_last(out, [local] * tp.size)[..., : sh.vocab_size])
+    model.tp = tp
+    del model.engine_shard
+    return model

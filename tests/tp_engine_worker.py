@@ -1,0 +1,43 @@
+"""One rank of ``test_tp.py::test_tp3_engine_rank_files``: ``mpiexec -n 3 python -m mpi4py
+tests/tp_engine_worker.py ENGINE_DIR OUT.json``. Each rank loads only its own target rank file of
+a tp_size 3 engine (``load_engine(..., rank=r, world_size=3)``), the TP engine gathers the
+vocab-parallel embedding and wires the all-reduces, and real prompts are decoded greedily with
+block size 1 and 8; rank 0 writes the outputs."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from tp_worker import MAX_NEW, engine_config, prompts_for
+
+from dflash_trt.checkpoints.engine import load_engine
+from dflash_trt.runtime.distributed import init_tp, tp_engine
+from dflash_trt.runtime.request import Request
+
+
+def main(engine_dir: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    tp = init_tp()
+    target, drafter, _ = load_engine(engine_dir, torch.float32, rank=tp.rank, world_size=tp.size)
+    shard_heads = target.model.cfg.num_heads
+    prompts = prompts_for(target.tokenizer)[:3]
+    outputs = {}
+    for K in (1, 8):
+        engine = tp_engine(target.model, drafter, target.stop_token_ids, engine_config(K, False), tp)
+        if engine is None:
+            continue
+        sids = [engine.add_request(Request(p, MAX_NEW)) for p in prompts]
+        engine.run()
+        outputs[K] = [engine.result(s).output_ids for s in sids]
+        tp.stop_workers()
+    heads = tp.comm.gather(shard_heads, root=0)
+    tp.shutdown()
+    if tp.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"outputs": outputs, "heads_per_rank": heads}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
