@@ -47,7 +47,7 @@ from ..runtime.executor import first_divergence, top2_margin
 from ..runtime.request import LoopStats, Request
 from ..runtime.sampling import SamplingParams
 from .datasets import DATASETS, chat_prompt_ids, load_prompts
-from .runner import device_name, write_json
+from .runner import BenchConfig, device_name, write_json
 
 #: KV capacity (tokens) when neither ``kv_capacity`` nor an engine memory plan says otherwise,
 #: and the cap applied to an engine plan's capacity
@@ -57,8 +57,9 @@ MODES = ("dflash", "ar")
 
 
 @dataclass
-class LoadConfig:
-    """Settings of one load benchmark (``dflash-trt bench --concurrency ...`` flags).
+class LoadConfig(BenchConfig):
+    """Settings of one load benchmark (``dflash-trt bench --concurrency ...`` flags): the
+    model, prompt and sampling settings of :class:`BenchConfig` (``peers`` unused) plus
 
     Attributes:
         concurrency: the ``C`` values (most requests in flight), each >= 1.
@@ -73,23 +74,11 @@ class LoadConfig:
     concurrency: tuple[int, ...] = (1, 4, 16, 32)
     request_rate: float | None = None
     num_requests: int | None = None
-    dataset: str = "gsm8k"
-    num_prompts: int = 10
-    max_new_tokens: int = 128
-    block_size: int | None = None
     adaptive: bool = True
-    temperature: float = 0.0
-    target: str | None = None
-    drafter: str | None = None
-    engine: str | None = None
-    fp8_gemm: bool = False
-    dtype: str = "fp32"
     max_batch_size: int = 64
     max_num_tokens: int = 2048
     tokens_per_block: int = 32
     kv_capacity: int | None = None
-    json_out: str | None = None
-    seed: int = 0
     modes: tuple[str, ...] = field(default=MODES)
 
     def validate(self) -> None:

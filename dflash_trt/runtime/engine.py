@@ -87,6 +87,8 @@ class LLMEngine:
         cfg = config or EngineConfig()
         K = cfg.block_size if cfg.block_size is not None else (drafter.cfg.block_size if drafter else 1)
         check_block_size(drafter, K)
+        if cfg.tokens_per_block < 1:
+            raise DFlashError(f"tokens_per_block must be >= 1, got {cfg.tokens_per_block}")
         if cfg.max_num_tokens < K or cfg.max_batch_size < 1:
             raise DFlashError(f"max_num_tokens ({cfg.max_num_tokens}) must be >= the block size ({K}) "
                               f"and max_batch_size ({cfg.max_batch_size}) >= 1")
