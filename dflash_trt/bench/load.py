@@ -173,11 +173,10 @@ def drive(engine: LLMEngine, requests: list[Request], arrivals: list[float], con
         if live:
             for seq in engine.step():
                 idx, release = live.pop(seq.seq_id)
-                engine.result(seq.seq_id)  # the engine forgets it
-                finish = seq.finish_s - t0
-                first = (seq.first_token_s if seq.first_token_s is not None else seq.finish_s) - t0
-                records[idx] = _Record(list(seq.output), release, first, finish)
-                heapq.heappush(slots, finish)
+                out = engine.result(seq.seq_id)  # times from the engine's arrival; the engine forgets it
+                arrival = seq.arrival_s - t0
+                records[idx] = _Record(out.output_ids, release, arrival + out.ttft_s, arrival + out.latency_s)
+                heapq.heappush(slots, records[idx].finish_s)
                 if progress is not None:
                     progress.update(1)
         else:

@@ -132,14 +132,13 @@ def unshard_rank_files(specs: list[L.TensorSpec], ranks: list[dict[str, torch.Te
 
 @dataclass
 class EngineShard:
-    """What a rank of a tp_size > 1 engine holds besides its layers: its rank, the group size,
-    the unpadded vocabulary and its own rows of the (padded, vocab-parallel) embedding. The
+    """What a rank of a tp_size > 1 engine holds besides its layers: its rank, the group size
+    and its own rows of the (padded, vocab-parallel) embedding. The
     runtime (``runtime/distributed.attach_engine_shard``) gathers the embedding over the group
     and wires the all-reduces; before that the model cannot run."""
 
     rank: int
     tp_size: int
-    vocab_size: int
     embed_rows: torch.Tensor
 
 
@@ -194,7 +193,7 @@ def load_engine(engine_dir: str | Path, dtype: torch.dtype | None = None,
         sd = state_dict_from_rank([sp for sp in specs if sp.split != L.VOCAB], tt, model.state_dict(), cdt)
         sd["lm_head.weight"] = head
         sd["embed.weight"] = torch.zeros_like(model.embed.weight, dtype=cdt)  # gathered by the runtime
-        model.engine_shard = EngineShard(rank, tp, tcfg.vocab_size,
+        model.engine_shard = EngineShard(rank, tp,
                                          dequantized(tt, "transformer.vocab_embedding.weight", cdt))
     model.load_state_dict(sd, strict=True)
     model = model.to(cdt).eval()

@@ -9,9 +9,9 @@ Model (measured, not assumed):
 - ``q_k``: P(draft slot k accepted | slot k reached), counts that decay with every new
   observation (recent verify steps dominate; without new drafts the estimate stays put).
 
-With ``S`` sequences decoding and ``P`` prefill tokens in the iteration, ``k`` drafts each give
-``E(k) = 1 + sum_{j<=k} prod_{i<=j} q_i`` expected committed tokens per sequence, so the rate is
-``S * E(k) / (target_cost(S * (k + 1) + P) + draft_cost(S) [k > 0])``; the controller takes the
+With ``S`` sequences decoding, ``k`` drafts each give ``E(k) = 1 + sum_{j<=k} prod_{i<=j} q_i``
+expected committed tokens per sequence, so the rate is
+``S * E(k) / (target_cost(S * (k + 1)) + draft_cost(S) [k > 0])``; the controller takes the
 best ``k``. When the batch grows, ``target_cost`` stops being flat in ``n`` and the best ``k``
 falls toward 0: DFlash turns into plain decoding instead of losing to it. While plain decoding
 wins, every ``probe`` iterations (doubling up to ``max_probe`` while drafting keeps losing) ONE
@@ -95,12 +95,12 @@ class DraftLengthController:
             e += p
         return e
 
-    def rate(self, k: int, seqs: int, prefill_tokens: int) -> float:
+    def rate(self, k: int, seqs: int) -> float:
         """Expected committed tokens per second of an iteration with ``k`` drafts."""
-        cost = self.target_cost(seqs * (k + 1) + prefill_tokens) + (self.draft_cost(seqs) if k else 0.0)
+        cost = self.target_cost(seqs * (k + 1)) + (self.draft_cost(seqs) if k else 0.0)
         return seqs * self.expected_committed(k) / max(cost, 1e-9)
 
-    def choose(self, seqs: int, prefill_tokens: int = 0, token_budget: int | None = None) -> tuple[int, bool]:
+    def choose(self, seqs: int, token_budget: int | None = None) -> tuple[int, bool]:
         """``(draft tokens per sequence, probe)`` for this iteration; ``seqs`` sequences are
         decoding. ``probe`` true means plain decoding wins but one sequence should draft the
         returned number of tokens to refresh the acceptance estimates."""
@@ -109,7 +109,7 @@ class DraftLengthController:
         top = self.max_draft
         if token_budget is not None:
             top = max(0, min(top, token_budget // seqs - 1))
-        best = max(range(top + 1), key=lambda k: (self.rate(k, seqs, prefill_tokens), -k))
+        best = max(range(top + 1), key=lambda k: (self.rate(k, seqs), -k))
         if best > 0:
             self.since_draft = 0
             self.probe_every = self.min_probe

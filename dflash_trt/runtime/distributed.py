@@ -43,11 +43,11 @@ its input (the target features: full hidden states, identical on every rank afte
 all-reduces) is already present everywhere. Rank 0's draft tokens are broadcast
 (``ModelRunner.draft``) so every rank verifies exactly the same tokens.
 
-Weights: each rank loads the full (tp 1) checkpoint and slices it (the default model is small).
-An engine directory built with ``dflash-trt build --tp N`` holds ``target/rank{r}.safetensors``
-(TensorRT-LLM layout, even splits, vocab padded); reading only rank ``r``'s file is not wired
-yet (its embedding is vocab-split, which the replicated embedding here does not take), so
-``checkpoints.engine.load_engine`` still refuses tp_size > 1 engines.
+Weights: from a tp 1 checkpoint or engine each rank loads everything and slices it
+(:func:`shard_target`; uneven splits allowed). An engine directory built with
+``dflash-trt build --tp N`` (TensorRT-LLM layout, even splits, vocab padded) runs as N ranks,
+rank r reading only ``target/rank{r}.safetensors`` (``checkpoints.engine.load_engine``);
+:func:`attach_engine_shard` gathers its vocab-split embedding once into the replicated one.
 
 Numerics: the row-parallel outputs are summed over ranks in another order than one GEMM sums
 them, so logits match the tp 1 model only to rounding (SmolLM2 fp32, TP=2: max |diff| 7e-5 on
@@ -70,7 +70,8 @@ from ..models.target import TargetModel
 from .engine import EngineConfig, LLMEngine, check_block_size
 from .model_runner import ModelRunner, StepPlan
 
-__all__ = ["TPGroup", "init_tp", "run_worker", "shard_target", "split_sizes", "tp_engine"]
+__all__ = ["TPEngines", "TPGroup", "attach_engine_shard", "init_tp", "run_worker", "shard_target", "split_sizes",
+           "tp_engine"]
 
 
 def split_sizes(n: int, parts: int) -> list[int]:
@@ -277,12 +278,22 @@ def shard_target(model: TargetModel, tp: TPGroup) -> TargetModel:
         m.down.weight = _param(m.down.weight[:, i0: i0 + ni], m.down.weight)
         m.down.in_features = ni
         m.intermediate = ni
-        layer.tp = tp
     head = model.lm_head
     head.weight = _param(head.weight[v0: v0 + nv], head.weight)  # unties a tied head
     head.out_features = nv
-    head.register_forward_hook(lambda _mod, _inp, out: tp.all_gather_last(out, v_sizes))
     model.cfg = dataclasses.replace(cfg, num_heads=nq, num_kv_heads=nkv, intermediate_size=ni)
+    return _wire(model, tp, v_sizes)
+
+
+def _wire(model: TargetModel, tp: TPGroup, vocab_sizes: list[int]) -> TargetModel:
+    """Make a shard's forward collective: every layer all-reduces after ``o`` and ``down``, and
+    the LM head's rows (``vocab_sizes[r]`` on rank r) are all-gathered to the full vocabulary
+    (``model.cfg.vocab_size``; padding rows past it are dropped)."""
+    vocab = model.cfg.vocab_size
+    for layer in model.layers:
+        layer.tp = tp
+    model.lm_head.register_forward_hook(
+        lambda _mod, _inp, out: tp.all_gather_last(out, vocab_sizes)[..., :vocab])
     model.tp = tp
     return model
 
@@ -394,13 +405,7 @@ def attach_engine_shard(model: TargetModel, tp: TPGroup) -> TargetModel:
     if (sh.rank, sh.tp_size) != (tp.rank, tp.size):
         raise DFlashError(f"engine shard of rank {sh.rank}/{sh.tp_size} loaded on rank {tp.rank}/{tp.size}")
     rows = sh.embed_rows.to(tp.device)
-    full = tp.all_gather_last(rows.t().contiguous()).t()[: sh.vocab_size]
+    full = tp.all_gather_last(rows.t().contiguous()).t()[: model.cfg.vocab_size]
     model.embed.weight.copy_(full)
-    for layer in model.layers:
-        layer.tp = tp
-    local = model.lm_head.out_features
-    model.lm_head.register_forward_hook(
-        lambda _mod, _inp, out: tp.all_gather_last(out, [local] * tp.size)[..., : sh.vocab_size])
-    model.tp = tp
     del model.engine_shard
-    return model
+    return _wire(model, tp, [model.lm_head.out_features] * tp.size)

@@ -145,10 +145,10 @@ class LLMEngine:
     def result(self, seq_id: int) -> RequestOutput:
         """The output of a finished sequence (removes it from the engine)."""
         s = self._seqs.pop(seq_id)
-        first = s.first_token_s if s.first_token_s is not None else s.finish_s
-        return RequestOutput(s.output, s.finish_reason or "length", s.commit_lengths,
-                             (first or s.arrival_s) - s.arrival_s, (s.finish_s or s.arrival_s) - s.arrival_s,
-                             s.draft_lengths)
+        end = s.finish_s or s.arrival_s
+        first = s.first_token_s or end  # an abort before any token
+        return RequestOutput(s.output, s.finish_reason or "length", s.commit_lengths, first - s.arrival_s,
+                             end - s.arrival_s, s.draft_lengths)
 
     # ---- the iteration ----
     def _finish(self, seq: Sequence, done: list[Sequence]) -> None:
@@ -248,12 +248,7 @@ class LLMEngine:
             s.commit_lengths.append(len(kept))
             s.draft_lengths.append(len(drafts))
             s.num_cached += acc + 1
-            st.verify_steps += 1
-            st.committed += len(kept)
-            st.draft_tokens += len(drafts)
-            for k in range(min(acc + 1, len(drafts))):
-                st.reached[k] += 1
-                st.accepted[k] += k < acc
+            st.record_verify(len(drafts), acc, len(kept))
             if ctl is not None and drafts:
                 ctl.observe_acceptance(len(drafts), acc)
             if s.finished:
@@ -276,41 +271,42 @@ class LLMEngine:
         """Measure target forward cost vs tokens (powers of two up to ``max_tokens`` and the
         token budget) and drafter cost vs sequences, using scratch sequences that are freed
         afterwards. Each size runs twice; the second (warm) time is kept."""
-        ctl = self.controller
-        K = self.block_size
+        ctl, K, bm = self.controller, self.block_size, self.blocks
         sizes = [n for n in (2 ** i for i in range(12)) if n <= min(max_tokens, self.config.max_num_tokens)]
-        scratch = -1
-        for n in sizes:
-            if not self.blocks.can_reserve(n):
+        scratch: list[int] = []  # negative ids, never a request's
+
+        def reserve(sids: list[int], n: int) -> list[list[int]] | None:
+            if bm.num_unreserved_blocks < len(sids) * bm.blocks_for(n):
+                return None
+            for sid in sids:
+                bm.reserve(sid, n)
+            scratch.extend(sids)
+            return [list(bm.ensure(sid, n)) for sid in sids]
+
+        def warm(plan: StepPlan):  # run twice, keep the second (warm) timing
+            self._run(plan)
+            return self._run(plan)
+
+        for n in sizes:  # target: one prompt of n tokens
+            tables = reserve([-1 - len(scratch)], n)
+            if tables is None:
                 break
-            self.blocks.reserve(scratch, n)
-            table = list(self.blocks.ensure(scratch, n))
-            for rep in range(2):
-                out = self._run(StepPlan([StepItem(scratch, [0] * n, 0, table)], release=[scratch]))
-                if rep:
-                    ctl.target_cost.observe(n, out.target_s)
-            self.blocks.release(scratch)
-        seqs = [s for s in sizes if s <= self.config.max_batch_size and s * K <= self.config.max_num_tokens][:7]
-        for s in seqs:
-            ids = list(range(-2 - s, -2))
-            if not self.blocks.can_reserve(8 + K) or self.blocks.num_unreserved_blocks < s * self.blocks.blocks_for(8 + K):
+            out = warm(StepPlan([StepItem(scratch[-1], [0] * n, 0, tables[0])]))
+            ctl.target_cost.observe(n, out.target_s)
+            bm.release(scratch[-1])  # the next size reuses the blocks
+        for s in [s for s in sizes if s <= self.config.max_batch_size and s * K <= self.config.max_num_tokens][:7]:
+            sids = [-1 - len(scratch) - i for i in range(s)]  # drafter: s sequences with 7 tokens of context
+            tables = reserve(sids, 8 + K)
+            if tables is None:
                 break
-            tables = []
-            for sid in ids:
-                self.blocks.reserve(sid, 8 + K)
-                tables.append(list(self.blocks.ensure(sid, 8 + K)))
-            self._run(StepPlan([StepItem(sid, [0] * 7, 0, t) for sid, t in zip(ids, tables)]))
-            for rep in range(2):
-                out = self._run(StepPlan([StepItem(sid, [0], 7, t, num_draft=K - 1, num_logits=K)
-                                          for sid, t in zip(ids, tables)], draft_block=K))
-                if rep:
-                    ctl.draft_cost.observe(s, out.draft_s)
-                    ctl.target_cost.observe(out.target_tokens, out.target_s)
-            for sid in ids:
-                self.blocks.release(sid)
-            self._release.extend(ids)
-        self._run(StepPlan([], release=self._release))
-        self._release = []
+            self._run(StepPlan([StepItem(sid, [0] * 7, 0, t) for sid, t in zip(sids, tables)]))
+            out = warm(StepPlan([StepItem(sid, [0], 7, t, num_draft=K - 1, num_logits=K)
+                                 for sid, t in zip(sids, tables)], draft_block=K))
+            ctl.draft_cost.observe(s, out.draft_s)
+            ctl.target_cost.observe(out.target_tokens, out.target_s)
+        for sid in scratch:
+            bm.release(sid)  # (a no-op for those already released)
+        self._run(StepPlan([], release=scratch))  # the runner drops their features
 
 
 class AsyncLLM:

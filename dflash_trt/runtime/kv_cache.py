@@ -1,10 +1,11 @@
 """KV cache buffers for the target and the drafter's context K/V.
 
-One contiguous slab per layer, indexed by absolute position: slot ``p`` holds the K/V of the
-token at position ``p`` of that row. Rolling back rejected draft positions costs nothing:
-the runtime keeps each row's committed length, later writes overwrite the stale slots, and
-the attention mask hides anything at or past a query's own position. The last slot is a
-trash slot that padded tokens write into.
+- :class:`PagedKVCache`: the serving engine's slot pools (blocks handed out by
+  ``block_manager.py``).
+- :class:`KVCache`: one contiguous slab per layer and row for whole-sequence forwards outside the
+  engine (target features for training and calibration, tie checks): slot ``p`` holds the K/V
+  of the token at position ``p`` of that row; the last slot is a trash slot that padded tokens
+  write into.
 """
 
 from __future__ import annotations
@@ -38,13 +39,6 @@ class KVCache:
     def trash_slot(self) -> int:
         return self.capacity
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Drop finished rows: keep only ``rows`` (int64 indices), in that order (one copy)."""
-        self.layers = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.layers]
-
-    def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)
-
 
 class PagedKVCache:
     """Slot pools of a paged KV cache: per layer ``(k, v)``, each
@@ -68,6 +62,3 @@ class PagedKVCache:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)
         ]
-
-    def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)

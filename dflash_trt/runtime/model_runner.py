@@ -9,8 +9,10 @@ them. It never decides anything: acceptance and sampling happen on rank 0 (``eng
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -78,6 +80,14 @@ class StepOutput:
     target_tokens: int = 0
 
 
+def _written(tables: list[list[int]], starts: list[int], lengths: list[int], tpb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and pool slots of ``lengths[i]`` tokens from ``starts[i]`` of each sequence,
+    concatenated in sequence order (int64 ``[N]`` each; empty when nothing is written)."""
+    pos = [torch.arange(s, s + n) for s, n in zip(starts, lengths)]
+    empty = [torch.zeros(0, dtype=torch.long)]
+    return torch.cat(pos + empty), torch.cat([slots_of(t, p, tpb) for t, p in zip(tables, pos)] + empty)
+
+
 def _packed_meta(starts: list[int], lengths: list[int], query_from: list[int], query_len: int | list[int],
                  tables: list[list[int]], tpb: int, spare_slot: int, device, window: int | None = None,
                  causal: bool = True) -> AttentionMetadata:
@@ -94,8 +104,7 @@ def _packed_meta(starts: list[int], lengths: list[int], query_from: list[int], q
     ends = [s + n for s, n in zip(starts, lengths)]
     kv_len = max(ends)
     tq = max(qlen)
-    positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)])
-    write = torch.cat([slots_of(t, torch.arange(s, e), tpb) for t, s, e in zip(tables, starts, ends)])
+    positions, write = _written(tables, starts, lengths, tpb)
     keys = torch.arange(kv_len)
     read = torch.full((S, kv_len), spare_slot, dtype=torch.long)
     qpos = torch.zeros(S, tq, dtype=torch.long)
@@ -191,23 +200,17 @@ class ModelRunner:
         """
         d = self.drafter
         ctx = [self._take_features(it.seq_id, it.start) for it in items]
-        starts = [first for first, _ in ctx]
-        n_ctx = [len(f) for _, f in ctx]
         tables = [it.table for it in items]
         # packed order: every item's context tokens, then every item's block tokens
-        ctx_meta_pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, n_ctx)]) if sum(n_ctx) else torch.zeros(0, dtype=torch.long)
-        ctx_slots = torch.cat([slots_of(t, torch.arange(s, s + n), self.tpb) for t, s, n in zip(tables, starts, n_ctx)]) \
-            if sum(n_ctx) else torch.zeros(0, dtype=torch.long)
+        ctx_pos, ctx_slots = _written(tables, [first for first, _ in ctx], [len(f) for _, f in ctx], self.tpb)
         blk = _packed_meta([it.start for it in items], [block] * len(items), [i * block for i in range(len(items))],
                            block, tables, self.tpb, self.spare_slot, self.device, d.cfg.sliding_window, causal=False)
-        meta = AttentionMetadata(
-            torch.cat([ctx_meta_pos.to(self.device).unsqueeze(0), blk.positions], dim=1),
-            torch.cat([ctx_slots.to(self.device).unsqueeze(0), blk.write_slots], dim=1),
-            blk.mask, blk.kv_len, blk.read_slots, blk.query_index, blk.query_valid)
+        meta = dataclasses.replace(
+            blk, positions=torch.cat([ctx_pos.to(self.device).unsqueeze(0), blk.positions], dim=1),
+            write_slots=torch.cat([ctx_slots.to(self.device).unsqueeze(0), blk.write_slots], dim=1))
         ids = torch.full((len(items), block), d.cfg.mask_token_id, dtype=torch.long)
         ids[:, 0] = torch.tensor([it.tokens[0] for it in items])
-        feats = torch.cat([f for _, f in ctx]).unsqueeze(0) if sum(n_ctx) else \
-            torch.zeros(1, 0, len(self.capture) * self.target.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        feats = torch.cat([f for _, f in ctx]).unsqueeze(0)  # [1, N_ctx, F]; N_ctx may be 0
         hidden = d(self.target.embed(ids.to(self.device).view(1, -1)), feats, meta, self.dcache.layers)
         logits = self.target.lm_head(hidden.view(len(items), block, -1)[:, 1:])
         drafts = logits.argmax(-1)
@@ -237,9 +240,7 @@ class ModelRunner:
         t = time.perf_counter()
         tokens = [it.tokens + out.drafts[i] for i, it in enumerate(items)]
         lengths = [len(x) for x in tokens]
-        offsets = [0]
-        for n in lengths[:-1]:
-            offsets.append(offsets[-1] + n)
+        offsets = list(accumulate(lengths[:-1], initial=0))
         meta = _packed_meta([it.start for it in items], lengths, offsets, lengths, [it.table for it in items],
                             self.tpb, self.spare_slot, self.device)
         ids = torch.tensor([x for seq in tokens for x in seq], dtype=torch.long, device=self.device).unsqueeze(0)

@@ -75,6 +75,16 @@ class LoopStats:
     def tau(self) -> float:
         return self.committed / self.verify_steps if self.verify_steps else 0.0
 
+    def record_verify(self, num_draft: int, accepted: int, committed: int) -> None:
+        """One verify step of one sequence: ``accepted`` of ``num_draft`` drafts taken,
+        ``committed`` tokens kept (bonus included, after stop / length cuts)."""
+        self.verify_steps += 1
+        self.committed += committed
+        self.draft_tokens += num_draft
+        for k in range(min(accepted + 1, num_draft)):
+            self.reached[k] += 1
+            self.accepted[k] += k < accepted
+
     @property
     def mean_draft_tokens(self) -> float:
         """Draft tokens verified per verify step (0 for plain decoding)."""

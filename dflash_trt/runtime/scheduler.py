@@ -101,10 +101,6 @@ class Schedule:
     decode: list[Sequence]
     prefill: list[tuple[Sequence, int]]
 
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(n for _, n in self.prefill)
-
 
 class Scheduler:
     """FIFO admission by KV capacity, chunked prefill within a token budget.
