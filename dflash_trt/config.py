@@ -33,22 +33,19 @@ class GPU:
         name: marketing name.
         memory_gb: memory per device in GB (1e9 bytes), as NVIDIA lists it.
         arch: CUDA architecture TensorRT-LLM builds for (``sm_90a`` ...); empty for the CPU.
-        fp8, nvfp4: native FP8 / NVFP4 tensor-core GEMMs.
     """
 
     name: str
     memory_gb: float
     arch: str
-    fp8: bool
-    nvfp4: bool
 
 
 GPUS: dict[str, GPU] = {
-    "cpu": GPU("CPU (host memory)", 24.0, "", False, False),
-    "h100": GPU("H100 SXM 80GB", 80.0, "sm_90a", True, False),
-    "h200": GPU("H200 141GB", 141.0, "sm_90a", True, False),
-    "b200": GPU("B200 180GB", 180.0, "sm_100a", True, True),
-    "b300": GPU("B300 288GB", 288.0, "sm_103a", True, True),
+    "cpu": GPU("CPU (host memory)", 24.0, ""),
+    "h100": GPU("H100 SXM 80GB", 80.0, "sm_90a"),
+    "h200": GPU("H200 141GB", 141.0, "sm_90a"),
+    "b200": GPU("B200 180GB", 180.0, "sm_100a"),
+    "b300": GPU("B300 288GB", 288.0, "sm_103a"),
 }
 
 
@@ -83,8 +80,6 @@ class BuildConfig:
             workspace); the rest is left to CUDA context, NCCL buffers and fragmentation.
         dtype: compute dtype of activations and unquantized weights.
         target_quant, drafter_quant: weight quantization (``none | fp8 | nvfp4``).
-        quantize_lm_head: also quantize the LM head (off by default: it sets the draft and
-            verify argmax, and the embedding/LM head stay in ``dtype``).
         kv_cache_dtype: target and drafter-context KV cache dtype (``auto`` = ``dtype``).
         tp_size: tensor-parallel ranks (one GPU each).
         max_batch_size: concurrent sequences.
@@ -103,7 +98,6 @@ class BuildConfig:
     dtype: str = "fp32"
     target_quant: str = "none"
     drafter_quant: str = "none"
-    quantize_lm_head: bool = False
     kv_cache_dtype: str = "auto"
     tp_size: int = 1
     max_batch_size: int = 16
@@ -128,10 +122,6 @@ class BuildConfig:
     @property
     def kv_dtype(self) -> str:
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return self.block_size - 1
 
     # ---------------------------------------------------------------- validation
 

@@ -113,8 +113,8 @@ def drafter_specs(cfg: DrafterConfig) -> list[TensorSpec]:
         out.append(TensorSpec(t + "attention.k_layernorm.weight", a + "k_norm.weight"))
         out.append(TensorSpec(t + "post_layernorm.weight", o + "post_attention_layernorm.weight"))
         m = o + "mlp."
-        out.append(TensorSpec(t + "mlp.fc.weight", m + "gate_proj.weight", split=COLUMN, linear=True, module=m + "gate_proj|" + m + "up_proj"))
-        out.append(TensorSpec(t + "mlp.gate.weight", m + "up_proj.weight", split=COLUMN, linear=True, module=m + "gate_proj|" + m + "up_proj"))
+        out.append(TensorSpec(t + "mlp.fc.weight", m + "gate_proj.weight", split=COLUMN, linear=True, module=m + "gate_proj"))
+        out.append(TensorSpec(t + "mlp.gate.weight", m + "up_proj.weight", split=COLUMN, linear=True, module=m + "up_proj"))
         out.append(TensorSpec(t + "mlp.proj.weight", m + "down_proj.weight", split=ROW, linear=True, module=m + "down_proj"))
     out.append(TensorSpec("transformer.ln_f.weight", "norm.weight"))
     return out

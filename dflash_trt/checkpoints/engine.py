@@ -81,9 +81,13 @@ def state_dict_from_rank(specs: list[L.TensorSpec], tensors: dict[str, torch.Ten
 def fp8_modules(model: torch.nn.Module, specs: list[L.TensorSpec], tensors: dict[str, torch.Tensor]) -> int:
     """Swap every linear whose engine weight is FP8 for an :class:`Fp8Linear` over the engine's
     own e4m3 bytes (``torch._scaled_mm``), instead of the dequantized copy. Fused tensors (q/k/v,
-    fc/gate) are split or joined onto our modules; their members share the per-tensor scales
-    (ModelOpt's fused export), so the FP8 GEMM is exact to the stored format. Returns how many
-    modules were swapped."""
+    fc/gate) are split or joined onto our modules; the builder quantizes each fused source as one
+    tensor, so its members share the per-tensor scales (ModelOpt's fused export) and the FP8
+    GEMM is exact to the stored format. Returns how many modules were swapped.
+
+    Raises:
+        DFlashError: members of one module with different scales (not a file we wrote).
+    """
     from ..quantization.fp8_linear import Fp8Linear, replace_linear
 
     parts: dict[str, list[tuple[int, str]]] = {}
@@ -97,7 +101,7 @@ def fp8_modules(model: torch.nn.Module, specs: list[L.TensorSpec], tensors: dict
         ws = {tensors[b + ".weights_scaling_factor"].item() for b in bases}
         acts = {tensors[b + ".activation_scaling_factor"].item() for b in bases}
         if len(ws) != 1 or len(acts) != 1:
-            continue  # members with their own scales: keep the dequantized weights
+            raise DFlashError(f"engine tensors of {module} have different FP8 scales; rebuild the engine")
         w = torch.cat([tensors[n] for n in names])
         w_scale = tensors[bases[0] + ".weights_scaling_factor"]
         a_scale = tensors[bases[0] + ".activation_scaling_factor"]

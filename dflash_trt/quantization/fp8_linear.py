@@ -15,12 +15,6 @@ from torch import nn
 from .formats import FP8_MAX
 
 
-def fp8_gemm_supported(device: torch.device | str) -> bool:
-    """True where FP8 GEMMs are native: CUDA devices of compute capability >= 8.9."""
-    d = torch.device(device)
-    return d.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(d) >= (8, 9)
-
-
 class Fp8Linear(nn.Module):
     """Linear layer over an FP8 weight.
 

@@ -227,20 +227,17 @@ class FeatureStore:
         self.cache_on, self.budget = cache, budget_bytes
         self.cache: dict[int, torch.Tensor] = {}
         self.bytes = 0
-        self.target_s = 0.0
 
     def get(self, idx: list[int]) -> list[torch.Tensor]:
         missing = [i for i in dict.fromkeys(idx) if i not in self.cache]
         fresh = {}
         if missing:
-            t = time.perf_counter()
             # sort by length so padding stays small; batches of at most 8 sequences
             order = sorted(missing, key=lambda i: len(self.seqs[i].ids))
             for c in range(0, len(order), 8):
                 part = order[c: c + 8]
                 for i, f in zip(part, target_features(self.model, [self.seqs[i].ids for i in part], self.capture)):
                     fresh[i] = f.to(self.dtype)
-            self.target_s += time.perf_counter() - t
             if self.cache_on:
                 for i, f in fresh.items():
                     size = f.numel() * f.element_size()
