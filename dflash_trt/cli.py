@@ -1,4 +1,5 @@
-"""``dflash-trt`` command line: ``build``, ``plan``, ``generate``, ``bench``, ``init-drafter``, ``distill``, ``train``.
+"""``dflash-trt`` command line: ``build``, ``plan``, ``generate``, ``bench``, ``init-drafter``, ``distill``,
+``train``, ``pack`` / ``unpack`` (an offline GPU training run).
 
 Errors a user can cause are printed as one line (``dflash-trt: error: ...``) with exit status 2.
 """
@@ -32,6 +33,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--dtype", default=None, help="compute dtype: fp32 | bf16 | fp16 (default: fp32, or the engine's)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -50,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="plain decoding vs DFlash (and peers) on a real prompt set")
     b.add_argument("--dataset", default="gsm8k", help="gsm8k | humaneval | mtbench")
+    b.add_argument("--prompts-file", help='a JSONL prompt set instead of --dataset: one {"prompt": ...} or '
+                   '{"messages": [...]} per line (chat template applied)')
     b.add_argument("--num-prompts", type=int, default=10)
     b.add_argument("--json", dest="json_out", help="write the result JSON here")
     b.add_argument("--peers", default="", help="comma list of peers: hf, prompt-lookup, zlab (z-lab reference loop, same drafter)")
@@ -81,9 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("distill", help="make drafter training data: the target's own answers to ShareGPT prompts")
     d.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
     d.add_argument("--out", required=True, help="data directory (resumable: re-run to continue)")
-    d.add_argument("--num-prompts", type=int, default=1000, help="first-turn ShareGPT prompts to answer")
+    d.add_argument("--num-prompts", type=int, default=None,
+                   help="prompts to answer (default: 1000 ShareGPT first turns, or all of --prompts-file)")
+    d.add_argument("--prompts-file", help='JSONL prompts instead of ShareGPT\'s: {"prompt": ...} or {"messages": [...]} '
+                   "per line (all of them unless --num-prompts is given)")
     d.add_argument("--max-new-tokens", type=int, default=256)
-    d.add_argument("--batch", type=int, default=16, help="requests decoded together")
+    d.add_argument("--batch", type=int, default=16, help="most sequences decoding together (in-flight batching)")
+    d.add_argument("--shard-size", type=int, default=256, help="prompts per shard (the unit of resumption)")
+    d.add_argument("--max-num-tokens", type=int, default=4096, help="most target tokens per engine iteration")
+    d.add_argument("--max-minutes", type=float, default=None,
+                   help="stop after the shard in progress when this much time has passed (re-run to continue)")
+    d.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
     d.add_argument("--sampled-fraction", type=float, default=0.25, help="share answered at --temperature (rest greedy)")
     d.add_argument("--temperature", type=float, default=0.7)
     d.add_argument("--dtype", default="bf16", help="target dtype: fp32 | bf16")
@@ -104,6 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
         else:
             c.add_argument("--target-config", help="an HF config.json: plan for that shape (no weights needed)")
+
+    pk = sub.add_parser("pack", help="pack the model (in parts) and the prompt sets for an offline GPU training run")
+    pk.add_argument("--out", required=True, help="pack folder to create (see scripts/gpu_train.sh)")
+    pk.add_argument("--model-file", help="the target as one file, e.g. a .gguf (default: the SmolLM2 GGUF)")
+    pk.add_argument("--part-mib", type=int, default=48, help="largest model part in MiB (one transfer each)")
+    pk.add_argument("--num-train-prompts", type=int, default=None, help="ShareGPT training prompts (default: all)")
+
+    up = sub.add_parser("unpack", help="join a pack's model parts (checked against its sha256)")
+    up.add_argument("--pack", required=True, help="pack folder (its model-NN/ part folders may have travelled apart)")
+    up.add_argument("--dest", required=True, help="folder to write the joined model file into")
 
     t = sub.add_parser("train", help="train a DFlash drafter on self-distilled data (paper recipe)")
     t.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -133,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init-drafter", help="start from this z-lab drafter instead of a random one")
     t.add_argument("--no-resume", action="store_true", help="refuse to continue a run found in --out")
     t.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step")
+    t.add_argument("--max-minutes", type=float, default=None,
+                   help="time box: the LR schedule follows the clock as well as the step, and the run stops "
+                   "(checkpoint + export) after this many minutes")
+    t.add_argument("--ce-chunk", type=int, default=256, help="supervised rows per LM-head chunk (GPU: thousands)")
+    t.add_argument("--feature-cache-gb", type=float, default=4.0, help="target features kept in (device) memory")
+    t.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
     t.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     t.add_argument("--seed", type=int, default=0)
     return parser
@@ -182,7 +210,7 @@ def cmd_generate(args) -> None:
 
     from .bench.datasets import chat_prompt_ids
     from .checkpoints.engine import load_models
-    from .checkpoints.loader import parse_dtype
+    from .checkpoints.loader import parse_device, parse_dtype
     from .runtime.executor import DFlashEngine, LoopStats, Request
     from .runtime.sampling import SamplingParams
 
@@ -192,8 +220,9 @@ def cmd_generate(args) -> None:
     _setup_threads(args.threads)
     need = args.block_size is None or args.block_size > 1
     args.dtype = _compute_dtype(args)
+    device = parse_device(args.device)
     target, drafter = load_models(args.target, args.drafter, args.engine, parse_dtype(args.dtype), need_drafter=need,
-                                  fp8_gemm=args.fp8_gemm)
+                                  fp8_gemm=args.fp8_gemm, device=device)
     engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
     K = args.block_size or (drafter.cfg.block_size if drafter else 1)
     engine.check_block_size(K)
@@ -222,7 +251,8 @@ def cmd_generate(args) -> None:
     wall = time.perf_counter() - t
     print()
     print(f"[{len(out.output_ids)} tokens in {wall:.2f} s: {len(out.output_ids) / wall:.1f} tok/s | "
-          f"block size {K} | tau {stats.tau:.2f} | {args.dtype} | {torch.get_num_threads()} threads | "
+          f"block size {K} | tau {stats.tau:.2f} | {args.dtype} | "
+          f"{device.type if device.type == 'cuda' else f'{torch.get_num_threads()} threads'} | "
           f"finish: {out.finish_reason}]")
 
 
@@ -259,7 +289,8 @@ def cmd_bench_load(args) -> None:
         max_batch_size=64 if args.max_batch_size is None else args.max_batch_size,
         max_num_tokens=2048 if args.max_num_tokens is None else args.max_num_tokens,
         tokens_per_block=32 if args.tokens_per_block is None else args.tokens_per_block,
-        kv_capacity=args.kv_capacity, json_out=args.json_out, seed=args.seed,
+        kv_capacity=args.kv_capacity, json_out=args.json_out, seed=args.seed, device=args.device,
+        prompts_file=args.prompts_file,
     )
     cfg.validate()
     _setup_threads(args.threads)
@@ -290,6 +321,7 @@ def cmd_bench(args) -> None:
         engine=args.engine,
         fp8_gemm=args.fp8_gemm,
         dtype=_compute_dtype(args), peers=tuple(p for p in args.peers.split(",") if p), json_out=args.json_out, seed=args.seed,
+        device=args.device, prompts_file=args.prompts_file,
     )
     result = run_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_table(result))
@@ -319,19 +351,29 @@ def cmd_init_drafter(args) -> None:
 def cmd_distill(args) -> None:
     from pathlib import Path
 
-    from .checkpoints.loader import load_target, parse_dtype
-    from .training.data import generate_dataset, sharegpt_prompts
+    from .bench.datasets import read_prompts_file
+    from .checkpoints.loader import load_target, parse_device, parse_dtype
+    from .training.data import generate_dataset, read_manifest, sharegpt_prompts
 
     if args.max_new_tokens < 1 or args.batch < 1:
         raise DFlashError("--max-new-tokens and --batch must be >= 1")
     if not 0 <= args.sampled_fraction <= 1:
         raise DFlashError(f"--sampled-fraction must be in [0, 1], got {args.sampled_fraction}")
     _setup_threads(args.threads)
-    prompts = sharegpt_prompts(args.num_prompts)
-    target = load_target(args.target, parse_dtype(args.dtype))
+    device = parse_device(args.device)
+    if args.prompts_file:
+        prompts = read_prompts_file(args.prompts_file, args.num_prompts)
+        source = f"prompts file {Path(args.prompts_file).name}"
+    else:
+        prompts, source = sharegpt_prompts(args.num_prompts or 1000), "ShareGPT first turns"
+    target = load_target(args.target, parse_dtype(args.dtype), device)
     out = generate_dataset(target, prompts, Path(args.out), max_new_tokens=args.max_new_tokens, batch_size=args.batch,
-                           sampled_fraction=args.sampled_fraction, temperature=args.temperature, seed=args.seed)
-    print(f"wrote {out}")
+                           sampled_fraction=args.sampled_fraction, temperature=args.temperature, seed=args.seed,
+                           shard_size=args.shard_size, source=source, max_num_tokens=args.max_num_tokens,
+                           max_minutes=args.max_minutes)
+    m = read_manifest(out)
+    state = "complete" if m["complete"] else f"{len(m['shards'])} of {m['num_shards']} shards (re-run to continue)"
+    print(f"wrote {out}: {m['totals']['samples']} samples, {m['totals']['response_tokens']} response tokens, {state}")
 
 
 def cmd_train(args) -> None:
@@ -343,19 +385,25 @@ def cmd_train(args) -> None:
         seed=args.seed, autocast=args.autocast, max_seq_len=args.max_seq_len, export_dtype=args.export_dtype,
         stop_after=args.stop_after, head_vocab=args.head_vocab, reg_weight=args.reg_weight,
         target_layer_ids=_int_list(args.target_layers, "--target-layers"), sliding_window=args.sliding_window,
+        max_minutes=args.max_minutes, ce_chunk=args.ce_chunk, feature_cache_gb=args.feature_cache_gb,
     )
     cfg.validate()
     if not os.path.isdir(args.data):
         raise DFlashError(f"training data not found: {args.data}")
     _setup_threads(args.threads)
     try:
-        from .training.data import load_dataset
+        from .training.data import load_dataset, read_manifest
     except ImportError as e:
         raise DFlashError(f"the training data reader is not available ({e})") from None
-    from .checkpoints.loader import load_target, parse_dtype
+    from .checkpoints.loader import load_target, parse_device, parse_dtype
 
-    samples = load_dataset(args.data)
-    target = load_target(args.target, parse_dtype(args.dtype))
+    device = parse_device(args.device)
+    samples = load_dataset(args.data, allow_incomplete=True)
+    m = read_manifest(args.data)
+    if not m["complete"]:
+        print(f"note: {args.data} is incomplete ({len(m['shards'])} of {m['num_shards']} shards): training on the "
+              "shards written so far", file=sys.stderr)
+    target = load_target(args.target, parse_dtype(args.dtype), device)
     print(f"training a drafter for {target.path.name} on {len(samples)} samples from {args.data}", file=sys.stderr)
     out = train(target, samples, args.out, cfg, init_drafter_dir=args.init_drafter, resume=not args.no_resume)
     recs = read_log(args.out)
@@ -366,6 +414,20 @@ def cmd_train(args) -> None:
         tau = sum(taus) / len(taus) if taus else float("nan")
         print(f"step {recs[-1]['step']}: loss {loss:.3f}, tau_est {tau:.2f} (mean of the last {len(tail)} steps)")
     print(f"wrote {out}")
+
+
+def cmd_pack(args) -> None:
+    from .training.offline_pack import write_pack
+
+    m = write_pack(args.out, args.model_file, args.part_mib, args.num_train_prompts)
+    print(f"wrote {args.out}: {m['model']['file']} in {len(m['model']['parts'])} part(s) "
+          f"({', '.join(p.split('/')[0] for p in m['model']['parts'])}), {m['prompts']['train_count']} training prompts")
+
+
+def cmd_unpack(args) -> None:
+    from .training.offline_pack import join_model
+
+    print(join_model(args.pack, args.dest))
 
 
 def _build_config(args):
@@ -409,7 +471,7 @@ def cmd_plan(args) -> None:
 
 
 COMMANDS = {"build": cmd_build, "plan": cmd_plan, "generate": cmd_generate, "bench": cmd_bench, "init-drafter": cmd_init_drafter, "distill": cmd_distill,
-            "train": cmd_train}
+            "train": cmd_train, "pack": cmd_pack, "unpack": cmd_unpack}
 
 
 def main(argv: list[str] | None = None) -> int:

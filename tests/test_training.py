@@ -349,9 +349,10 @@ def test_cli_train(smollm2, samples, tmp_path, monkeypatch, capsys):
     data = tmp_path / "data"
     data.mkdir()
     fake = types.ModuleType("dflash_trt.training.data")
-    fake.load_dataset = lambda d: samples
+    fake.load_dataset = lambda d, allow_incomplete=False: samples
+    fake.read_manifest = lambda d: {"complete": True, "shards": [], "num_shards": 0}
     monkeypatch.setitem(sys.modules, "dflash_trt.training.data", fake)
-    monkeypatch.setattr("dflash_trt.checkpoints.loader.load_target", lambda spec, dtype=None: smollm2)
+    monkeypatch.setattr("dflash_trt.checkpoints.loader.load_target", lambda spec, dtype=None, device=None: smollm2)
     out = tmp_path / "run"
     rc = main(["train", "--data", str(data), "--out", str(out), "--steps", "2", "--layers", "1", "--block-size", "4",
                "--batch", "2", "--anchors", "4", "--threads", "1", "--target-layers", "2,29", "--sliding-window", "8",

@@ -149,9 +149,50 @@ def mixed_prompts(n: int) -> list[str]:
     return out
 
 
-def chat_prompt_ids(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` as one user turn in the tokenizer's chat template, followed by the
-    assistant header (``add_generation_prompt=True``), as plain Python ints.
+def read_prompts_file(path: str | Path, num_prompts: int | None = None) -> list[str | list[dict]]:
+    """Prompts of a JSONL file: one ``{"prompt": "..."}`` (one user turn) or
+    ``{"messages": [{"role": ..., "content": ...}, ...]}`` (a conversation) per line; blank lines
+    are skipped. ``.jsonl.gz`` is read through gzip.
+
+    Args:
+        path: the file.
+        num_prompts: the first this many (None: all).
+
+    Returns:
+        Per line, the prompt text or the message list (give either to :func:`chat_prompt_ids`).
+
+    Raises:
+        DFlashError: missing or unreadable file, a line that is not JSON or has neither field
+            (or a malformed one), no prompt at all, or ``num_prompts`` < 1 or above the count.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DFlashError(f"prompts file not found: {path}")
+    out: list[str | list[dict]] = []
+    for i, row in enumerate(_read_jsonl(path, str(path)), 1):
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str) and row["prompt"]:
+            out.append(row["prompt"])
+        elif (isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]
+              and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                      for m in row["messages"])):
+            out.append([{"role": m["role"], "content": m["content"]} for m in row["messages"]])
+        else:
+            raise DFlashError(f"{path}: prompt {i} has no non-empty \"prompt\" text or well-formed \"messages\" list")
+    if not out:
+        raise DFlashError(f"{path} holds no prompts")
+    if num_prompts is None:
+        return out
+    if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
+        raise DFlashError(f"number of prompts must be an integer >= 1, got {num_prompts!r}")
+    if num_prompts > len(out):
+        raise DFlashError(f"{path} has {len(out)} prompts, asked for {num_prompts}")
+    return out[:num_prompts]
+
+
+def chat_prompt_ids(tokenizer, text: str | list[dict]) -> list[int]:
+    """Token ids of ``text`` as one user turn (or of a message list, as a conversation) in the
+    tokenizer's chat template, followed by the assistant header (``add_generation_prompt=True``),
+    as plain Python ints.
 
     The template's own special tokens (e.g. ``<|im_start|>``) come from the template text; no
     extra BOS is added. Works whether ``apply_chat_template(tokenize=True)`` returns a list or a
@@ -162,7 +203,7 @@ def chat_prompt_ids(tokenizer, text: str) -> list[int]:
     """
     if not getattr(tokenizer, "chat_template", None):
         raise DFlashError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
-    messages = [{"role": "user", "content": text}]
+    messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
     if hasattr(ids, "keys"):  # BatchEncoding / dict despite return_dict=False
         ids = ids["input_ids"]

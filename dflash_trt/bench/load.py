@@ -39,14 +39,14 @@ import numpy as np
 import torch
 
 from ..checkpoints.engine import load_models, read_manifest
-from ..checkpoints.loader import parse_dtype
+from ..checkpoints.loader import parse_device, parse_dtype
 from ..errors import DFlashError
 from ..runtime.distributed import TPEngines, init_tp
 from ..runtime.engine import EngineConfig, LLMEngine
 from ..runtime.executor import first_divergence, top2_margin
 from ..runtime.request import LoopStats, Request
 from ..runtime.sampling import SamplingParams
-from .datasets import DATASETS, chat_prompt_ids, load_prompts
+from .datasets import DATASETS, chat_prompt_ids
 from .runner import BenchConfig, device_name, write_json
 
 #: KV capacity (tokens) when neither ``kv_capacity`` nor an engine memory plan says otherwise,
@@ -91,7 +91,7 @@ class LoadConfig(BenchConfig):
         r = self.request_rate
         if r is not None and (not isinstance(r, (int, float)) or math.isnan(r) or r <= 0):
             raise DFlashError(f"--request-rate must be > 0 req/s (inf = all at once), got {r!r}")
-        if self.dataset not in DATASETS:
+        if self.dataset not in DATASETS and not self.prompts_file:
             raise DFlashError(f"unknown dataset {self.dataset!r}; choose from {', '.join(DATASETS)}")
         for name, v, low in (("--num-requests", self.num_requests, 1), ("--num-prompts", self.num_prompts, 1),
                              ("--max-new-tokens", self.max_new_tokens, 1), ("--max-batch-size", self.max_batch_size, 1),
@@ -235,13 +235,15 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
     kv_cap, kv_src = kv_capacity_for(cfg)
     progress(f"KV capacity: {kv_cap:,} tokens ({kv_src})")
     dtype = parse_dtype(cfg.dtype)
-    texts = load_prompts(cfg.dataset, cfg.num_prompts)
+    texts = cfg.prompts()
+    device = parse_device(cfg.device)
     sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
     # under mpiexec: rank 0 runs the benchmark, the other ranks mirror every engine (TP shards;
     # with a tp_size N engine each rank reads only its own target rank file)
     tp = init_tp()
     target, drafter = load_models(cfg.target, cfg.drafter, cfg.engine, dtype, need_drafter="dflash" in cfg.modes,
-                                  fp8_gemm=cfg.fp8_gemm, rank=tp.rank if tp else 0, world_size=tp.size if tp else 1)
+                                  fp8_gemm=cfg.fp8_gemm, rank=tp.rank if tp else 0, world_size=tp.size if tp else 1,
+                                  device=device if tp is None else "cpu")
     prompts = [chat_prompt_ids(target.tokenizer, t) for t in texts]
     K = cfg.block_size or (drafter.cfg.block_size if drafter is not None else 1)
     tp_engines = TPEngines(target.model, drafter, target.stop_token_ids, tp) if tp is not None else None
@@ -308,7 +310,7 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
 
     result = {
         "benchmark": "load",
-        "dataset": cfg.dataset,
+        "dataset": cfg.prompt_set,
         "num_prompts": len(prompts),
         "max_new_tokens": cfg.max_new_tokens,
         # null = every request arrives at t=0 (infinite rate)
@@ -320,7 +322,7 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
         "drafter": str(cfg.drafter) if cfg.drafter else ("engine" if cfg.engine else "default"),
         "engine": cfg.engine,
         "dtype": cfg.dtype,
-        "device": device_name(),
+        "device": device_name(device if tp is None else tp.device),
         "threads": torch.get_num_threads(),
         "seed": cfg.seed,
         "engine_config": {"max_batch_size": cfg.max_batch_size, "max_num_tokens": cfg.max_num_tokens,

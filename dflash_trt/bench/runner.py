@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from ..checkpoints.engine import load_models
-from ..checkpoints.loader import parse_dtype
+from ..checkpoints.loader import parse_device, parse_dtype
 from ..errors import DFlashError
 from ..runtime.executor import DFlashEngine, LoopStats, Request, first_divergence, top2_margin
 from ..runtime.sampling import SamplingParams
-from .datasets import DATASETS, chat_prompt_ids, load_prompts
+from .datasets import DATASETS, chat_prompt_ids, load_prompts, read_prompts_file
 
 
 @dataclass
@@ -42,12 +42,33 @@ class BenchConfig:
     peers: tuple[str, ...] = ()
     json_out: str | None = None
     seed: int = 0
+    device: str | None = None
+    prompts_file: str | None = None
+
+    @property
+    def prompt_set(self) -> str:
+        """What the prompts are called in results: the dataset name or the prompts file's name."""
+        return Path(self.prompts_file).name if self.prompts_file else self.dataset
+
+    def prompts(self) -> list:
+        """The prompts to run: the first ``num_prompts`` of ``prompts_file`` (texts or message
+        lists) or of ``dataset``.
+
+        Raises:
+            DFlashError: unknown dataset, bad prompts file, too many prompts asked for.
+        """
+        if self.prompts_file:
+            return read_prompts_file(self.prompts_file, self.num_prompts)
+        if self.dataset not in DATASETS:
+            raise DFlashError(f"unknown dataset {self.dataset!r}; choose from {', '.join(DATASETS)}")
+        return load_prompts(self.dataset, self.num_prompts)
 
 
-def device_name() -> str:
-    """``cpu (<processor>)`` or the CUDA device name."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
+def device_name(device: torch.device | str = "cpu") -> str:
+    """``cpu (<processor>)`` or the CUDA device's name."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
@@ -73,8 +94,6 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     """
     from .peers import PEERS, run_peer
 
-    if cfg.dataset not in DATASETS:
-        raise DFlashError(f"unknown dataset {cfg.dataset!r}; choose from {', '.join(DATASETS)}")
     for p in cfg.peers:
         if p not in PEERS:
             raise DFlashError(f"unknown peer {p!r}; choose from {', '.join(PEERS)}")
@@ -82,10 +101,11 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         raise DFlashError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
     sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
     dtype = parse_dtype(cfg.dtype)
-    texts = load_prompts(cfg.dataset, cfg.num_prompts)
+    device = parse_device(cfg.device)
+    texts = cfg.prompts()
     if cfg.engine and cfg.peers:
         raise DFlashError("peers run on HF checkpoints; bench an engine (--engine) without --peers")
-    target, drafter = load_models(cfg.target, cfg.drafter, cfg.engine, dtype, fp8_gemm=cfg.fp8_gemm)
+    target, drafter = load_models(cfg.target, cfg.drafter, cfg.engine, dtype, fp8_gemm=cfg.fp8_gemm, device=device)
     engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
     K = cfg.block_size or drafter.cfg.block_size
     engine.check_block_size(K)
@@ -93,9 +113,9 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
 
     engine.generate([Request(prompts[0], 8, sampling)], K)  # warm-up, untimed
     engine.generate([Request(prompts[0], 8, sampling)], 1)
-    progress(f"plain decoding on {len(prompts)} {cfg.dataset} prompts ...")
+    progress(f"plain decoding on {len(prompts)} {cfg.prompt_set} prompts ...")
     ar_out, ar_wall, ar_stats = _run_mode(engine, prompts, cfg, 1, sampling)
-    progress(f"DFlash (block size {K}) on {len(prompts)} {cfg.dataset} prompts ...")
+    progress(f"DFlash (block size {K}) on {len(prompts)} {cfg.prompt_set} prompts ...")
     df_out, df_wall, df_stats = _run_mode(engine, prompts, cfg, K, sampling)
 
     ar_tokens = sum(map(len, ar_out))
@@ -107,7 +127,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     for name in cfg.peers:
         progress(f"peer {name} ...")
         res = run_peer(name, target.path, prompts, cfg.max_new_tokens, dtype, target.stop_token_ids,
-                       drafter=drafter, block_size=K)
+                       device=device, drafter=drafter, block_size=K)
         peers[name] = {"tokens_per_s": res.tokens_per_s, "speedup_vs_ar": res.tokens_per_s / ar_tps,
                        "identical_to_ar": res.outputs == ar_out if cfg.temperature == 0 else None}
     divergences = []
@@ -117,7 +137,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
             if k is not None:
                 divergences.append({"prompt": i, "token": k, "top2_margin": top2_margin(target.model, prompts[i] + a[:k])})
     result = {
-        "dataset": cfg.dataset,
+        "dataset": cfg.prompt_set,
         "num_prompts": len(prompts),
         "max_new_tokens": cfg.max_new_tokens,
         "block_size": K,
@@ -126,7 +146,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         "drafter": str(cfg.drafter) if cfg.drafter else "default",
         "drafter_layers": drafter.cfg.num_layers,
         "dtype": cfg.dtype,
-        "device": device_name(),
+        "device": device_name(device),
         "threads": torch.get_num_threads(),
         "lossless": (df_out == ar_out) if cfg.temperature == 0 else None,
         # greedy runs that differ: first differing token and the target's top-2 logit gap there

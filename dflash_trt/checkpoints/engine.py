@@ -233,8 +233,9 @@ def engine_files_ok(engine_dir: str | Path) -> list[str]:
 
 def load_models(target_spec: str | None, drafter_spec: str | None, engine_dir: str | None, dtype: torch.dtype,
                 need_drafter: bool = True, fp8_gemm: bool = False, rank: int = 0,
-                world_size: int = 1) -> tuple[LoadedTarget, DFlashDrafter | None]:
-    """What ``generate`` / ``bench`` run: an engine directory (``--engine``) or a checkpoint pair.
+                world_size: int = 1, device: torch.device | str = "cpu") -> tuple[LoadedTarget, DFlashDrafter | None]:
+    """What ``generate`` / ``bench`` run: an engine directory (``--engine``) or a checkpoint pair,
+    on ``device`` (tensor-parallel ranks move to their own GPU afterwards).
 
     Raises:
         DFlashError: ``--engine`` together with ``--target`` / ``--drafter``, ``fp8_gemm``
@@ -245,8 +246,9 @@ def load_models(target_spec: str | None, drafter_spec: str | None, engine_dir: s
     if fp8_gemm and engine_dir is None:
         raise DFlashError("--fp8-gemm needs --engine (an FP8 engine from dflash-trt build)")
     if engine_dir is None:
-        return load_pair(target_spec, drafter_spec, dtype, need_drafter=need_drafter)
+        return load_pair(target_spec, drafter_spec, dtype, need_drafter=need_drafter, device=device)
     if target_spec or drafter_spec:
         raise DFlashError("--engine holds the target and the drafter; drop --target / --drafter")
     target, drafter, _ = load_engine(engine_dir, dtype, rank=rank, fp8_gemm=fp8_gemm, world_size=world_size)
-    return target, drafter
+    target.model.to(device)
+    return target, drafter.to(device) if drafter is not None else None

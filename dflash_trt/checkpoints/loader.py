@@ -42,6 +42,31 @@ def parse_dtype(name: str) -> torch.dtype:
         raise DFlashError(f"unknown dtype {name!r}; choose from fp32, bf16, fp16") from None
 
 
+def parse_device(name: str | None) -> torch.device:
+    """``--device``: ``cpu``, ``cuda`` or ``cuda:N``; None picks ``cuda`` when a GPU is visible,
+    else ``cpu``.
+
+    Raises:
+        DFlashError: an unknown device, or a CUDA device this machine does not have.
+    """
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
+        raise DFlashError(f"unknown device {name!r}; choose cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise DFlashError(f"device {name}: no CUDA GPU is visible here (torch {torch.__version__}, "
+                              f"CUDA build: {torch.version.cuda or 'no'}); use --device cpu")
+        if (dev.index or 0) >= count:
+            raise DFlashError(f"device {name}: only {count} CUDA GPU(s) visible")
+    return dev
+
+
 @dataclass
 class LoadedTarget:
     """A target model with its tokenizer.
@@ -59,8 +84,9 @@ class LoadedTarget:
     stop_token_ids: tuple[int, ...]
 
 
-def load_target(spec: str | None, dtype: torch.dtype = torch.float32) -> LoadedTarget:
-    """Load ``--target`` (None = the default SmolLM2 model).
+def load_target(spec: str | None, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> LoadedTarget:
+    """Load ``--target`` (None = the default SmolLM2 model) in ``dtype`` on ``device``.
 
     Raises:
         DFlashError: missing/corrupt checkpoint, unsupported family, weights not matching the config.
@@ -77,7 +103,7 @@ def load_target(spec: str | None, dtype: torch.dtype = torch.float32) -> LoadedT
         raise DFlashError(f"target {path}: missing weight {e.args[0]}") from None
     except ValueError as e:
         raise DFlashError(f"target {path}: {e}") from None
-    return with_tokenizer(model.to(dtype).eval(), path)
+    return with_tokenizer(model.to(dtype).to(device).eval(), path)
 
 
 def with_tokenizer(model: TargetModel, path: Path) -> LoadedTarget:
@@ -131,16 +157,18 @@ def default_drafter_path(target: LoadedTarget, default_target: bool) -> Path:
 
 
 def load_pair(target_spec: str | None, drafter_spec: str | None, dtype: torch.dtype = torch.float32,
-              need_drafter: bool = True) -> tuple[LoadedTarget, DFlashDrafter | None]:
-    """Load the target and (unless ``need_drafter`` is false) its drafter, and validate the pair.
+              need_drafter: bool = True, device: torch.device | str = "cpu"
+              ) -> tuple[LoadedTarget, DFlashDrafter | None]:
+    """Load the target and (unless ``need_drafter`` is false) its drafter on ``device``, and
+    validate the pair.
 
     Raises:
         DFlashError: anything :func:`load_target`, :func:`load_drafter` or :func:`validate_pair` raise.
     """
-    target = load_target(target_spec, dtype)
+    target = load_target(target_spec, dtype, device)
     if not need_drafter and drafter_spec is None:
         return target, None
     path = Path(drafter_spec) if drafter_spec else default_drafter_path(target, target_spec is None)
     drafter = load_drafter(path, dtype)
     validate_pair(target.model.cfg, drafter.cfg)
-    return target, drafter
+    return target, drafter.to(device)

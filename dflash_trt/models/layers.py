@@ -83,6 +83,8 @@ class RotaryEmbedding(nn.Module):
         need = int(positions.max()) + 1
         if need > self.cos_table.shape[0]:
             self._build(max(need, 2 * self.cos_table.shape[0]))
+        if self.cos_table.device != positions.device:  # plain attributes: .to(device) does not move them
+            self.cos_table, self.sin_table = self.cos_table.to(positions.device), self.sin_table.to(positions.device)
         cos = self.cos_table[positions].to(dtype).unsqueeze(1)
         sin = self.sin_table[positions].to(dtype).unsqueeze(1)
         return cos, sin

@@ -230,20 +230,24 @@ class LLMEngine:
             ctl.target_cost.observe(out.target_tokens, out.target_s)
             if drafted:
                 ctl.draft_cost.observe(sum(1 for it in plan.items if it.num_draft), out.draft_s)
+        def choice(i: int, s: Sequence) -> list[int]:  # the target's token after each logits row
+            if s.request.sampling.greedy and out.argmax:
+                return out.argmax[i]
+            return choose_tokens(out.logits[i], s.request.sampling, s.generator).tolist()
+
         n_prefill = len(sched.prefill)
         for i, (s, n) in enumerate(sched.prefill):
             s.num_cached += n
             if plan.items[i].num_logits:
-                s.commit([int(choose_tokens(out.logits[i], s.request.sampling, s.generator)[0])])
+                s.commit(choice(i, s)[:1])
                 if s.finished:
                     self._finish(s, done)
         for j, s in enumerate(sched.decode):
             i = n_prefill + j
             drafts = out.drafts[i]
-            choice = choose_tokens(out.logits[i], s.request.sampling, s.generator)
-            acc = int(accepted_lengths(torch.tensor([drafts], dtype=torch.long), choice.unsqueeze(0).cpu())[0]) \
+            choice_l = choice(i, s)
+            acc = int(accepted_lengths(torch.tensor([drafts], dtype=torch.long), torch.tensor([choice_l]))[0]) \
                 if drafts else 0
-            choice_l = choice.tolist()
             kept = s.commit(drafts[:acc] + [choice_l[acc]])
             s.commit_lengths.append(len(kept))
             s.draft_lengths.append(len(drafts))

@@ -69,12 +69,15 @@ class StepOutput:
     Attributes:
         drafts: proposed draft tokens (empty for items without drafts).
         logits: ``[num_logits, vocab]`` target logits (model dtype), or None.
+        argmax: per item, the argmax of each of its logits rows (greedy choice; computed for
+            the whole batch in one device op and one host copy).
         draft_s, target_s: wall seconds of the drafter and target forwards.
         target_tokens: tokens in the target forward.
     """
 
     drafts: list[list[int]]
     logits: list[torch.Tensor | None]
+    argmax: list[list[int]] = field(default_factory=list)
     draft_s: float = 0.0
     target_s: float = 0.0
     target_tokens: int = 0
@@ -247,12 +250,17 @@ class ModelRunner:
         rows = [o + n - it.num_logits + j for o, n, it in zip(offsets, lengths, items) for j in range(it.num_logits)]
         index = torch.tensor(rows, dtype=torch.long, device=self.device).unsqueeze(0)
         res = self.target(ids, meta, self.tcache.layers, self.capture, logits_index=index)
+        best = res.logits[0].argmax(-1).tolist() if rows else []  # (a host copy: the forward has finished)
+        if not rows and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         out.target_s = time.perf_counter() - t
         out.target_tokens = ids.shape[1]
         k = 0
+        out.argmax = [[] for _ in items]
         for i, (it, o, n) in enumerate(zip(items, offsets, lengths)):
             if it.num_logits:
                 out.logits[i] = res.logits[0, k: k + it.num_logits]
+                out.argmax[i] = best[k: k + it.num_logits]
                 k += it.num_logits
             if self.drafter is not None:
                 self.store_features(it.seq_id, it.start, res.features[0, o: o + n])

@@ -82,7 +82,10 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
     """
     if params.greedy:
         return logits.argmax(-1)
-    return torch.multinomial(target_probs(logits, params), 1, generator=generator).squeeze(-1)
+    probs = target_probs(logits, params)
+    if generator is not None and generator.device != probs.device:  # per-request generators live on the CPU
+        probs = probs.to(generator.device)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def accepted_lengths(drafts: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:

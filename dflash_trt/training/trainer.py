@@ -101,6 +101,11 @@ class TrainConfig:
         export_dtype: dtype of the final ``drafter/`` (``bf16`` / ``fp32``).
         stop_after: stop (with a checkpoint) once this step is done, schedule unchanged
             (for time-boxed runs; resume later continues).
+        max_minutes: a time-boxed run: the LR schedule follows ``max(step / steps, elapsed /
+            max_minutes)`` (so warmup and cosine complete on time whatever the step rate) and
+            the run stops, with a checkpoint and the exported drafter, once ``max_minutes`` of
+            wall time have passed or ``steps`` are done. Wall time makes such a run
+            non-reproducible step for step; None: the plain step schedule.
         progress: show a tqdm progress bar.
     """
 
@@ -132,6 +137,7 @@ class TrainConfig:
     reg_weight: float = 0.0
     export_dtype: str = "bf16"
     stop_after: int | None = None
+    max_minutes: float | None = None
     progress: bool = True
     extra: dict = field(default_factory=dict)
 
@@ -155,6 +161,8 @@ class TrainConfig:
             (self.reg_weight >= 0, f"reg_weight must be >= 0, got {self.reg_weight}"),
             (self.autocast in ("bf16", "fp16", "fp32"), f"autocast must be bf16, fp16 or fp32, got {self.autocast!r}"),
             (self.stop_after is None or self.stop_after >= 1, f"stop_after must be >= 1, got {self.stop_after}"),
+            (self.max_minutes is None or self.max_minutes > 0, f"max_minutes must be > 0, got {self.max_minutes}"),
+            (self.feature_cache_gb >= 0, f"feature_cache_gb must be >= 0, got {self.feature_cache_gb}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -285,7 +293,7 @@ def build_batch(seqs: list[TrainSequence], feats: list[torch.Tensor], anchors_pe
     Fdim = feats[0].shape[-1]
     chosen = [sample_anchors(s, anchors_per_seq, gen) for s in seqs]
     nb = max(len(a) for a in chosen)
-    features = torch.zeros(N, S, Fdim, dtype=feats[0].dtype)
+    features = torch.zeros(N, S, Fdim, dtype=feats[0].dtype, device=feats[0].device)
     valid = torch.zeros(N, S, dtype=torch.bool)
     anchors = torch.zeros(N, nb, dtype=torch.long)
     block_ids = torch.full((N, nb, B), mask_token_id, dtype=torch.long)
@@ -303,7 +311,7 @@ def build_batch(seqs: list[TrainSequence], feats: list[torch.Tensor], anchors_pe
         ok = inside & s.mask[lpc]
         labels[i, :m] = torch.where(ok, s.ids[lpc], IGNORE)
     positions = torch.arange(S).expand(N, S).contiguous()
-    return Batch(features.to(device), positions.to(device), valid.to(device), anchors.to(device),
+    return Batch(features.to(device, non_blocking=True), positions.to(device), valid.to(device), anchors.to(device),
                  block_ids.to(device), labels.to(device), int(sum(len(s.ids) for s in seqs)))
 
 
@@ -669,10 +677,16 @@ def train(target: LoadedTarget, samples: Sequence, out_dir: str | os.PathLike, c
         bar = tqdm(total=end, initial=start, desc="train", unit="step", disable=not cfg.progress,
                    dynamic_ncols=True, file=sys.stderr)
         t_run = time.perf_counter()
+        max_s = 60 * cfg.max_minutes if cfg.max_minutes else None
+        schedule = lr_lambda(cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio)
         try:
             with log.open("a") as logf:
                 while step < end:
                     t0 = time.perf_counter()
+                    if max_s is not None:  # time-boxed: the schedule advances with the clock too
+                        at = max(step, int(cfg.steps * (t0 - t_run) / max_s))
+                        for g in opt.param_groups:
+                            g["lr"] = cfg.lr * schedule(min(at, cfg.steps - 1))
                     idx = _batch_indices(step, cfg.batch, len(seqs), cfg.seed)
                     feats = store.get(idx)
                     t1 = time.perf_counter()
@@ -700,10 +714,14 @@ def train(target: LoadedTarget, samples: Sequence, out_dir: str | os.PathLike, c
                     logf.flush()
                     bar.set_postfix(loss=f"{st.loss:.3f}", tau=f"{st.tau_est:.2f}", lr=f"{lr:.1e}", refresh=False)
                     bar.update(1)
-                    if step % cfg.save_every == 0 or step == end:
+                    out_of_time = max_s is not None and time.perf_counter() - t_run >= max_s
+                    if step % cfg.save_every == 0 or step == end or out_of_time:
                         _save_checkpoint(out, step, drafter, opt, sched, cfg)
                         last_saved = step
                         plot_loss(out)
+                    if out_of_time:
+                        print(f"time box: stopping after {cfg.max_minutes:g} min at step {step}", file=sys.stderr)
+                        break
         except KeyboardInterrupt:
             if step > last_saved:
                 _save_checkpoint(out, step, drafter, opt, sched, cfg)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Drafter training on ONE offline GPU (H100/H200 class: torch + CUDA, transformers, safetensors,
+# tokenizers; no network, no model weights): self-distilled data from the target with our runtime
+# at large batch, the DFlash training recipe time-boxed, then the trained drafter benchmarked
+# against plain decoding on the evaluation prompts. README: "Training a drafter on a GPU".
+#
+#   scripts/gpu_train.sh PACK WORK
+#     PACK  folder written by `dflash-trt pack` (its model-NN/ folders may arrive in separate transfers)
+#     WORK  output folder: model/, data/ (the self-distilled dataset), run/ (log.jsonl, loss.png,
+#           checkpoints, drafter/), bench/<set>.json, and steps.log (what ran, with timings)
+#
+# Settings (environment variables, defaults in brackets):
+#   DEVICE [cuda]  DTYPE [bf16]  PYTHON [python3]  WHEELS [none: a folder of extra wheels, e.g. gguf]
+#   distill: DISTILL_MINUTES [4]  NUM_PROMPTS [all]  BATCH [384]  MAX_NEW_TOKENS [256]  SHARD_SIZE [512]
+#            MAX_NUM_TOKENS [16384]
+#   train:   TRAIN_MINUTES [10]  STEPS [100000]  LAYERS [2]  BLOCK [8]  TARGET_LAYERS [1,7,14,21,27]
+#            TRAIN_BATCH [16]  ANCHORS [512]  CE_CHUNK [8192]  FEATURE_CACHE_GB [40]  SAVE_EVERY [200]
+#            INIT_DRAFTER [none: start from this drafter]
+#   bench:   BENCH_PROMPTS [20]  BENCH_TOKENS [128]  BENCH_SETS [gsm8k humaneval mtbench]  CONCURRENCY [none: e.g. 1,8,32]
+set -euo pipefail
+if [ $# -ne 2 ]; then echo "usage: $0 PACK WORK" >&2; exit 2; fi
+PACK=$(cd "$1" && pwd)
+mkdir -p "$2"; WORK=$(cd "$2" && pwd)
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bf16}
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export DFLASH_TRT_CACHE="$WORK/cache"
+if [ -n "${WHEELS:-}" ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$WHEELS"/*.whl
+  export PYTHONPATH="$WORK/site:$PYTHONPATH"
+fi
+LOG="$WORK/steps.log"
+step() {  # step NAME CMD...: run, log the command and its wall time
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "== $name: $*" | tee -a "$LOG"
+  "$@"
+  echo "== $name: done in $((SECONDS - t0)) s" | tee -a "$LOG"
+}
+cli() { "$PY" -m dflash_trt.cli "$@"; }
+
+MODEL=$(cli unpack --pack "$PACK" --dest "$WORK/model")
+step distill cli distill --target "$MODEL" --prompts-file "$PACK/prompts/sharegpt.jsonl" \
+  ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} --out "$WORK/data" --batch "${BATCH:-384}" \
+  --max-new-tokens "${MAX_NEW_TOKENS:-256}" --shard-size "${SHARD_SIZE:-512}" \
+  --max-num-tokens "${MAX_NUM_TOKENS:-16384}" --max-minutes "${DISTILL_MINUTES:-4}" --device "$DEVICE" --dtype "$DTYPE"
+step train cli train --target "$MODEL" --data "$WORK/data" --out "$WORK/run" --steps "${STEPS:-100000}" \
+  --max-minutes "${TRAIN_MINUTES:-10}" --layers "${LAYERS:-2}" --block-size "${BLOCK:-8}" \
+  --target-layers "${TARGET_LAYERS:-1,7,14,21,27}" --batch "${TRAIN_BATCH:-16}" --anchors "${ANCHORS:-512}" \
+  --ce-chunk "${CE_CHUNK:-8192}" --feature-cache-gb "${FEATURE_CACHE_GB:-40}" --save-every "${SAVE_EVERY:-200}" \
+  ${INIT_DRAFTER:+--init-drafter "$INIT_DRAFTER"} --device "$DEVICE" --dtype "$DTYPE"
+mkdir -p "$WORK/bench"
+for set in ${BENCH_SETS:-gsm8k humaneval mtbench}; do
+  step "bench $set" cli bench --target "$MODEL" --drafter "$WORK/run/drafter" --prompts-file "$PACK/prompts/$set.jsonl" \
+    --num-prompts "${BENCH_PROMPTS:-20}" --max-new-tokens "${BENCH_TOKENS:-128}" --device "$DEVICE" --dtype "$DTYPE" \
+    --json "$WORK/bench/$set.json"
+done
+if [ -n "${CONCURRENCY:-}" ]; then
+  step "load bench" cli bench --target "$MODEL" --drafter "$WORK/run/drafter" --prompts-file "$PACK/prompts/gsm8k.jsonl" \
+    --num-prompts 32 --max-new-tokens "${BENCH_TOKENS:-128}" --concurrency "$CONCURRENCY" --device "$DEVICE" \
+    --dtype "$DTYPE" --json "$WORK/bench/load.json"
+fi
+echo "== all done" | tee -a "$LOG"

@@ -1,0 +1,121 @@
+"""Every device this machine has (the CPU, and each visible CUDA GPU's first device): the
+runtime and the trainer on a tiny random Llama-shaped target, so the device paths (RoPE tables,
+paged KV pools, per-request CPU generators with device logits, batched greedy choice, feature
+caches, time-boxed training) run without model weights.
+
+On a machine without a GPU only the ``cpu`` cases exist; on a GPU machine the ``cuda`` cases run
+as well (``pytest tests/test_devices.py``). The lossless checks allow a divergence only at a
+numerical tie (top-2 logit margin < 1e-4), as everywhere else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import OracleRunner, check_same
+
+from dflash_trt.checkpoints.loader import LoadedTarget, parse_device
+from dflash_trt.checkpoints.zlab import init_drafter, load_drafter
+from dflash_trt.errors import DFlashError
+from dflash_trt.models.config import TargetConfig
+from dflash_trt.models.target import TargetModel
+from dflash_trt.runtime.engine import EngineConfig, LLMEngine
+from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
+from dflash_trt.runtime.sampling import SamplingParams
+from dflash_trt.training.data import Sample
+from dflash_trt.training.trainer import TrainConfig, read_log, train
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+VOCAB = 256
+MASK = VOCAB - 1
+
+
+def tiny_target(device: str) -> TargetModel:
+    cfg = TargetConfig(family="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=4,
+                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = TargetModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():  # large enough weights that logits are far from ties
+            p.normal_(0, 0.2) if p.dim() > 1 else p.fill_(1.0)
+    return model.to(device).eval()
+
+
+def prompts(n: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 1, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dflash_equals_plain_on_device(device):
+    model = tiny_target(device)
+    drafter = init_drafter(model.cfg, 1, 4, MASK, seed=0).to(device)
+    reqs = [Request(p, 20) for p in prompts(5)]
+    plain = DFlashEngine(model, None, ())
+    ref = [plain.generate([r], 1)[0].output_ids for r in reqs]
+    outs = [o.output_ids for o in DFlashEngine(model, drafter, ()).generate(reqs, 4)]
+    ties = sum(check_same(model, r.prompt_ids, a, b) for r, a, b in zip(reqs, ref, outs))
+    # an oracle drafter (the reference continuation) exercises acceptance and KV rollback
+    OracleRunner.continuations = [r.prompt_ids + a for r, a in zip(reqs, ref)]
+    stats = LoopStats(4)
+    oracle = DFlashEngine(model, drafter, (), runner_cls=OracleRunner).generate(reqs, 4, stats=stats)
+    ties += sum(check_same(model, r.prompt_ids, a, o.output_ids) for r, a, o in zip(reqs, ref, oracle))
+    print(f"{device}: oracle tau {stats.tau:.2f}, {ties} ties")
+    assert stats.tau > 2.0
+    assert all(len(o) == 20 for o in outs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_in_flight_batching_and_sampling_on_device(device):
+    model = tiny_target(device)
+    drafter = init_drafter(model.cfg, 1, 4, MASK, seed=0).to(device)
+    engine = LLMEngine(model, drafter, (), EngineConfig(block_size=4, max_batch_size=3, max_num_tokens=64,
+                                                        tokens_per_block=8, kv_capacity_tokens=8 * 40))
+    ps = prompts(7, seed=2)
+    sids = [engine.add_request(Request(p, 12, SamplingParams(0.8, top_p=0.9, seed=i) if i % 2 else SamplingParams()))
+            for i, p in enumerate(ps)]
+    engine.run()
+    outs = [engine.result(s) for s in sids]
+    assert all(len(o.output_ids) == 12 and all(0 <= t < VOCAB for t in o.output_ids) for o in outs)
+    plain = DFlashEngine(model, None, ())
+    for i in range(0, 7, 2):  # the greedy ones equal plain decoding
+        check_same(model, ps[i], plain.generate([Request(ps[i], 12)], 1)[0].output_ids, outs[i].output_ids)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_time_boxed_training_on_device(device, tmp_path):
+    model = tiny_target(device)
+    target = LoadedTarget(model, None, Path("tiny"), ())
+    samples = []
+    for p in prompts(6, seed=3):
+        resp = DFlashEngine(model, None, ()).generate([Request(p, 24)], 1)[0].output_ids
+        samples.append(Sample(p + resp, [0] * len(p) + [1] * len(resp), len(samples), False, False))
+    cfg = TrainConfig(steps=1000, batch=2, anchors_per_seq=8, block_size=4, num_layers=1, mask_token_id=MASK,
+                      max_minutes=0.05, save_every=1000, progress=False, autocast="fp32", lr=3e-3)
+    out = train(target, samples, tmp_path / "run", cfg)
+    log = read_log(tmp_path / "run")
+    assert 1 <= len(log) < 1000, "the time box stops the run"
+    assert all(r["loss"] == r["loss"] for r in log)  # no NaN
+    assert log[-1]["lr"] < cfg.lr, "the schedule followed the clock"
+    drafter = load_drafter(out, torch.float32).to(device)
+    reqs = [Request(s.input_ids[: s.response_start], 16) for s in samples[:3]]
+    ref = [DFlashEngine(model, None, ()).generate([r], 1)[0].output_ids for r in reqs]
+    got = [o.output_ids for o in DFlashEngine(model, drafter, ()).generate(reqs, 4)]
+    for r, a, b in zip(reqs, ref, got):
+        check_same(model, r.prompt_ids, a, b)
+
+
+def test_parse_device():
+    assert parse_device("cpu").type == "cpu"
+    assert parse_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(DFlashError, match="unknown device"):
+        parse_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(DFlashError, match="no CUDA GPU"):
+            parse_device("cuda")
+    else:
+        with pytest.raises(DFlashError, match="visible"):
+            parse_device(f"cuda:{torch.cuda.device_count()}")
