@@ -27,6 +27,8 @@ demo: $(STAMP)
 		--peers hf,prompt-lookup --json out/demo-bench.json --plot out/demo-bench.png
 
 test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 
 clean:

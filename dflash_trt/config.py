@@ -125,7 +125,7 @@ class BuildConfig:
 
     # ---------------------------------------------------------------- validation
 
-    def validate(self) -> "BuildConfig":
+    def validate(self) -> BuildConfig:
         """Check every knob; returns self.
 
         Raises:
@@ -134,18 +134,38 @@ class BuildConfig:
         c = self.calibration
         checks = [
             (self.gpu in GPUS, f"gpu must be one of {', '.join(GPUS)}, got {self.gpu!r}"),
-            (self.gpu_memory_gb is None or self.gpu_memory_gb > 0, f"gpu_memory_gb must be > 0, got {self.gpu_memory_gb}"),
-            (0 < self.gpu_memory_fraction <= 1, f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}"),
+            (
+                self.gpu_memory_gb is None or self.gpu_memory_gb > 0,
+                f"gpu_memory_gb must be > 0, got {self.gpu_memory_gb}",
+            ),
+            (
+                0 < self.gpu_memory_fraction <= 1,
+                f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}",
+            ),
             (self.dtype in COMPUTE_DTYPES, f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}"),
-            (self.target_quant in QUANT_FORMATS, f"target_quant must be one of {', '.join(QUANT_FORMATS)}, got {self.target_quant!r}"),
-            (self.drafter_quant in QUANT_FORMATS, f"drafter_quant must be one of {', '.join(QUANT_FORMATS)}, got {self.drafter_quant!r}"),
-            (self.kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"),
+            (
+                self.target_quant in QUANT_FORMATS,
+                f"target_quant must be one of {', '.join(QUANT_FORMATS)}, got {self.target_quant!r}",
+            ),
+            (
+                self.drafter_quant in QUANT_FORMATS,
+                f"drafter_quant must be one of {', '.join(QUANT_FORMATS)}, got {self.drafter_quant!r}",
+            ),
+            (
+                self.kv_cache_dtype in KV_CACHE_DTYPES,
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
+            ),
             (self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}"),
             (self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}"),
             (self.max_seq_len >= 2, f"max_seq_len must be >= 2, got {self.max_seq_len}"),
-            (self.max_num_tokens >= self.block_size, f"max_num_tokens ({self.max_num_tokens}) must hold one block ({self.block_size})"),
-            (self.tokens_per_block >= 1 and self.tokens_per_block & (self.tokens_per_block - 1) == 0,
-             f"tokens_per_block must be a power of two, got {self.tokens_per_block}"),
+            (
+                self.max_num_tokens >= self.block_size,
+                f"max_num_tokens ({self.max_num_tokens}) must hold one block ({self.block_size})",
+            ),
+            (
+                self.tokens_per_block >= 1 and self.tokens_per_block & (self.tokens_per_block - 1) == 0,
+                f"tokens_per_block must be a power of two, got {self.tokens_per_block}",
+            ),
             (1 <= self.block_size <= 64, f"block_size must be in 1..64, got {self.block_size}"),
             (c.num_samples >= 1, f"calibration.num_samples must be >= 1, got {c.num_samples}"),
             (c.max_seq_len >= 8, f"calibration.max_seq_len must be >= 8, got {c.max_seq_len}"),
@@ -159,7 +179,7 @@ class BuildConfig:
     # ---------------------------------------------------------------- I/O
 
     @classmethod
-    def from_dict(cls, data: dict, name: str = "custom") -> "BuildConfig":
+    def from_dict(cls, data: dict, name: str = "custom") -> BuildConfig:
         """Build from a YAML mapping.
 
         Raises:
@@ -180,7 +200,7 @@ class BuildConfig:
         return cls(**kw, calibration=CalibrationConfig(**ckw)).validate()
 
     @classmethod
-    def load(cls, path: str | os.PathLike, overrides: dict | None = None) -> "BuildConfig":
+    def load(cls, path: str | os.PathLike, overrides: dict | None = None) -> BuildConfig:
         """Read ``path`` (YAML) and apply ``overrides`` (``{"tp_size": 2, "calibration.num_samples": 8}``).
 
         Raises:
@@ -227,8 +247,10 @@ def _check_keys(data: dict, cls, name: str, prefix: str) -> None:
     known = {f.name for f in fields(cls)} - {"calibration"}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise DFlashError(f"build config {name!r}: unknown key {prefix}{unknown[0]} "
-                          f"(known: {', '.join(sorted(prefix + k for k in known))})")
+        raise DFlashError(
+            f"build config {name!r}: unknown key {prefix}{unknown[0]} "
+            f"(known: {', '.join(sorted(prefix + k for k in known))})"
+        )
 
 
 def _coerce(cls, key: str, value, name: str):

@@ -10,7 +10,6 @@ import pytest
 from helpers import error_line, run
 
 
-
 @pytest.fixture(scope="module")
 def mismatched_drafter(tmp_path_factory, smollm2, random_drafter):
     """A drafter whose config says it was made for a 24-layer target (SmolLM2 has 30)."""
@@ -25,18 +24,21 @@ def mismatched_drafter(tmp_path_factory, smollm2, random_drafter):
     return bad
 
 
-@pytest.mark.parametrize("args, expect", [
-    (["bench", "--dataset", "foo"], "unknown dataset 'foo'"),
-    (["generate", "--prompt", "hi", "--target", "/nonexistent/model"], "target not found"),
-    (["generate", "--prompt", "hi", "--drafter", "/nonexistent/drafter"], "drafter not found"),
-    (["generate", "--prompt", "hi", "--block-size", "32"], "above the drafter's block_size 16"),
-    (["generate", "--prompt", "hi", "--temperature", "-0.5"], "temperature must be >= 0"),
-    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["bench", "--peers", "vllm"], "unknown peer 'vllm'"),
-    (["generate", "--prompt", "hi", "--dtype", "int3"], "unknown dtype"),
-    (["generate"], "--prompt"),
-    (["frobnicate"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["bench", "--dataset", "foo"], "unknown dataset 'foo'"),
+        (["generate", "--prompt", "hi", "--target", "/nonexistent/model"], "target not found"),
+        (["generate", "--prompt", "hi", "--drafter", "/nonexistent/drafter"], "drafter not found"),
+        (["generate", "--prompt", "hi", "--block-size", "32"], "above the drafter's block_size 16"),
+        (["generate", "--prompt", "hi", "--temperature", "-0.5"], "temperature must be >= 0"),
+        (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["bench", "--peers", "vllm"], "unknown peer 'vllm'"),
+        (["generate", "--prompt", "hi", "--dtype", "int3"], "unknown dtype"),
+        (["generate"], "--prompt"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
 def test_bad_input_one_line(args, expect):
     assert expect in error_line(run(*args))
 
@@ -68,7 +70,9 @@ def test_generate_streams_and_reports(tmp_path, random_drafter):
     from dflash_trt.checkpoints.zlab import save_drafter
 
     d = save_drafter(random_drafter, tmp_path / "drafter")
-    proc = run("generate", "--prompt-from", "gsm8k:0", "--max-new-tokens", "12", "--block-size", "4", "--drafter", str(d))
+    proc = run(
+        "generate", "--prompt-from", "gsm8k:0", "--max-new-tokens", "12", "--block-size", "4", "--drafter", str(d)
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert "tau" in last and "tok/s" in last and "12 tokens" in last
@@ -77,13 +81,45 @@ def test_generate_streams_and_reports(tmp_path, random_drafter):
 
 def test_bench_json(tmp_path):
     out = tmp_path / "bench.json"
-    proc = run("bench", "--dataset", "humaneval", "--num-prompts", "2", "--max-new-tokens", "8",
-               "--block-size", "4", "--peers", "hf", "--json", str(out), "--plot", str(tmp_path / "b.png"))
+    proc = run(
+        "bench",
+        "--dataset",
+        "humaneval",
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--block-size",
+        "4",
+        "--peers",
+        "hf",
+        "--json",
+        str(out),
+        "--plot",
+        str(tmp_path / "b.png"),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(out.read_text())
-    for key in ("dataset", "num_prompts", "max_new_tokens", "block_size", "temperature", "target", "drafter",
-                "device", "threads", "lossless", "tau", "acceptance_per_position", "ar_tokens_per_s",
-                "dflash_tokens_per_s", "speedup", "verify_cost_ratio", "draft_cost_ratio", "peers"):
+    for key in (
+        "dataset",
+        "num_prompts",
+        "max_new_tokens",
+        "block_size",
+        "temperature",
+        "target",
+        "drafter",
+        "device",
+        "threads",
+        "lossless",
+        "tau",
+        "acceptance_per_position",
+        "ar_tokens_per_s",
+        "dflash_tokens_per_s",
+        "speedup",
+        "verify_cost_ratio",
+        "draft_cost_ratio",
+        "peers",
+    ):
         assert key in r, key
     assert r["dataset"] == "humaneval" and r["num_prompts"] == 2 and r["block_size"] == 4
     assert r["lossless"] is True
@@ -108,11 +144,28 @@ def test_init_drafter_writes_loadable_drafter(tmp_path):
 def test_distill_then_train(tmp_path):
     """The training path from the command line: self-distilled data, a few steps, a drafter."""
     data, run_dir = tmp_path / "data", tmp_path / "run"
-    proc = run("distill", "--out", str(data), "--num-prompts", "3", "--max-new-tokens", "6", "--batch", "3", "--dtype", "fp32")
+    proc = run(
+        "distill", "--out", str(data), "--num-prompts", "3", "--max-new-tokens", "6", "--batch", "3", "--dtype", "fp32"
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (data / "manifest.json").is_file()
-    proc = run("train", "--data", str(data), "--out", str(run_dir), "--steps", "2", "--block-size", "4", "--anchors", "4",
-               "--batch", "2", "--save-every", "2")
+    proc = run(
+        "train",
+        "--data",
+        str(data),
+        "--out",
+        str(run_dir),
+        "--steps",
+        "2",
+        "--block-size",
+        "4",
+        "--anchors",
+        "4",
+        "--batch",
+        "2",
+        "--save-every",
+        "2",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     from dflash_trt.checkpoints.zlab import load_drafter
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_trt.bench.datasets import DATASETS, chat_prompt_ids, load_prompts, mixed_prompts
 from dflash_trt.errors import DFlashError
+from dflash_trt.prompts import DATASETS, chat_prompt_ids, load_prompts, mixed_prompts
 
 SIZES = {"gsm8k": 1319, "humaneval": 164, "mtbench": 80}
 
@@ -27,7 +27,9 @@ def test_first_prompts_and_order():
     he = load_prompts("humaneval", 1)[0]
     assert he.startswith("Complete the following Python function:\n\n```python\n")
     assert "def has_close_elements(" in he and he.endswith("```")
-    assert load_prompts("mtbench", 1)[0].startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
+    assert load_prompts("mtbench", 1)[0].startswith(
+        "Compose an engaging travel blog post about a recent trip to Hawaii"
+    )
     assert load_prompts("gsm8k", 5) == load_prompts("gsm8k", 20)[:5]
 
 
@@ -48,6 +50,7 @@ def test_mixed_prompts_interleave():
     assert len(many) == 300
     assert many[240:] == [x for pair in zip(g[80:], h[80:]) for x in pair]
 
+
 def test_chat_prompt_ids(smollm2):
     tok = smollm2.tokenizer
     text = load_prompts("gsm8k", 1)[0]
@@ -55,7 +58,7 @@ def test_chat_prompt_ids(smollm2):
     assert isinstance(ids, list) and ids and all(type(t) is int for t in ids)
     header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
     assert header[0] == tok.convert_tokens_to_ids("<|im_start|>")
-    assert ids[-len(header):] == header  # ends with the assistant generation prompt
+    assert ids[-len(header) :] == header  # ends with the assistant generation prompt
     user = tok.encode("<|im_start|>user\n", add_special_tokens=False)
     starts = [i for i in range(len(ids)) if ids[i : i + len(user)] == user]
     assert len(starts) == 1

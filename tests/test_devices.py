@@ -33,8 +33,17 @@ MASK = VOCAB - 1
 
 
 def tiny_target(device: str) -> TargetModel:
-    cfg = TargetConfig(family="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=4,
-                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    cfg = TargetConfig(
+        family="llama",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     model = TargetModel(cfg)
     with torch.no_grad():
@@ -45,8 +54,10 @@ def tiny_target(device: str) -> TargetModel:
 
 def prompts(n: int, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB - 1, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(0, VOCAB - 1, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -72,11 +83,17 @@ def test_dflash_equals_plain_on_device(device):
 def test_in_flight_batching_and_sampling_on_device(device):
     model = tiny_target(device)
     drafter = init_drafter(model.cfg, 1, 4, MASK, seed=0).to(device)
-    engine = LLMEngine(model, drafter, (), EngineConfig(block_size=4, max_batch_size=3, max_num_tokens=64,
-                                                        tokens_per_block=8, kv_capacity_tokens=8 * 40))
+    engine = LLMEngine(
+        model,
+        drafter,
+        (),
+        EngineConfig(block_size=4, max_batch_size=3, max_num_tokens=64, tokens_per_block=8, kv_capacity_tokens=8 * 40),
+    )
     ps = prompts(7, seed=2)
-    sids = [engine.add_request(Request(p, 12, SamplingParams(0.8, top_p=0.9, seed=i) if i % 2 else SamplingParams()))
-            for i, p in enumerate(ps)]
+    sids = [
+        engine.add_request(Request(p, 12, SamplingParams(0.8, top_p=0.9, seed=i) if i % 2 else SamplingParams()))
+        for i, p in enumerate(ps)
+    ]
     engine.run()
     outs = [engine.result(s) for s in sids]
     assert all(len(o.output_ids) == 12 and all(0 <= t < VOCAB for t in o.output_ids) for o in outs)
@@ -93,8 +110,19 @@ def test_time_boxed_training_on_device(device, tmp_path):
     for p in prompts(6, seed=3):
         resp = DFlashEngine(model, None, ()).generate([Request(p, 24)], 1)[0].output_ids
         samples.append(Sample(p + resp, [0] * len(p) + [1] * len(resp), len(samples), False, False))
-    cfg = TrainConfig(steps=1000, batch=2, anchors_per_seq=8, block_size=4, num_layers=1, mask_token_id=MASK,
-                      max_minutes=0.05, save_every=1000, progress=False, autocast="fp32", lr=3e-3)
+    cfg = TrainConfig(
+        steps=1000,
+        batch=2,
+        anchors_per_seq=8,
+        block_size=4,
+        num_layers=1,
+        mask_token_id=MASK,
+        max_minutes=0.05,
+        save_every=1000,
+        progress=False,
+        autocast="fp32",
+        lr=3e-3,
+    )
     out = train(target, samples, tmp_path / "run", cfg)
     log = read_log(tmp_path / "run")
     assert 1 <= len(log) < 1000, "the time box stops the run"

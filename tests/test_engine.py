@@ -15,8 +15,8 @@ import random
 import pytest
 from helpers import OracleRunner, check_same
 
-from dflash_trt.bench.datasets import chat_prompt_ids, mixed_prompts
 from dflash_trt.errors import DFlashError
+from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
 from dflash_trt.runtime.adaptive import CostModel, DraftLengthController
 from dflash_trt.runtime.block_manager import BlockManager
 from dflash_trt.runtime.engine import AsyncLLM, EngineConfig, LLMEngine
@@ -33,11 +33,12 @@ def ties_or_fail(model, reqs, refs, outs) -> int:
     return sum(check_same(model, r.prompt_ids, ref, got) for r, ref, got in zip(reqs, refs, outs))
 
 
-def drive(engine: LLMEngine, reqs: list[Request], concurrency: int, rng: random.Random,
-          cancel: dict[int, int] | None = None) -> tuple[dict[int, list[int]], dict[int, list[int]], list[int]]:
+def drive(
+    engine: LLMEngine, reqs: list[Request], concurrency: int, rng: random.Random, cancel: dict[int, int] | None = None
+) -> tuple[dict[int, list[int]], dict[int, list[int]], list[int]]:
     """Requests arrive at random iterations (at most ``concurrency`` in flight); ``cancel``
-    maps request -> iterations after its arrival at which it is aborted (0: while queued). Returns outputs, streamed tokens and the
-    ids in the order they finished (each must appear once)."""
+    maps request -> iterations after its arrival at which it is aborted (0: while queued). Returns
+    outputs, streamed tokens and the ids in the order they finished (each must appear once)."""
     arrivals = sorted(rng.randrange(0, 3 * len(reqs)) for _ in reqs)
     cancel = cancel or {}
     pending = list(range(len(reqs)))
@@ -113,8 +114,9 @@ def refs16(smollm2, reqs16):
 @pytest.mark.parametrize("proposer", ["drafter", "oracle"])
 def test_lossless_under_batching(smollm2, random_drafter, reqs16, refs16, concurrency, proposer):
     # small blocks and token budget: prompts are chunked next to other requests' verify blocks
-    cfg = EngineConfig(block_size=8, max_batch_size=16, max_num_tokens=96, tokens_per_block=8,
-                       kv_capacity_tokens=16 * 8 * 10)
+    cfg = EngineConfig(
+        block_size=8, max_batch_size=16, max_num_tokens=96, tokens_per_block=8, kv_capacity_tokens=16 * 8 * 10
+    )
     runner = None
     if proposer == "oracle":
         OracleRunner.continuations = [r.prompt_ids + ref for r, ref in zip(reqs16, refs16)]
@@ -126,8 +128,10 @@ def test_lossless_under_batching(smollm2, random_drafter, reqs16, refs16, concur
     assert sorted(order) == list(range(len(reqs16)))
     assert all(streamed[i] == outs[i] for i in range(len(reqs16)))
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
-    print(f"\n{proposer}, concurrency {concurrency}: {len(reqs16) - ties}/{len(reqs16)} identical, {ties} ties, "
-          f"tau {engine.stats.tau:.2f}")
+    print(
+        f"\n{proposer}, concurrency {concurrency}: {len(reqs16) - ties}/{len(reqs16)} identical, {ties} ties, "
+        f"tau {engine.stats.tau:.2f}"
+    )
     if proposer == "oracle":
         assert engine.stats.tau > 2.0
 
@@ -143,8 +147,7 @@ def test_stress_200_requests_cancellations_small_cache(smollm2, random_drafter):
         reqs.append(Request(ids[: rng.randint(2, min(24, len(ids)))], rng.randint(1, 8)))
     cancel = {i: rng.randrange(0, 6) for i in rng.sample(range(200), 40)}
     # capacity for ~3 typical requests at once: most requests wait for KV blocks
-    cfg = EngineConfig(block_size=4, max_batch_size=32, max_num_tokens=64, tokens_per_block=8,
-                       kv_capacity_tokens=6 * 8)
+    cfg = EngineConfig(block_size=4, max_batch_size=32, max_num_tokens=64, tokens_per_block=8, kv_capacity_tokens=6 * 8)
     engine = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, cfg)
     outputs, streamed, order = drive(engine, reqs, concurrency=200, rng=rng, cancel=cancel)
     assert sorted(order) == list(range(200)), "a request finished twice or never"
@@ -161,13 +164,16 @@ def test_stress_200_requests_cancellations_small_cache(smollm2, random_drafter):
     bm = engine.blocks
     assert bm.num_free_blocks == bm.num_blocks and bm.num_unreserved_blocks == bm.num_blocks and not bm.holders()
     assert engine.runner._features == {}
-    print(f"\nstress: {len(done)} completed ({ties} ties), {len(aborted)} cancelled, "
-          f"{bm.num_blocks} blocks of {bm.tokens_per_block}")
+    print(
+        f"\nstress: {len(done)} completed ({ties} ties), {len(aborted)} cancelled, "
+        f"{bm.num_blocks} blocks of {bm.tokens_per_block}"
+    )
 
 
 def test_request_larger_than_cache_is_refused(smollm2):
-    engine = LLMEngine(smollm2.model, None, smollm2.stop_token_ids,
-                       EngineConfig(tokens_per_block=8, kv_capacity_tokens=32))
+    engine = LLMEngine(
+        smollm2.model, None, smollm2.stop_token_ids, EngineConfig(tokens_per_block=8, kv_capacity_tokens=32)
+    )
     with pytest.raises(DFlashError, match="KV positions"):
         engine.add_request(Request(list(range(1, 30)), 8))
     with pytest.raises(DFlashError, match="empty prompt"):
@@ -177,8 +183,12 @@ def test_request_larger_than_cache_is_refused(smollm2):
 
 # ---------------------------------------------------------------- streaming
 def test_async_stream_and_cancel(smollm2, random_drafter, reqs16, refs16):
-    engine = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids,
-                       EngineConfig(block_size=4, tokens_per_block=8, kv_capacity_tokens=2048))
+    engine = LLMEngine(
+        smollm2.model,
+        random_drafter,
+        smollm2.stop_token_ids,
+        EngineConfig(block_size=4, tokens_per_block=8, kv_capacity_tokens=2048),
+    )
     llm = AsyncLLM(engine)
 
     async def collect(req, stop_after=None):
@@ -236,10 +246,13 @@ def test_cost_model_interpolates_and_learns():
 def test_adaptive_engine_falls_back_and_stays_lossless(smollm2, random_drafter, reqs16, refs16):
     """A random drafter is (almost) never accepted: the controller must stop drafting (mean
     draft tokens far below the block's 15) and the outputs stay exact."""
-    cfg = EngineConfig(block_size=16, adaptive=True, max_batch_size=8, max_num_tokens=256, tokens_per_block=16,
-                       kv_capacity_tokens=8192)
+    cfg = EngineConfig(
+        block_size=16, adaptive=True, max_batch_size=8, max_num_tokens=256, tokens_per_block=16, kv_capacity_tokens=8192
+    )
     engine = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, cfg)
     outputs, _, _ = drive(engine, reqs16[:8], 8, random.Random(3))
     ties = ties_or_fail(smollm2.model, reqs16[:8], refs16[:8], [outputs[i] for i in range(8)])
-    print(f"\nadaptive: mean draft tokens {engine.stats.mean_draft_tokens:.2f}, tau {engine.stats.tau:.2f}, {ties} ties")
+    print(
+        f"\nadaptive: mean draft tokens {engine.stats.mean_draft_tokens:.2f}, tau {engine.stats.tau:.2f}, {ties} ties"
+    )
     assert engine.stats.mean_draft_tokens < 3.0

@@ -11,7 +11,11 @@ import pytest
 from helpers import error_line, run
 
 from dflash_trt.bench.load import (
-    DEFAULT_KV_CAPACITY, LoadConfig, arrival_times, drive, kv_capacity_for,
+    DEFAULT_KV_CAPACITY,
+    LoadConfig,
+    arrival_times,
+    drive,
+    kv_capacity_for,
 )
 from dflash_trt.runtime.engine import EngineConfig, LLMEngine
 from dflash_trt.runtime.executor import first_divergence, top2_margin
@@ -19,16 +23,53 @@ from dflash_trt.runtime.request import Request
 
 TIE = 1e-4  # fp32 top-2 logit margin below which a greedy divergence is a numerical tie (test_lossless.py)
 
-ROW_KEYS = ("concurrency", "mode", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
-            "mean_draft_tokens", "tau", "requests", "output_tokens", "per_user_tokens_per_s", "wall_s", "lossless",
-            "divergences")
+ROW_KEYS = (
+    "concurrency",
+    "mode",
+    "output_tokens_per_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tpot_p50_s",
+    "tpot_p99_s",
+    "mean_draft_tokens",
+    "tau",
+    "requests",
+    "output_tokens",
+    "per_user_tokens_per_s",
+    "wall_s",
+    "lossless",
+    "divergences",
+)
 
 
 def test_load_bench_cli_json_table_plot(tmp_path):
     out, png = tmp_path / "load.json", tmp_path / "load.png"
-    proc = run("bench", "--dataset", "gsm8k", "--num-prompts", "3", "--max-new-tokens", "12", "--concurrency", "1,4",
-               "--threads", "1", "--dtype", "fp32", "--max-batch-size", "8", "--max-num-tokens", "512",
-               "--kv-capacity", "8192", "--json", str(out), "--plot", str(png), timeout=600)
+    proc = run(
+        "bench",
+        "--dataset",
+        "gsm8k",
+        "--num-prompts",
+        "3",
+        "--max-new-tokens",
+        "12",
+        "--concurrency",
+        "1,4",
+        "--threads",
+        "1",
+        "--dtype",
+        "fp32",
+        "--max-batch-size",
+        "8",
+        "--max-num-tokens",
+        "512",
+        "--kv-capacity",
+        "8192",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "KV capacity: 8,192 tokens (--kv-capacity)" in proc.stderr
     r = json.loads(out.read_text())
@@ -57,7 +98,10 @@ def test_load_bench_cli_json_table_plot(tmp_path):
         for d in x["divergences"]:
             assert d["top2_margin"] < TIE, d
     table = proc.stdout.splitlines()
-    assert sum(1 for line in table if line.split()[:2] in (["1", "ar"], ["1", "dflash"], ["4", "ar"], ["4", "dflash"])) == 4
+    assert (
+        sum(1 for line in table if line.split()[:2] in (["1", "ar"], ["1", "dflash"], ["4", "ar"], ["4", "dflash"]))
+        == 4
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -73,11 +117,15 @@ def test_driver_respects_arrivals_and_concurrency(smollm2):
     """Plain decoding on the real engine: no request starts before it arrives, never more than C
     run at once, a request that found C in flight starts when one of them finished, and the
     outputs equal one-at-a-time greedy decoding."""
-    from dflash_trt.bench.datasets import chat_prompt_ids, load_prompts
+    from dflash_trt.prompts import chat_prompt_ids, load_prompts
 
     prompts = [chat_prompt_ids(smollm2.tokenizer, t) for t in load_prompts("gsm8k", 3)]
-    eng = LLMEngine(smollm2.model, None, smollm2.stop_token_ids,
-                    EngineConfig(block_size=1, max_batch_size=8, max_num_tokens=512, kv_capacity_tokens=4096))
+    eng = LLMEngine(
+        smollm2.model,
+        None,
+        smollm2.stop_token_ids,
+        EngineConfig(block_size=1, max_batch_size=8, max_num_tokens=512, kv_capacity_tokens=4096),
+    )
     n, C = 7, 2
     reqs = [Request(prompts[i % 3], 5, stop_token_ids=()) for i in range(n)]
     arrivals = arrival_times(n, 20.0, seed=1)
@@ -136,31 +184,49 @@ def test_kv_capacity_default(tmp_path):
 
     assert kv_capacity_for(LoadConfig()) == (DEFAULT_KV_CAPACITY, "default")
     assert kv_capacity_for(LoadConfig(kv_capacity=1000))[0] == 1000
-    assert kv_capacity_for(LoadConfig(engine=engine_dir("small", {"kv_token_capacity": 5000}))) == (5000, "engine memory plan")
-    cap, src = kv_capacity_for(LoadConfig(engine=engine_dir("big", {"kv_token_capacity": 10 ** 7})))
+    assert kv_capacity_for(LoadConfig(engine=engine_dir("small", {"kv_token_capacity": 5000}))) == (
+        5000,
+        "engine memory plan",
+    )
+    cap, src = kv_capacity_for(LoadConfig(engine=engine_dir("big", {"kv_token_capacity": 10**7})))
     assert cap == DEFAULT_KV_CAPACITY and "capped" in src
     cap, src = kv_capacity_for(LoadConfig(engine=engine_dir("none", None)))
     assert cap == DEFAULT_KV_CAPACITY and "no memory plan" in src
 
 
-@pytest.mark.parametrize("args, expect", [
-    (["--concurrency", "0"], "--concurrency values must be integers >= 1"),
-    (["--concurrency", "a,b"], "--concurrency takes comma-separated integers"),
-    (["--concurrency", ","], "--concurrency takes comma-separated integers"),
-    (["--concurrency", "1,4", "--request-rate", "-2"], "--request-rate must be > 0"),
-    (["--concurrency", "1", "--request-rate", "fast"], "--request-rate takes a number"),
-    (["--concurrency", "1", "--peers", "hf"], "drop --peers with --concurrency"),
-    (["--concurrency", "1", "--max-batch-size", "0"], "--max-batch-size must be >= 1"),
-    (["--concurrency", "1", "--num-requests", "0"], "--num-requests must be >= 1"),
-    (["--kv-capacity", "4096"], "add --concurrency"),
-])
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["--concurrency", "0"], "--concurrency values must be integers >= 1"),
+        (["--concurrency", "a,b"], "--concurrency takes comma-separated integers"),
+        (["--concurrency", ","], "--concurrency takes comma-separated integers"),
+        (["--concurrency", "1,4", "--request-rate", "-2"], "--request-rate must be > 0"),
+        (["--concurrency", "1", "--request-rate", "fast"], "--request-rate takes a number"),
+        (["--concurrency", "1", "--peers", "hf"], "drop --peers with --concurrency"),
+        (["--concurrency", "1", "--max-batch-size", "0"], "--max-batch-size must be >= 1"),
+        (["--concurrency", "1", "--num-requests", "0"], "--num-requests must be >= 1"),
+        (["--kv-capacity", "4096"], "add --concurrency"),
+    ],
+)
 def test_load_bench_bad_input_one_line(args, expect):
     assert expect in error_line(run("bench", *args))
 
 
 def test_engine_settings_rejected_before_running():
     """A block size above the token budget fails as one line (the engine's own check)."""
-    line = error_line(run("bench", "--concurrency", "1", "--num-prompts", "1", "--max-new-tokens", "2",
-                          "--max-num-tokens", "8", "--threads", "1"))
+    line = error_line(
+        run(
+            "bench",
+            "--concurrency",
+            "1",
+            "--num-prompts",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--max-num-tokens",
+            "8",
+            "--threads",
+            "1",
+        )
+    )
     assert "max_num_tokens (8) must be >= the block size (16)" in line
-

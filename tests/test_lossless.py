@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from helpers import OracleRunner, check_same
 
-from dflash_trt.bench.datasets import chat_prompt_ids, mixed_prompts
+from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
 from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
 
 MAX_NEW = 24

@@ -84,7 +84,7 @@ def test_smollm2_logits_and_features_match_hf(smollm2, hf_smollm2, prompt_ids):
         H = smollm2.model.cfg.hidden_size
         assert ours.features.shape == (1, len(ids), len(FEATURE_LAYERS) * H)
         for k, layer in enumerate(FEATURE_LAYERS):
-            fd = max_diff(ours.features[..., k * H:(k + 1) * H], ref.hidden_states[layer + 1])
+            fd = max_diff(ours.features[..., k * H : (k + 1) * H], ref.hidden_states[layer + 1])
             print(f"  feature layer {layer}: max abs diff {fd:.3g}")
             worst_feat = max(worst_feat, fd)
     print(f"SmolLM2 vs HF worst: logits {worst_logit:.3g}, features {worst_feat:.3g}")
@@ -129,7 +129,7 @@ def test_prefill_then_decode_equals_full_forward(smollm2, prompt_ids):
     # ... then two verify-style chunks of 3, kv_len covering the whole chunk
     for p in range(P + 6, T, 3):
         pos = torch.arange(p, p + 3).unsqueeze(0)
-        out = model(torch.tensor([ids[p:p + 3]]), causal_meta(pos, p + 3), cache.layers, (5, 29))
+        out = model(torch.tensor([ids[p : p + 3]]), causal_meta(pos, p + 3), cache.layers, (5, 29))
         got_logits.append(out.logits)
         got_feats.append(out.features)
     d = max_diff(torch.cat(got_logits, 1), full.logits)
@@ -208,19 +208,48 @@ LLAMA3_ROPE = {
 def tiny_hf_model(family: str, vocab: int):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    common = dict(vocab_size=vocab, num_hidden_layers=3, rms_norm_eps=1e-6, eos_token_id=2,
-                  bos_token_id=1, max_position_embeddings=256)
+    common = dict(
+        vocab_size=vocab,
+        num_hidden_layers=3,
+        rms_norm_eps=1e-6,
+        eos_token_id=2,
+        bos_token_id=1,
+        max_position_embeddings=256,
+    )
     if family == "qwen2":
-        cfg = Qwen2Config(hidden_size=48, intermediate_size=96, num_attention_heads=6, num_key_value_heads=2,
-                          tie_word_embeddings=True, rope_theta=10000.0, **common)
+        cfg = Qwen2Config(
+            hidden_size=48,
+            intermediate_size=96,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+            **common,
+        )
         cls = Qwen2ForCausalLM
     elif family == "qwen3":
-        cfg = Qwen3Config(hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0, **common)
+        cfg = Qwen3Config(
+            hidden_size=48,
+            intermediate_size=96,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+            **common,
+        )
         cls = Qwen3ForCausalLM
     else:
-        cfg = LlamaConfig(hidden_size=32, intermediate_size=80, num_attention_heads=4, num_key_value_heads=1,
-                          tie_word_embeddings=False, rope_theta=10000.0, rope_scaling=dict(LLAMA3_ROPE), **common)
+        cfg = LlamaConfig(
+            hidden_size=32,
+            intermediate_size=80,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            rope_scaling=dict(LLAMA3_ROPE),
+            **common,
+        )
         cls = LlamaForCausalLM
     torch.manual_seed({"qwen2": 1, "qwen3": 2, "llama": 3}[family])
     model = cls(cfg).eval()
@@ -270,7 +299,10 @@ def test_tiny_family_matches_hf(family, smollm2, tiny_ids, tmp_path):
         ours = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         plain = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None)
         ref = hf.model.rotary_emb.inv_freq.float()
-        print(f"\nllama3 inv_freq ours {ours.tolist()}\n              HF   {ref.tolist()}\n         unscaled  {plain.tolist()}")
+        print(
+            f"\nllama3 inv_freq ours {ours.tolist()}\n              HF   {ref.tolist()}\n"
+            f"         unscaled  {plain.tolist()}"
+        )
         assert torch.allclose(ours, ref, rtol=1e-6, atol=0)
         ratio = plain / ours
         assert ratio[0] == 1 and ratio[-1] == 8 and 1 < ratio[1] < 8, "all three llama3 regimes must occur"
@@ -280,10 +312,14 @@ def test_tiny_family_matches_hf(family, smollm2, tiny_ids, tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([ids]), output_hidden_states=True)
     d = max_diff(ours.logits, ref.logits)
-    fd = max(max_diff(ours.features[..., k * cfg.hidden_size:(k + 1) * cfg.hidden_size], ref.hidden_states[i + 1])
-             for k, i in enumerate(layers))
-    print(f"\ntiny {family} vs HF ({len(ids)} tokens): logits max abs diff {d:.3g} "
-          f"(max |logit| {float(ref.logits.abs().max()):.1f}), features {fd:.3g}")
+    fd = max(
+        max_diff(ours.features[..., k * cfg.hidden_size : (k + 1) * cfg.hidden_size], ref.hidden_states[i + 1])
+        for k, i in enumerate(layers)
+    )
+    print(
+        f"\ntiny {family} vs HF ({len(ids)} tokens): logits max abs diff {d:.3g} "
+        f"(max |logit| {float(ref.logits.abs().max()):.1f}), features {fd:.3g}"
+    )
     assert d < 1e-4
     assert fd < 1e-4
     if family == "llama":
@@ -339,8 +375,12 @@ def test_unsupported_rope_type_is_a_user_error(smollm2, tmp_path):
 
     out = save_tiny(tiny_hf_model("qwen3", smollm2.model.cfg.vocab_size), smollm2.tokenizer, tmp_path / "yarn")
     cfg = json.loads((out / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
-                              "rope_theta": 1000000.0}
+    cfg["rope_parameters"] = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "rope_theta": 1000000.0,
+    }
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DFlashError, match="rope_type 'yarn'"):
         load_target(str(out))

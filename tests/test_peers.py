@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_trt.bench.datasets import chat_prompt_ids, load_prompts
 from dflash_trt.bench.peers import PEERS, PeerResult, run_peer
 from dflash_trt.errors import DFlashError
+from dflash_trt.prompts import chat_prompt_ids, load_prompts
 
 MAX_NEW = 8
 
@@ -67,8 +67,16 @@ def test_prompt_lookup_equals_hf(smollm2, prompts, hf_result):
 
 def test_zlab_reference_loop_equals_hf(smollm2, random_drafter, prompts, hf_result):
     """The z-lab reference loop (PyPI ``dflash``) with our drafter's weights is lossless too."""
-    res = run_peer("zlab", smollm2.path, prompts, MAX_NEW, torch.float32, smollm2.stop_token_ids,
-                   drafter=random_drafter, block_size=4)
+    res = run_peer(
+        "zlab",
+        smollm2.path,
+        prompts,
+        MAX_NEW,
+        torch.float32,
+        smollm2.stop_token_ids,
+        drafter=random_drafter,
+        block_size=4,
+    )
     assert res.name == "zlab" and res.outputs == hf_result.outputs
     with pytest.raises(DFlashError, match="needs a drafter"):
         run_peer("zlab", smollm2.path, prompts, MAX_NEW, torch.float32, smollm2.stop_token_ids)

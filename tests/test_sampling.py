@@ -91,9 +91,13 @@ def test_top_k_keeps_exactly_k():
         top = logits.topk(min(k, V), dim=-1).indices
         assert bool((got.gather(-1, top) > 0).all()), "kept tokens are not the k most likely"
         for row in range(8):
-            np.testing.assert_allclose(got[row].numpy(), _np_reference(logits[row].numpy(), 1.0, k, 1.0), rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(
+                got[row].numpy(), _np_reference(logits[row].numpy(), 1.0, k, 1.0), rtol=1e-5, atol=1e-7
+            )
     # top_k = 0 disables
-    torch.testing.assert_close(target_probs(logits, SamplingParams(temperature=1.0, top_k=0)), torch.softmax(logits, -1))
+    torch.testing.assert_close(
+        target_probs(logits, SamplingParams(temperature=1.0, top_k=0)), torch.softmax(logits, -1)
+    )
 
 
 def test_top_p_smallest_prefix():
@@ -118,7 +122,9 @@ def test_top_p_smallest_prefix():
     assert checked > 250
     # the most likely token alone survives a tiny top_p
     logits = torch.tensor([0.0, 3.0, 1.0, -2.0])
-    torch.testing.assert_close(target_probs(logits, SamplingParams(temperature=1.0, top_p=1e-6)), torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    torch.testing.assert_close(
+        target_probs(logits, SamplingParams(temperature=1.0, top_p=1e-6)), torch.tensor([0.0, 1.0, 0.0, 0.0])
+    )
 
 
 def test_temperature_top_k_top_p_order():
@@ -209,8 +215,14 @@ def _tiny_models(case: Case, head_scale: float = 2.0, drafter_scale: float = 30.
     depend strongly on the previous token, and a 1-layer block-4 drafter whose greedy drafts
     vary with the context."""
     cfg = TargetConfig(
-        family="llama", vocab_size=case.vocab, hidden_size=32, intermediate_size=64, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=8,
+        family="llama",
+        vocab_size=case.vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
     )
     g = torch.Generator().manual_seed(case.seed)
     target = TargetModel(cfg)
@@ -326,14 +338,19 @@ def wrong_sampler(target: TargetModel, drafter, params: SamplingParams, L: int, 
     return seq[:, len(PROMPT) : len(PROMPT) + L].numpy()
 
 
-def engine_sampler(engine: DFlashEngine, params: SamplingParams, block_size: int, L: int, n: int,
-                   stats: LoopStats | None = None) -> np.ndarray:
+def engine_sampler(
+    engine: DFlashEngine, params: SamplingParams, block_size: int, L: int, n: int, stats: LoopStats | None = None
+) -> np.ndarray:
     """n engine runs with seeds 0..n-1, BATCH requests per generate call; int64 [n, L]."""
     out = []
     for lo in range(0, n, BATCH):
         reqs = [
-            Request(list(PROMPT), max_new_tokens=L, stop_token_ids=(),
-                    sampling=SamplingParams(params.temperature, params.top_p, params.top_k, seed=i))
+            Request(
+                list(PROMPT),
+                max_new_tokens=L,
+                stop_token_ids=(),
+                sampling=SamplingParams(params.temperature, params.top_p, params.top_k, seed=i),
+            )
             for i in range(lo, min(n, lo + BATCH))
         ]
         for r in engine.generate(reqs, block_size=block_size, stats=stats):
@@ -403,8 +420,10 @@ def test_dflash_sampling_preserves_target_distribution(case_name, params):
     t_engine = time.perf_counter() - t0
     pv, tv, bound = gof(samples, p_true, V)
     print(f"\n[{case_name} {params}] cells={len(p_true)} N={N}")
-    print(f"  DFlash K={K}: chi2 p={pv:.4g} TV={tv:.4f} bound={bound:.4f} ({t_engine:.1f}s)"
-          f" tau={st.tau:.3f} acceptance={[round(a, 3) for a in st.acceptance_per_position]}")
+    print(
+        f"  DFlash K={K}: chi2 p={pv:.4g} TV={tv:.4f} bound={bound:.4f} ({t_engine:.1f}s)"
+        f" tau={st.tau:.3f} acceptance={[round(a, 3) for a in st.acceptance_per_position]}"
+    )
     # the drafts must really be accepted sometimes, beyond the first slot, or nothing is tested
     assert st.accepted[0] > 0.05 * N and st.accepted[1] > 0.01 * N, st.accepted
     assert passes(pv, tv, bound), f"DFlash sampling does not match the target: p={pv} TV={tv} bound={bound}"
@@ -421,8 +440,10 @@ def test_dflash_sampling_preserves_target_distribution(case_name, params):
     wrong = wrong_sampler(target, drafter, params, L, N, seed=12345)
     pvw, tvw, boundw = gof(wrong, p_true, V)
     pvs, tvs, bounds = gof(wrong, p_wrong, V)  # harness sanity: it does follow its own exact law
-    print(f"  WRONG:      chi2 p={pvw:.4g} TV={tvw:.4f} bound={boundw:.4f} exact TV(wrong, true)={exact_tv:.4f}"
-          f" | vs its own law: p={pvs:.4g} TV={tvs:.4f}")
+    print(
+        f"  WRONG:      chi2 p={pvw:.4g} TV={tvw:.4f} bound={boundw:.4f} exact TV(wrong, true)={exact_tv:.4f}"
+        f" | vs its own law: p={pvs:.4g} TV={tvs:.4f}"
+    )
     assert exact_tv > MIN_WRONG_TV, "tiny models do not separate the wrong algorithm"
     assert passes(pvs, tvs, bounds), "wrong_sampler does not follow exact_wrong_distribution (harness bug)"
     assert not passes(pvw, tvw, boundw), "the check failed to reject independent per-position sampling"
@@ -442,7 +463,9 @@ def test_per_request_seeds(block_size):
     b = engine.generate([_req(prompts[0], 7)], block_size=block_size)[0].output_ids
     assert a == b and len(a) == 12
     # different seeds -> different outputs (6**12 continuations; a clash is vanishingly rare)
-    outs = [tuple(r.output_ids) for r in engine.generate([_req(prompts[0], s) for s in range(20)], block_size=block_size)]
+    outs = [
+        tuple(r.output_ids) for r in engine.generate([_req(prompts[0], s) for s in range(20)], block_size=block_size)
+    ]
     assert len(set(outs)) >= 18, outs
     # in a batch with other requests (other prompts, lengths, seeds, a greedy one) == alone
     reqs = [_req(p, 100 + i, n) for i, (p, n) in enumerate(zip(prompts, lengths))]

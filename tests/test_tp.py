@@ -22,13 +22,12 @@ from pathlib import Path
 
 import pytest
 from helpers import check_same
+from tp_worker import MAX_NEW, RUNS, engine_config, prompts_for
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.distributed import shard_target, split_sizes
 from dflash_trt.runtime.engine import LLMEngine
 from dflash_trt.runtime.request import Request
-
-from tp_worker import MAX_NEW, RUNS, engine_config, prompts_for
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 
@@ -52,7 +51,9 @@ def tp2(tmp_path_factory, smollm2):
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"TP=2 run timed out after 900 s:\n{(e.stderr or '')[-3000:]}")
-    assert p.returncode == 0 and out.exists(), f"TP=2 run failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+    assert p.returncode == 0 and out.exists(), (
+        f"TP=2 run failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+    )
     return json.loads(out.read_text())
 
 
@@ -90,9 +91,11 @@ def test_shard_split(tp2, smollm2):
     d = cfg.head_dim
     s0, s1 = tp2["shards"]
     for s, kv in ((s0, 2), (s1, 1)):
-        print(f"rank {s['rank']}: {s['num_heads']} q heads / {s['num_kv_heads']} KV heads, intermediate "
-              f"{s['intermediate']}, vocab rows {s['lm_head_rows']}; logits max |diff| {s['max_abs_diff']:.2e}, "
-              f"without all-reduce {s['no_allreduce_max_abs_diff']:.1f}")
+        print(
+            f"rank {s['rank']}: {s['num_heads']} q heads / {s['num_kv_heads']} KV heads, intermediate "
+            f"{s['intermediate']}, vocab rows {s['lm_head_rows']}; logits max |diff| {s['max_abs_diff']:.2e}, "
+            f"without all-reduce {s['no_allreduce_max_abs_diff']:.1f}"
+        )
         assert (s["num_kv_heads"], s["num_heads"]) == (kv, 3 * kv)
         assert s["qkv_rows"] == (3 * kv + 2 * kv) * d and s["o_cols"] == 3 * kv * d
         assert s["intermediate"] == cfg.intermediate_size // 2
@@ -117,7 +120,10 @@ def test_tp2_high_acceptance(tp2, smollm2, random_drafter, prompts):
     ref, _ = run_tp1(smollm2, random_drafter, prompts, 1, False)
     run = tp2["runs"]["oracle8"]
     ties = sum(check_same(smollm2.model, p, r, o) for p, r, o in zip(prompts, ref, run["outputs"]))
-    print(f"TP=2 oracle block 8: tau {run['tau']:.2f}, {len(prompts) - ties}/{len(prompts)} identical to TP=1, {ties} at ties")
+    print(
+        f"TP=2 oracle block 8: tau {run['tau']:.2f}, {len(prompts) - ties}/{len(prompts)} identical to TP=1, "
+        f"{ties} at ties"
+    )
     assert run["tau"] > 2.0
     assert max(max(c) for c in run["commit_lengths"]) > 2
 
@@ -126,7 +132,7 @@ def test_tp3_engine_rank_files(tmp_path, smollm2, prompts):
     """A tp_size 3 engine from ``dflash-trt build`` (fp32, no quantization: the rank files hold
     the original weights, split) runs as 3 ranks, each reading only its own target rank file;
     greedy outputs at block size 1 and 8 equal plain decoding at TP=1 (ties excepted)."""
-    from dflash_trt.build.builder import build_engine
+    from dflash_trt.builder.builder import build_engine
     from dflash_trt.config import BuildConfig
 
     mpiexec = _mpiexec()
@@ -142,8 +148,17 @@ def test_tp3_engine_rank_files(tmp_path, smollm2, prompts):
         load_engine(engine_dir)  # one process cannot run a 3-rank engine
     out = tmp_path / "tp3.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    cmd = [mpiexec, "-n", "3", sys.executable, "-m", "mpi4py", str(WORKER.with_name("tp_engine_worker.py")),
-           str(engine_dir), str(out)]
+    cmd = [
+        mpiexec,
+        "-n",
+        "3",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        str(WORKER.with_name("tp_engine_worker.py")),
+        str(engine_dir),
+        str(out),
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0 and out.exists(), f"TP=3 run failed (rc {p.returncode}):\n{p.stderr[-4000:]}"
     res = json.loads(out.read_text())

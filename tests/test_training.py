@@ -53,7 +53,7 @@ class Sample:
 @pytest.fixture(scope="module")
 def samples(smollm2):
     """Chat-formatted question (masked out) + a real sentence as the response."""
-    from dflash_trt.bench.datasets import chat_prompt_ids
+    from dflash_trt.prompts import chat_prompt_ids
 
     tok = smollm2.tokenizer
     out = []
@@ -87,8 +87,9 @@ def full_features(model, ids: list[int], capture) -> torch.Tensor:
     S = len(ids)
     cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, S, torch.float32)
     pos = torch.arange(S).unsqueeze(0)
-    out = model(torch.tensor([ids]), AttentionMetadata.causal(pos, S), cache.layers,
-                tuple(capture), logits_index=pos[:, -1:])
+    out = model(
+        torch.tensor([ids]), AttentionMetadata.causal(pos, S), cache.layers, tuple(capture), logits_index=pos[:, -1:]
+    )
     return out.features[0].clone()
 
 
@@ -106,7 +107,9 @@ def inference_hidden(drafter, block_embeds, feats, anchor):
         mask = mask & (block_pos.view(1, 1, B, 1) - torch.arange(kv_len).view(1, 1, 1, -1) < c.sliding_window)
     pos = torch.cat([ctx_pos, block_pos], 1)
     with torch.inference_mode():
-        return drafter(block_embeds, feats[:anchor].unsqueeze(0), AttentionMetadata(pos, pos, mask, kv_len), cache.layers)
+        return drafter(
+            block_embeds, feats[:anchor].unsqueeze(0), AttentionMetadata(pos, pos, mask, kv_len), cache.layers
+        )
 
 
 @pytest.mark.parametrize("window", [None, 12])
@@ -139,14 +142,19 @@ def test_forward_train_equals_inference(smollm2, samples, window):
         valid = torch.zeros(2, S, dtype=torch.bool)
         for i, f in enumerate(feats):
             pf[i, : len(f)] = f
-            pf[i, len(f):] = 50.0  # garbage padding must not leak
+            pf[i, len(f) :] = 50.0  # garbage padding must not leak
             valid[i, : len(f)] = True
-        batched = drafter.forward_train(target.embed(torch.stack(blocks)), pf, torch.arange(S).expand(2, S),
-                                        torch.stack([anchors0, anchors1]), valid)
+        batched = drafter.forward_train(
+            target.embed(torch.stack(blocks)),
+            pf,
+            torch.arange(S).expand(2, S),
+            torch.stack([anchors0, anchors1]),
+            valid,
+        )
     assert single.shape == (len(anchors0), B, H) and batched.shape == (2, len(anchors0), B, H)
-    for i, (s, f, anchors) in enumerate(zip(ids, feats, (anchors0, anchors1))):
+    for i, (f, anchors) in enumerate(zip(feats, (anchors0, anchors1))):
         for j, a in enumerate(anchors.tolist()):
-            want = inference_hidden(drafter, target.embed(blocks[i][j: j + 1]), f, a)[0]
+            want = inference_hidden(drafter, target.embed(blocks[i][j : j + 1]), f, a)[0]
             worst = max(worst, float((batched[i, j] - want).abs().max()))
             if i == 0:
                 worst = max(worst, float((single[j] - want).abs().max()))
@@ -159,8 +167,10 @@ def test_forward_train_equals_inference(smollm2, samples, window):
             got = runner.draft([StepItem(0, [int(blocks[i][j, 0])], a, list(range(nb)), num_draft=B - 1)], B)[0]
             assert got == target.lm_head(batched[i, j, 1:]).argmax(-1).tolist()
             tokens_checked += B - 1
-    print(f"\nforward_train vs inference forward, fp32, 2 layers, B={B}, window {window}: max abs diff {worst:.3g} "
-          f"({tokens_checked} draft tokens equal to ModelRunner.draft); feature pass diff {fd:.3g}")
+    print(
+        f"\nforward_train vs inference forward, fp32, 2 layers, B={B}, window {window}: max abs diff {worst:.3g} "
+        f"({tokens_checked} draft tokens equal to ModelRunner.draft); feature pass diff {fd:.3g}"
+    )
     assert worst < 1e-4
 
 
@@ -222,8 +232,9 @@ def _fixed_batch_loss(smollm2, drafter, samples, B) -> float:
     feats = T.target_features(smollm2.model, [s.ids for s in seqs], drafter.cfg.target_layer_ids)
     batch = T.build_batch(seqs, feats, 16, B, drafter.cfg.mask_token_id, torch.Generator().manual_seed(123))
     with torch.no_grad():
-        loss, _ = T.compute_loss(drafter.float(), smollm2.model.embed.weight, smollm2.model.lm_head.weight,
-                                 batch, T.slot_weights(B), None)
+        loss, _ = T.compute_loss(
+            drafter.float(), smollm2.model.embed.weight, smollm2.model.lm_head.weight, batch, T.slot_weights(B), None
+        )
     return float(loss)
 
 
@@ -247,8 +258,9 @@ def test_sampled_softmax_and_feature_regression(smollm2, samples):
         part, _ = T.compute_loss(drafter, E, W, batch, w, None, vocab=sub)
         reg, _ = T.compute_loss(drafter, E, W, batch, w, None, reg_weight=0.5)
         # the regression term by hand: slot k of block b vs the final normed hidden at anchor + k - 1
-        hidden = drafter.forward_train(F.embedding(batch.block_ids, E), batch.features, batch.positions,
-                                       batch.anchors, batch.valid)
+        hidden = drafter.forward_train(
+            F.embedding(batch.block_ids, E), batch.features, batch.positions, batch.anchors, batch.valid
+        )
         H = target.cfg.hidden_size
         num = den = 0.0
         for i in range(batch.labels.shape[0]):
@@ -277,8 +289,17 @@ def test_sampled_softmax_and_feature_regression(smollm2, samples):
 @pytest.fixture(scope="module")
 def trained(smollm2, samples, tmp_path_factory):
     out = tmp_path_factory.mktemp("train") / "run"
-    cfg = T.TrainConfig(steps=30, batch=4, anchors_per_seq=16, block_size=8, num_layers=1, save_every=10,
-                        seed=0, export_dtype="fp32", progress=False)
+    cfg = T.TrainConfig(
+        steps=30,
+        batch=4,
+        anchors_per_seq=16,
+        block_size=8,
+        num_layers=1,
+        save_every=10,
+        seed=0,
+        export_dtype="fp32",
+        progress=False,
+    )
     path = T.train(smollm2, samples, out, cfg)
     return out, path, cfg
 
@@ -288,8 +309,11 @@ def test_loss_goes_down(smollm2, samples, trained):
     before = _fixed_batch_loss(smollm2, init_drafter(smollm2.model.cfg, 1, 8, mask_id(smollm2), seed=0), samples, 8)
     after = _fixed_batch_loss(smollm2, load_drafter(path), samples, 8)
     recs = T.read_log(out)
-    print(f"\n30 steps (1 layer, B=8, 4 seq x 16 anchors, bf16 autocast): fixed-batch loss {before:.3f} -> {after:.3f}; "
-          f"log loss {recs[0]['loss']:.3f} -> {recs[-1]['loss']:.3f}, {sum(r['step_s'] for r in recs) / len(recs):.2f} s/step")
+    print(
+        f"\n30 steps (1 layer, B=8, 4 seq x 16 anchors, bf16 autocast): fixed-batch loss {before:.3f} -> {after:.3f}; "
+        f"log loss {recs[0]['loss']:.3f} -> {recs[-1]['loss']:.3f}, "
+        f"{sum(r['step_s'] for r in recs) / len(recs):.2f} s/step"
+    )
     assert [r["step"] for r in recs] == list(range(1, 31))
     assert after < 0.5 * before
     assert len(recs[-1]["acc"]) == 7 and recs[-1]["lr"] < recs[5]["lr"]
@@ -299,8 +323,17 @@ def test_loss_goes_down(smollm2, samples, trained):
 
 def test_resume_reproduces_uninterrupted_run(smollm2, samples, tmp_path):
     out = tmp_path / "run"
-    cfg = T.TrainConfig(steps=6, batch=2, anchors_per_seq=8, block_size=8, num_layers=1, save_every=3,
-                        seed=1, keep_checkpoints=0, progress=False)
+    cfg = T.TrainConfig(
+        steps=6,
+        batch=2,
+        anchors_per_seq=8,
+        block_size=8,
+        num_layers=1,
+        save_every=3,
+        seed=1,
+        keep_checkpoints=0,
+        progress=False,
+    )
     T.train(smollm2, samples, out, cfg)
     want = torch.load(out / "ckpt-000006" / "train_state.pt", weights_only=False)
     want_w = load_drafter(out / "ckpt-000006").state_dict()
@@ -328,7 +361,7 @@ def test_resume_reproduces_uninterrupted_run(smollm2, samples, tmp_path):
 
 
 def test_exported_drafter_is_lossless(smollm2, trained):
-    from dflash_trt.bench.datasets import chat_prompt_ids
+    from dflash_trt.prompts import chat_prompt_ids
 
     _, path, _ = trained
     drafter = load_drafter(path)
@@ -354,17 +387,62 @@ def test_cli_train(smollm2, samples, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "dflash_trt.training.data", fake)
     monkeypatch.setattr("dflash_trt.checkpoints.loader.load_target", lambda spec, dtype=None, device=None: smollm2)
     out = tmp_path / "run"
-    rc = main(["train", "--data", str(data), "--out", str(out), "--steps", "2", "--layers", "1", "--block-size", "4",
-               "--batch", "2", "--anchors", "4", "--threads", "1", "--target-layers", "2,29", "--sliding-window", "8",
-               "--head-vocab", "seen", "--reg-weight", "0.5"])
+    rc = main(
+        [
+            "train",
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--steps",
+            "2",
+            "--layers",
+            "1",
+            "--block-size",
+            "4",
+            "--batch",
+            "2",
+            "--anchors",
+            "4",
+            "--threads",
+            "1",
+            "--target-layers",
+            "2,29",
+            "--sliding-window",
+            "8",
+            "--head-vocab",
+            "seen",
+            "--reg-weight",
+            "0.5",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     assert "wrote" in capsys.readouterr().out
     d = load_drafter(out / "drafter").cfg
     assert (d.block_size, d.target_layer_ids, d.sliding_window) == (4, (2, 29), 8)
-    assert main(["train", "--data", str(data), "--out", str(tmp_path / "r2"), "--steps", "2",
-                 "--target-layers", "2,5", "--reg-weight", "1"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                str(data),
+                "--out",
+                str(tmp_path / "r2"),
+                "--steps",
+                "2",
+                "--target-layers",
+                "2,5",
+                "--reg-weight",
+                "1",
+            ]
+        )
+        == 2
+    )
     assert "needs the target's last layer" in capsys.readouterr().err
-    assert main(["train", "--data", str(data), "--out", str(tmp_path / "r3"), "--steps", "2", "--target-layers", "a,b"]) == 2
+    assert (
+        main(["train", "--data", str(data), "--out", str(tmp_path / "r3"), "--steps", "2", "--target-layers", "a,b"])
+        == 2
+    )
     assert main(["train", "--data", str(data), "--out", str(out), "--steps", "0"]) == 2
     assert main(["train", "--data", str(tmp_path / "nope"), "--out", str(out), "--steps", "3"]) == 2
     assert "training data not found" in capsys.readouterr().err

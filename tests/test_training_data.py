@@ -9,23 +9,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_trt.bench.datasets import chat_prompt_ids, load_prompts
 from dflash_trt.errors import DFlashError
+from dflash_trt.prompts import chat_prompt_ids, iter_json_array, load_prompts, sharegpt_prompts, sharegpt_stats
 from dflash_trt.runtime.executor import DFlashEngine, Request, first_divergence, top2_margin
 from dflash_trt.runtime.sampling import SamplingParams
 from dflash_trt.training.data import (
     _request_seed,
     generate_dataset,
-    iter_json_array,
     load_dataset,
-    sharegpt_prompts,
-    sharegpt_stats,
 )
 
 
 @pytest.mark.parametrize("chunk", [7, 1 << 22])  # tiny reads split items and UTF-8 characters
 def test_json_array_recovery_drops_truncated_tail(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr("dflash_trt.training.data._CHUNK", chunk)
+    monkeypatch.setattr("dflash_trt.prompts._CHUNK", chunk)
     path = tmp_path / "cut.json"
     items = [{"id": f"x_{i}", "v": "é" * i + "\u2603"} for i in range(5)]
     text = json.dumps(items, ensure_ascii=False, indent=2)
@@ -52,8 +49,9 @@ def test_sharegpt_prompts_complete_deduplicated_and_clean():
     flat = [" ".join(p.split()) for p in prompts]
     assert not any(q in p for q in gsm for p in flat)
     assert sharegpt_prompts(5) == prompts[:5]  # deterministic file order
-    assert sharegpt_prompts(min_chars=1, max_chars=100) == [p for p in sharegpt_prompts(min_chars=1, max_chars=10**9)
-                                                            if len(p) <= 100]
+    assert sharegpt_prompts(min_chars=1, max_chars=100) == [
+        p for p in sharegpt_prompts(min_chars=1, max_chars=10**9) if len(p) <= 100
+    ]
     with pytest.raises(DFlashError, match="asked for"):
         sharegpt_prompts(len(prompts) + 1)
     with pytest.raises(DFlashError, match=">= 1"):

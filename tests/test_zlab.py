@@ -32,22 +32,39 @@ from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.models.layers import AttentionMetadata
 from dflash_trt.runtime.kv_cache import KVCache
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 
 def tiny_target(**kw) -> TargetConfig:
-    base = dict(family="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=8,
-                num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=128)
+    base = dict(
+        family="llama",
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=8,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+    )
     base.update(kw)
     return TargetConfig(**base)
 
 
-def make_drafter(target: TargetConfig, layers: int = 3, block: int = 8, seed: int = 0,
-                 sliding_window: int | None = None) -> DFlashDrafter:
+def make_drafter(
+    target: TargetConfig, layers: int = 3, block: int = 8, seed: int = 0, sliding_window: int | None = None
+) -> DFlashDrafter:
     """A random drafter with non-trivial norms (unit norms would hide a missing norm)."""
-    model = init_drafter(target, layers, block, mask_token_id=target.vocab_size - 1, seed=seed,
-                         sliding_window=sliding_window)
+    model = init_drafter(
+        target, layers, block, mask_token_id=target.vocab_size - 1, seed=seed, sliding_window=sliding_window
+    )
     g = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -93,7 +110,9 @@ def max_diff(a, b) -> float:
 
 
 def zlab_model(ours: DFlashDrafter):
-    model_mod = pytest.importorskip("dflash.model", reason="needs the z-lab reference: pip install --no-deps dflash==0.1.0")
+    model_mod = pytest.importorskip(
+        "dflash.model", reason="needs the z-lab reference: pip install --no-deps dflash==0.1.0"
+    )
     from transformers import Qwen3Config
 
     cfg = Qwen3Config(**drafter_config_to_json(ours.cfg))
@@ -127,8 +146,11 @@ def test_drafter_matches_zlab_reference(rope, window):
         full = DFlashDrafter(dataclasses.replace(ours.cfg, sliding_window=None))
         full.load_state_dict(ours.state_dict())
         assert max_diff(draft_call(full, fresh_cache(full, 1, N + K), noise, ctx, pos[:, :N], N), want) > 1e-3
-    print(f"\ndrafter vs z-lab DFlashDraftModel (rope={rope or 'default'}, window={window}, N={N}, K={K}): max abs diff {d:.3g} "
-          f"(max |out| {float(want.abs().max()):.2f})")
+    print(
+        f"\ndrafter vs z-lab DFlashDraftModel (rope={rope or 'default'}, window={window}, N={N}, K={K}): "
+        f"max abs diff {d:.3g} "
+        f"(max |out| {float(want.abs().max()):.2f})"
+    )
     assert got.shape == want.shape == (1, K, H)
     assert d < 1e-4
 
@@ -157,7 +179,9 @@ def test_drafter_matches_zlab_with_cache_rounds(window):
         noise = torch.randn(1, K, H, generator=g)
         pos = torch.arange(start - ctx_len, start + K).unsqueeze(0)
         with torch.no_grad():
-            want = ref(position_ids=pos, noise_embedding=noise, target_hidden=ctx, past_key_values=zcache, use_cache=True)
+            want = ref(
+                position_ids=pos, noise_embedding=noise, target_hidden=ctx, past_key_values=zcache, use_cache=True
+            )
         _crop_to(zcache, start)
         got = draft_call(ours, cache, noise, ctx, pos[:, :ctx_len], start)
         worst = max(worst, max_diff(got, want))
@@ -202,8 +226,10 @@ def test_ragged_drafter_batch_equals_rows_alone():
     lens = [9, 4]
     ctx = [torch.randn(1, n, F, generator=g) for n in lens]
     blocks = torch.randn(2, K, H, generator=g)
-    alone = [draft_call(ours, fresh_cache(ours, 1, 32), blocks[b:b + 1], ctx[b], torch.arange(n).unsqueeze(0), n)
-             for b, n in enumerate(lens)]
+    alone = [
+        draft_call(ours, fresh_cache(ours, 1, 32), blocks[b : b + 1], ctx[b], torch.arange(n).unsqueeze(0), n)
+        for b, n in enumerate(lens)
+    ]
     T = max(lens)
     pad_ctx = torch.zeros(2, T, F)
     ctx_pos = torch.arange(T).expand(2, T).clone()
@@ -248,10 +274,21 @@ def test_save_load_round_trip(tmp_path, rope):
 
 
 def zlab_json(**over) -> dict:
-    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-           "vocab_size": 300, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_target_layers": 8,
-           "dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 5]}}
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 300,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "num_target_layers": 8,
+        "dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 5]},
+    }
     cfg.update(over)
     return cfg
 
@@ -278,7 +315,9 @@ def test_config_block_size_locations():
 def test_config_layouts_agree_with_zlab(layout):
     """block_size / target_layer_ids / mask_token_id are read from the same places as z-lab's
     ``_draft_value`` (``dflash_config`` first, then the top level, then the default)."""
-    model_mod = pytest.importorskip("dflash.model", reason="needs the z-lab reference: pip install --no-deps dflash==0.1.0")
+    model_mod = pytest.importorskip(
+        "dflash.model", reason="needs the z-lab reference: pip install --no-deps dflash==0.1.0"
+    )
     from transformers import Qwen3Config
 
     cfg = zlab_json(dflash_config={})
@@ -290,8 +329,11 @@ def test_config_layouts_agree_with_zlab(layout):
         cfg["mask_token_id"] = 9
     ours = drafter_config_from_json(cfg)
     ref = model_mod.DFlashDraftModel(Qwen3Config(**cfg))
-    assert (ours.block_size, list(ours.target_layer_ids), ours.mask_token_id) == \
-        (ref.block_size, list(ref.target_layer_ids), ref.mask_token_id)
+    assert (ours.block_size, list(ours.target_layer_ids), ours.mask_token_id) == (
+        ref.block_size,
+        list(ref.target_layer_ids),
+        ref.mask_token_id,
+    )
 
 
 def test_config_unsupported_rope_type():
@@ -304,12 +346,15 @@ def test_config_json_round_trip():
     assert drafter_config_from_json(drafter_config_to_json(cfg)) == cfg
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(architectures=["Qwen3ForCausalLM"]), "not a DFlash"),
-    (dict(dflash_config={"target_layer_ids": [1, 5]}), "mask_token_id"),
-    (dict(num_target_layers=None), "num_target_layers"),
-    (dict(hidden_size="wide"), "bad value"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(architectures=["Qwen3ForCausalLM"]), "not a DFlash"),
+        (dict(dflash_config={"target_layer_ids": [1, 5]}), "mask_token_id"),
+        (dict(num_target_layers=None), "num_target_layers"),
+        (dict(hidden_size="wide"), "bad value"),
+    ],
+)
 def test_config_errors(bad, match):
     cfg = {k: v for k, v in zlab_json(**bad).items() if v is not None}  # None: key removed
     with pytest.raises(DFlashError, match=match):
@@ -350,16 +395,19 @@ def pair():
     return target, init_drafter(target, 2, 8, mask_token_id=5).cfg
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(hidden_size=32), "hidden_size 32 != target's 64"),
-    (dict(vocab_size=299), "vocab_size 299 != target's 300"),
-    (dict(target_layer_ids=(1, 8)), r"target_layer_ids \[8\] outside 0\.\.7"),
-    (dict(target_layer_ids=(-1, 3)), r"target_layer_ids \[-1\] outside"),
-    (dict(mask_token_id=300), r"mask_token_id 300 outside the vocabulary \(0\.\.299\)"),
-    (dict(num_target_layers=30), "made for a 30-layer target, this one has 8"),
-    (dict(num_kv_heads=3), "not a multiple"),
-    (dict(block_size=1), "block_size 1 < 2"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(hidden_size=32), "hidden_size 32 != target's 64"),
+        (dict(vocab_size=299), "vocab_size 299 != target's 300"),
+        (dict(target_layer_ids=(1, 8)), r"target_layer_ids \[8\] outside 0\.\.7"),
+        (dict(target_layer_ids=(-1, 3)), r"target_layer_ids \[-1\] outside"),
+        (dict(mask_token_id=300), r"mask_token_id 300 outside the vocabulary \(0\.\.299\)"),
+        (dict(num_target_layers=30), "made for a 30-layer target, this one has 8"),
+        (dict(num_kv_heads=3), "not a multiple"),
+        (dict(block_size=1), "block_size 1 < 2"),
+    ],
+)
 def test_validate_pair_errors(pair, change, match):
     target, cfg = pair
     validate_pair(target, cfg)
@@ -445,22 +493,34 @@ def test_load_weights_not_matching_config(saved):
         load_drafter(saved)
 
 
-@pytest.mark.parametrize("extra", [
-    {"architectures": ["DFlash2DraftModel"]},
-    {"layer_types": ["full_attention", "sliding_attention"]},
-    {"layer_types": ["sliding_attention"], "sliding_window": 32},  # z-lab: sliding means causal by default
-    {"layer_types": ["chunked_attention"]},
-    {"is_causal": True},
-    {"input_embedding_scale": 2.0},
-    {"dflash_config": {"mask_token_id": 0, "output_multiplier": 0.5}},
-    {"final_logit_softcapping": 30.0},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"architectures": ["DFlash2DraftModel"]},
+        {"layer_types": ["full_attention", "sliding_attention"]},
+        {"layer_types": ["sliding_attention"], "sliding_window": 32},  # z-lab: sliding means causal by default
+        {"layer_types": ["chunked_attention"]},
+        {"is_causal": True},
+        {"input_embedding_scale": 2.0},
+        {"dflash_config": {"mask_token_id": 0, "output_multiplier": 0.5}},
+        {"final_logit_softcapping": 30.0},
+    ],
+)
 def test_unsupported_zlab_variants_are_refused(extra):
     from dflash_trt.checkpoints.zlab import drafter_config_from_json
 
-    cfg = {"architectures": ["DFlashDraftModel"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100,
-           "num_target_layers": 4, "dflash_config": {"mask_token_id": 0}}
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 100,
+        "num_target_layers": 4,
+        "dflash_config": {"mask_token_id": 0},
+    }
     drafter_config_from_json(cfg)  # the plain config is fine
     with pytest.raises(DFlashError, match="not supported"):
         drafter_config_from_json({**cfg, **extra})

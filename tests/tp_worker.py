@@ -24,10 +24,10 @@ import sys
 import torch
 from helpers import OracleRunner
 
-from dflash_trt.bench.datasets import chat_prompt_ids, mixed_prompts
 from dflash_trt.checkpoints.loader import default_mask_token_id, load_target
 from dflash_trt.checkpoints.zlab import init_drafter
 from dflash_trt.models.layers import AttentionMetadata
+from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
 from dflash_trt.runtime.distributed import init_tp, shard_target, tp_engine
 from dflash_trt.runtime.engine import EngineConfig
 from dflash_trt.runtime.kv_cache import KVCache
@@ -42,8 +42,14 @@ RUNS = [("block1", 1, False), ("block8", 8, False), ("block8_adaptive", 8, True)
 def engine_config(block_size: int, adaptive: bool) -> EngineConfig:
     """Shared with test_tp.py's TP=1 runs. A 192-token budget splits the longer prompts into
     chunks (chunked prefill under TP too)."""
-    return EngineConfig(block_size=block_size, adaptive=adaptive, max_batch_size=NUM_PROMPTS, max_num_tokens=192,
-                        tokens_per_block=16, kv_capacity_tokens=4096)
+    return EngineConfig(
+        block_size=block_size,
+        adaptive=adaptive,
+        max_batch_size=NUM_PROMPTS,
+        max_num_tokens=192,
+        tokens_per_block=16,
+        kv_capacity_tokens=4096,
+    )
 
 
 def prompts_for(tokenizer) -> list[list[int]]:
@@ -65,8 +71,11 @@ def serve(engine, prompts) -> dict:
     sids = [engine.add_request(Request(p, MAX_NEW)) for p in prompts]
     engine.run()
     outs = [engine.result(s) for s in sids]
-    return {"outputs": [o.output_ids for o in outs], "commit_lengths": [o.commit_lengths for o in outs],
-            "tau": engine.stats.tau}
+    return {
+        "outputs": [o.output_ids for o in outs],
+        "commit_lengths": [o.commit_lengths for o in outs],
+        "tau": engine.stats.tau,
+    }
 
 
 def main(out_path: str) -> None:
@@ -93,9 +102,11 @@ def main(out_path: str) -> None:
     a0 = model.layers[0].attn
     info = {
         "rank": tp.rank,
-        "num_heads": model.cfg.num_heads, "num_kv_heads": model.cfg.num_kv_heads,
+        "num_heads": model.cfg.num_heads,
+        "num_kv_heads": model.cfg.num_kv_heads,
         "intermediate": model.cfg.intermediate_size,
-        "qkv_rows": a0.qkv.weight.shape[0], "o_cols": a0.o.weight.shape[1],
+        "qkv_rows": a0.qkv.weight.shape[0],
+        "o_cols": a0.o.weight.shape[1],
         "lm_head_rows": model.lm_head.weight.shape[0],
         "logits_shape": list(got.shape),
         "max_abs_diff": float((got - ref).abs().max()),

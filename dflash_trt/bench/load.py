@@ -38,16 +38,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..atomic import write_json
 from ..checkpoints.engine import load_models, read_manifest
 from ..checkpoints.loader import parse_device, parse_dtype
 from ..errors import DFlashError
+from ..prompts import DATASETS, chat_prompt_ids
 from ..runtime.distributed import TPEngines, init_tp
 from ..runtime.engine import EngineConfig, LLMEngine
 from ..runtime.executor import first_divergence, top2_margin
 from ..runtime.request import LoopStats, Request
 from ..runtime.sampling import SamplingParams
-from .datasets import DATASETS, chat_prompt_ids
-from .runner import BenchConfig, device_name, write_json
+from .runner import BenchConfig, device_name
 
 #: KV capacity (tokens) when neither ``kv_capacity`` nor an engine memory plan says otherwise,
 #: and the cap applied to an engine plan's capacity
@@ -93,10 +94,16 @@ class LoadConfig(BenchConfig):
             raise DFlashError(f"--request-rate must be > 0 req/s (inf = all at once), got {r!r}")
         if self.dataset not in DATASETS and not self.prompts_file:
             raise DFlashError(f"unknown dataset {self.dataset!r}; choose from {', '.join(DATASETS)}")
-        for name, v, low in (("--num-requests", self.num_requests, 1), ("--num-prompts", self.num_prompts, 1),
-                             ("--max-new-tokens", self.max_new_tokens, 1), ("--max-batch-size", self.max_batch_size, 1),
-                             ("--max-num-tokens", self.max_num_tokens, 1), ("--tokens-per-block", self.tokens_per_block, 1),
-                             ("--kv-capacity", self.kv_capacity, 1), ("--block-size", self.block_size, 1)):
+        for name, v, low in (
+            ("--num-requests", self.num_requests, 1),
+            ("--num-prompts", self.num_prompts, 1),
+            ("--max-new-tokens", self.max_new_tokens, 1),
+            ("--max-batch-size", self.max_batch_size, 1),
+            ("--max-num-tokens", self.max_num_tokens, 1),
+            ("--tokens-per-block", self.tokens_per_block, 1),
+            ("--kv-capacity", self.kv_capacity, 1),
+            ("--block-size", self.block_size, 1),
+        ):
             if v is not None and v < low:
                 raise DFlashError(f"{name} must be >= {low}, got {v}")
         if self.temperature < 0:
@@ -153,8 +160,9 @@ class _Record:
         return self.finish_s - self.release_s
 
 
-def drive(engine: LLMEngine, requests: list[Request], arrivals: list[float], concurrency: int,
-          progress=None) -> tuple[list[_Record], float]:
+def drive(
+    engine: LLMEngine, requests: list[Request], arrivals: list[float], concurrency: int, progress=None
+) -> tuple[list[_Record], float]:
     """Serve ``requests`` (arriving at ``arrivals``, non-decreasing seconds) with at most
     ``concurrency`` in flight; returns one record per request (times in seconds from the
     start) and the start's ``perf_counter``."""
@@ -215,9 +223,11 @@ def summarize(records: list[_Record], stats: LoopStats) -> dict:
 def controller_state(ctl) -> dict:
     """The adaptive controller's model after a run: measured forward costs (ms, by target tokens
     and by drafting sequences) and the current acceptance estimates per draft position."""
-    return {"target_cost_ms": [[x, y * 1e3] for x, y in zip(ctl.target_cost.xs, ctl.target_cost.ys)],
-            "draft_cost_ms": [[x, y * 1e3] for x, y in zip(ctl.draft_cost.xs, ctl.draft_cost.ys)],
-            "acceptance": ctl.acceptance()}
+    return {
+        "target_cost_ms": [[x, y * 1e3] for x, y in zip(ctl.target_cost.xs, ctl.target_cost.ys)],
+        "draft_cost_ms": [[x, y * 1e3] for x, y in zip(ctl.draft_cost.xs, ctl.draft_cost.ys)],
+        "acceptance": ctl.acceptance(),
+    }
 
 
 def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
@@ -241,9 +251,17 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
     # under mpiexec: rank 0 runs the benchmark, the other ranks mirror every engine (TP shards;
     # with a tp_size N engine each rank reads only its own target rank file)
     tp = init_tp()
-    target, drafter = load_models(cfg.target, cfg.drafter, cfg.engine, dtype, need_drafter="dflash" in cfg.modes,
-                                  fp8_gemm=cfg.fp8_gemm, rank=tp.rank if tp else 0, world_size=tp.size if tp else 1,
-                                  device=device if tp is None else "cpu")
+    target, drafter = load_models(
+        cfg.target,
+        cfg.drafter,
+        cfg.engine,
+        dtype,
+        need_drafter="dflash" in cfg.modes,
+        fp8_gemm=cfg.fp8_gemm,
+        rank=tp.rank if tp else 0,
+        world_size=tp.size if tp else 1,
+        device=device if tp is None else "cpu",
+    )
     prompts = [chat_prompt_ids(target.tokenizer, t) for t in texts]
     K = cfg.block_size or (drafter.cfg.block_size if drafter is not None else 1)
     tp_engines = TPEngines(target.model, drafter, target.stop_token_ids, tp) if tp is not None else None
@@ -259,16 +277,26 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
         worker ranks mirror one engine at a time)."""
         if mode in engines and tp is None:
             return engines[mode]
-        ecfg = EngineConfig(block_size=K if mode == "dflash" else 1, adaptive=cfg.adaptive and mode == "dflash",
-                            max_batch_size=cfg.max_batch_size, max_num_tokens=cfg.max_num_tokens,
-                            tokens_per_block=cfg.tokens_per_block, kv_capacity_tokens=kv_cap)
+        ecfg = EngineConfig(
+            block_size=K if mode == "dflash" else 1,
+            adaptive=cfg.adaptive and mode == "dflash",
+            max_batch_size=cfg.max_batch_size,
+            max_num_tokens=cfg.max_num_tokens,
+            tokens_per_block=cfg.tokens_per_block,
+            kv_capacity_tokens=kv_cap,
+        )
         if mode not in engines:
-            progress(f"{mode}: building the engine (block size {ecfg.block_size}"
-                     f"{', adaptive: measuring forward costs' if ecfg.adaptive else ''}"
-                     f"{f', TP {tp.size}' if tp else ''}) ...")
+            progress(
+                f"{mode}: building the engine (block size {ecfg.block_size}"
+                f"{', adaptive: measuring forward costs' if ecfg.adaptive else ''}"
+                f"{f', TP {tp.size}' if tp else ''}) ..."
+            )
         use_drafter = mode == "dflash"
-        eng = (tp_engines.make(ecfg, use_drafter) if tp is not None else
-               LLMEngine(target.model, drafter if use_drafter else None, target.stop_token_ids, ecfg))
+        eng = (
+            tp_engines.make(ecfg, use_drafter)
+            if tp is not None
+            else LLMEngine(target.model, drafter if use_drafter else None, target.stop_token_ids, ecfg)
+        )
         warm = eng.add_request(Request(prompts[0], min(8, cfg.max_new_tokens), sampling))  # untimed
         eng.run()
         eng.result(warm)
@@ -304,7 +332,7 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
                     margin = top2_margin(target.model, req_prompts[i] + a[:k]) if tp is None else None
                     divergences.append({"request": i, "prompt": i % len(prompts), "token": k, "top2_margin": margin})
             lossless = not divergences
-        for row in rows[-len(cfg.modes):]:
+        for row in rows[-len(cfg.modes) :]:
             row["lossless"] = lossless
             row["divergences"] = divergences
 
@@ -325,9 +353,13 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
         "device": device_name(device if tp is None else tp.device),
         "threads": torch.get_num_threads(),
         "seed": cfg.seed,
-        "engine_config": {"max_batch_size": cfg.max_batch_size, "max_num_tokens": cfg.max_num_tokens,
-                          "tokens_per_block": cfg.tokens_per_block, "kv_capacity_tokens": kv_cap,
-                          "kv_capacity_source": kv_src},
+        "engine_config": {
+            "max_batch_size": cfg.max_batch_size,
+            "max_num_tokens": cfg.max_num_tokens,
+            "tokens_per_block": cfg.tokens_per_block,
+            "kv_capacity_tokens": kv_cap,
+            "kv_capacity_source": kv_src,
+        },
         "tp_size": tp.size if tp is not None else 1,
         "load": rows,
     }
@@ -347,22 +379,29 @@ def format_load_table(r: dict) -> str:
     """A plain-text table of a :func:`run_load_bench` result, one line per (C, mode)."""
     rate = "all at t=0" if r["request_rate"] is None else f"Poisson {r['request_rate']:g} req/s"
     ec = r["engine_config"]
-    head = (f"{r['dataset']}: {r['num_prompts']} prompts, {r['max_new_tokens']} new tokens, T={r['temperature']}, "
-            f"{r['dtype']}, {r['device']}, {r['threads']} threads; arrivals {rate}; dflash K={r['block_size']}"
-            f"{' adaptive' if r['adaptive'] else ' fixed'}; max batch {ec['max_batch_size']}, "
-            f"max tokens {ec['max_num_tokens']}, KV {ec['kv_capacity_tokens']:,} tokens")
-    cols = (f"{'C':>4} {'mode':<7} {'reqs':>5} {'tokens':>7} {'tok/s':>8} {'user tok/s':>10} "
-            f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'drafts/step':>11} {'tau':>5}  lossless")
+    head = (
+        f"{r['dataset']}: {r['num_prompts']} prompts, {r['max_new_tokens']} new tokens, T={r['temperature']}, "
+        f"{r['dtype']}, {r['device']}, {r['threads']} threads; arrivals {rate}; dflash K={r['block_size']}"
+        f"{' adaptive' if r['adaptive'] else ' fixed'}; max batch {ec['max_batch_size']}, "
+        f"max tokens {ec['max_num_tokens']}, KV {ec['kv_capacity_tokens']:,} tokens"
+    )
+    cols = (
+        f"{'C':>4} {'mode':<7} {'reqs':>5} {'tokens':>7} {'tok/s':>8} {'user tok/s':>10} "
+        f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'drafts/step':>11} {'tau':>5}  lossless"
+    )
     lines = [head, cols, "-" * len(cols)]
     for x in r["load"]:
         note = str(x["lossless"])
         if x["divergences"]:
             margins = [d["top2_margin"] for d in x["divergences"] if d["top2_margin"] is not None]
-            note += f" ({len(x['divergences'])} diverged" + (f", top-2 margin <= {max(margins):.2g})" if margins else ")")
+            note += f" ({len(x['divergences'])} diverged" + (
+                f", top-2 margin <= {max(margins):.2g})" if margins else ")"
+            )
         lines.append(
             f"{x['concurrency']:>4} {x['mode']:<7} {x['requests']:>5} {x['output_tokens']:>7} "
             f"{x['output_tokens_per_s']:>8.1f} {x['per_user_tokens_per_s']:>10.1f} "
             f"{_ms(x['ttft_p50_s']) + '/' + _ms(x['ttft_p99_s']):>16} "
             f"{_ms(x['tpot_p50_s']) + '/' + _ms(x['tpot_p99_s']):>16} "
-            f"{x['mean_draft_tokens']:>11.2f} {x['tau']:>5.2f}  {note}")
+            f"{x['mean_draft_tokens']:>11.2f} {x['tau']:>5.2f}  {note}"
+        )
     return "\n".join(lines)

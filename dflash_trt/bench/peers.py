@@ -86,7 +86,8 @@ def _zlab_generator(target, drafter, dtype, device, stops: list[int], block_size
     from ..checkpoints.zlab import drafter_config_to_json
 
     ref = DFlashDraftModel(Qwen3Config(**drafter_config_to_json(drafter.cfg)))
-    ref.load_state_dict(drafter.state_dict(), strict=True)
+    # z-lab drafts over the target's whole vocabulary: a draft vocabulary (d2t) is ours alone
+    ref.load_state_dict({k: v for k, v in drafter.state_dict().items() if k != "d2t"}, strict=True)
     ref = ref.to(device=device, dtype=dtype).eval()
     K = block_size or drafter.cfg.block_size
 
@@ -160,13 +161,10 @@ def run_peer(
     def tensor(ids: list[int]) -> torch.Tensor:
         return torch.tensor([ids], dtype=torch.long, device=device)
 
-    if name == "zlab":
-        zlab_generate = _zlab_generator(model, drafter, dtype, device, stops, block_size)
-
-    def generate(x: torch.Tensor, n: int) -> torch.Tensor:
-        if name == "zlab":
-            return zlab_generate(x, n)
+    def hf_generate(x: torch.Tensor, n: int) -> torch.Tensor:
         return model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, **kwargs)
+
+    generate = _zlab_generator(model, drafter, dtype, device, stops, block_size) if name == "zlab" else hf_generate
 
     stop_set = set(stops)
     outputs: list[list[int]] = []
@@ -182,5 +180,5 @@ def run_peer(
             if on_cuda:
                 torch.cuda.synchronize()
             wall += time.perf_counter() - t0
-            outputs.append(_cut_at_stop(out[0, len(p):].tolist(), stop_set))
+            outputs.append(_cut_at_stop(out[0, len(p) :].tolist(), stop_set))
     return PeerResult(name, outputs, sum(map(len, outputs)), wall)

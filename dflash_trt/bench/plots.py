@@ -20,13 +20,17 @@ def plot_bench(result: dict, out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     names = ["plain (ours)", f"DFlash K={result['block_size']}"] + [f"{n} (peer)" for n in result["peers"]]
-    tps = [result["ar_tokens_per_s"], result["dflash_tokens_per_s"]] + [p["tokens_per_s"] for p in result["peers"].values()]
+    tps = [result["ar_tokens_per_s"], result["dflash_tokens_per_s"]] + [
+        p["tokens_per_s"] for p in result["peers"].values()
+    ]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     bars = a.bar(names, tps, color=["#888888", "#1f77b4"] + ["#bbbbbb"] * len(result["peers"]))
     a.bar_label(bars, fmt="%.1f")
     a.margins(y=0.12)
     a.set_ylabel("output tokens / s")
-    a.set_title(f"{result['dataset']}, {result['num_prompts']} prompts, {result['dtype']}, {result['device']}", fontsize=9)
+    a.set_title(
+        f"{result['dataset']}, {result['num_prompts']} prompts, {result['dtype']}, {result['device']}", fontsize=9
+    )
     a.tick_params(axis="x", labelrotation=15)
     acc = result["acceptance_per_position"]
     b.bar(range(1, len(acc) + 1), acc, color="#1f77b4")
@@ -52,9 +56,15 @@ def plot_load(result: dict, out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # label, colour, marker, label offset (points): ar labels above the points, dflash below
-    styles = {"ar": ("plain decoding (K=1)", "#888888", "s", (4, 6)),
-              "dflash": (f"DFlash (K={result['block_size']}{', adaptive' if result['adaptive'] else ''})", "#1f77b4",
-                         "o", (4, -13))}
+    styles = {
+        "ar": ("plain decoding (K=1)", "#888888", "s", (4, 6)),
+        "dflash": (
+            f"DFlash (K={result['block_size']}{', adaptive' if result['adaptive'] else ''})",
+            "#1f77b4",
+            "o",
+            (4, -13),
+        ),
+    }
     fig, ax = plt.subplots(figsize=(7, 5))
     for mode in dict.fromkeys(r["mode"] for r in result["load"]):
         rows = sorted((r for r in result["load"] if r["mode"] == mode), key=lambda r: r["concurrency"])
@@ -63,16 +73,20 @@ def plot_load(result: dict, out: str | Path) -> Path:
         label, color, marker, offset = styles.get(mode, (mode, None, "o", (4, 6)))
         ax.plot(xs, ys, marker=marker, color=color, label=label)
         for r, x, y in zip(rows, xs, ys):
-            ax.annotate(f"C={r['concurrency']}", (x, y), textcoords="offset points", xytext=offset, fontsize=8,
-                        color=color)
+            ax.annotate(
+                f"C={r['concurrency']}", (x, y), textcoords="offset points", xytext=offset, fontsize=8, color=color
+            )
     ax.set_xlabel("per-user output tokens / s (median over requests)")
     ax.set_ylabel("total output tokens / s")
     pts = [(r["per_user_tokens_per_s"] or 0.0, r["output_tokens_per_s"] or 0.0) for r in result["load"]]
     ax.set_xlim(0, max((x for x, _ in pts), default=1.0) * 1.18 or 1.0)
     ax.set_ylim(0, max((y for _, y in pts), default=1.0) * 1.12 or 1.0)
     rate = "all at t=0" if result["request_rate"] is None else f"{result['request_rate']:g} req/s"
-    ax.set_title(f"{result['dataset']}, {result['max_new_tokens']} new tokens, arrivals {rate}, "
-                 f"{result['dtype']}, {result['device']}", fontsize=9)
+    ax.set_title(
+        f"{result['dataset']}, {result['max_new_tokens']} new tokens, arrivals {rate}, "
+        f"{result['dtype']}, {result['device']}",
+        fontsize=9,
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -8,8 +8,6 @@ mean per-call wall times measured inside those same runs, relative to one plain 
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import time
 from dataclasses import dataclass
@@ -17,12 +15,13 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import write_json
 from ..checkpoints.engine import load_models
 from ..checkpoints.loader import parse_device, parse_dtype
 from ..errors import DFlashError
+from ..prompts import DATASETS, chat_prompt_ids, load_prompts, read_prompts_file
 from ..runtime.executor import DFlashEngine, LoopStats, Request, first_divergence, top2_margin
 from ..runtime.sampling import SamplingParams
-from .datasets import DATASETS, chat_prompt_ids, load_prompts, read_prompts_file
 
 
 @dataclass
@@ -72,7 +71,9 @@ def device_name(device: torch.device | str = "cpu") -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
-def _run_mode(engine: DFlashEngine, prompts: list[list[int]], cfg: BenchConfig, block_size: int, sampling: SamplingParams):
+def _run_mode(
+    engine: DFlashEngine, prompts: list[list[int]], cfg: BenchConfig, block_size: int, sampling: SamplingParams
+):
     from tqdm import tqdm
 
     stats = LoopStats(block_size)
@@ -126,16 +127,30 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     peers = {}
     for name in cfg.peers:
         progress(f"peer {name} ...")
-        res = run_peer(name, target.path, prompts, cfg.max_new_tokens, dtype, target.stop_token_ids,
-                       device=device, drafter=drafter, block_size=K)
-        peers[name] = {"tokens_per_s": res.tokens_per_s, "speedup_vs_ar": res.tokens_per_s / ar_tps,
-                       "identical_to_ar": res.outputs == ar_out if cfg.temperature == 0 else None}
+        res = run_peer(
+            name,
+            target.path,
+            prompts,
+            cfg.max_new_tokens,
+            dtype,
+            target.stop_token_ids,
+            device=device,
+            drafter=drafter,
+            block_size=K,
+        )
+        peers[name] = {
+            "tokens_per_s": res.tokens_per_s,
+            "speedup_vs_ar": res.tokens_per_s / ar_tps,
+            "identical_to_ar": res.outputs == ar_out if cfg.temperature == 0 else None,
+        }
     divergences = []
     if cfg.temperature == 0:
         for i, (a, b) in enumerate(zip(ar_out, df_out)):
             k = first_divergence(a, b)
             if k is not None:
-                divergences.append({"prompt": i, "token": k, "top2_margin": top2_margin(target.model, prompts[i] + a[:k])})
+                divergences.append(
+                    {"prompt": i, "token": k, "top2_margin": top2_margin(target.model, prompts[i] + a[:k])}
+                )
     result = {
         "dataset": cfg.prompt_set,
         "num_prompts": len(prompts),
@@ -169,16 +184,6 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     return result
 
 
-def write_json(path: str | Path, result: dict) -> Path:
-    """Write a bench result as indented JSON, atomically (temporary file, then rename)."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out)
-    return out
-
-
 def _ties(r: dict) -> str:
     if not r.get("divergences"):
         return ""
@@ -189,17 +194,27 @@ def _ties(r: dict) -> str:
 def format_table(r: dict) -> str:
     """A plain-text table of a :func:`run_bench` result."""
     rows = [("plain decoding (ours, K=1)", r["ar_tokens_per_s"], 1.0, "")]
-    rows.append((f"DFlash (ours, K={r['block_size']})", r["dflash_tokens_per_s"], r["speedup"],
-                 f"tau {r['tau']:.2f}, lossless {r['lossless']}" + _ties(r)))
+    rows.append(
+        (
+            f"DFlash (ours, K={r['block_size']})",
+            r["dflash_tokens_per_s"],
+            r["speedup"],
+            f"tau {r['tau']:.2f}, lossless {r['lossless']}" + _ties(r),
+        )
+    )
     for name, p in r["peers"].items():
         note = "" if p.get("identical_to_ar") is None else f"same tokens as ours: {p['identical_to_ar']}"
         rows.append((f"peer: {name}", p["tokens_per_s"], p["speedup_vs_ar"], note))
-    head = (f"{r['dataset']}: {r['num_prompts']} prompts, {r['max_new_tokens']} new tokens, T={r['temperature']}, "
-            f"{r['dtype']}, {r['device']}, {r['threads']} threads")
+    head = (
+        f"{r['dataset']}: {r['num_prompts']} prompts, {r['max_new_tokens']} new tokens, T={r['temperature']}, "
+        f"{r['dtype']}, {r['device']}, {r['threads']} threads"
+    )
     lines = [head, f"{'mode':<30} {'tok/s':>8} {'vs plain':>9}  notes", "-" * 78]
     lines += [f"{n:<30} {t:>8.1f} {s:>8.2f}x  {note}" for n, t, s, note in rows]
-    lines.append(f"verify cost (K={r['block_size']}) {r['verify_cost_ratio']:.2f}x a decode step "
-                 f"({r['decode_step_ms']:.1f} ms); draft cost {r['draft_cost_ratio']:.2f}x")
+    lines.append(
+        f"verify cost (K={r['block_size']}) {r['verify_cost_ratio']:.2f}x a decode step "
+        f"({r['decode_step_ms']:.1f} ms); draft cost {r['draft_cost_ratio']:.2f}x"
+    )
     acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
     lines.append(f"acceptance per draft position: {acc}")
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """Read an engine directory written by ``dflash-trt build`` into runtime models.
 
-The TensorRT-LLM rank files are mapped back onto our modules (:mod:`..build.layout` names);
+The TensorRT-LLM rank files are mapped back onto our modules (:mod:`.trtllm` names);
 FP8 / NVFP4 weights are dequantized to the compute dtype on load (plain torch, no ModelOpt). A
 process reads only the rank file of its own TP rank.
 """
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from ..build import layout as L
 from ..errors import DFlashError
 from ..models.config import TargetConfig
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
 from ..quantization.formats import dequantize_fp8, dequantize_nvfp4
+from . import trtllm as L
 from .loader import LoadedTarget, parse_dtype, with_tokenizer
 from .sources import load_safetensors_file, read_json, sha256_file
 from .zlab import drafter_config_from_json
@@ -55,8 +55,9 @@ def dequantized(tensors: dict[str, torch.Tensor], name: str, dtype: torch.dtype)
     return dequantize_fp8(w, s, dtype)
 
 
-def state_dict_from_rank(specs: list[L.TensorSpec], tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor],
-                         dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def state_dict_from_rank(
+    specs: list[L.TensorSpec], tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """Our state dict (keys and shapes of ``own``) from one full rank's tensors (tp_size 1)."""
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for s in specs:
@@ -114,8 +115,9 @@ def fp8_modules(model: torch.nn.Module, specs: list[L.TensorSpec], tensors: dict
     return swapped
 
 
-def unshard_rank_files(specs: list[L.TensorSpec], ranks: list[dict[str, torch.Tensor]],
-                       qkv: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+def unshard_rank_files(
+    specs: list[L.TensorSpec], ranks: list[dict[str, torch.Tensor]], qkv: tuple[int, int, int]
+) -> dict[str, torch.Tensor]:
     """One tp_size-1 tensor dict from every rank's tensors (inverse of the builder's sharding):
     weights, biases and NVFP4 block scales are reassembled by their spec's split, per-tensor
     scales are the same on every rank."""
@@ -146,8 +148,9 @@ class EngineShard:
     embed_rows: torch.Tensor
 
 
-def load_engine(engine_dir: str | Path, dtype: torch.dtype | None = None,
-                rank: int = 0, fp8_gemm: bool = False, world_size: int = 1) -> tuple[LoadedTarget, DFlashDrafter, dict]:
+def load_engine(
+    engine_dir: str | Path, dtype: torch.dtype | None = None, rank: int = 0, fp8_gemm: bool = False, world_size: int = 1
+) -> tuple[LoadedTarget, DFlashDrafter, dict]:
     """Load the target and drafter of an engine directory for TP rank ``rank``.
 
     A tp_size 1 engine gives complete models. A tp_size N > 1 engine must run as N ranks
@@ -175,8 +178,9 @@ def load_engine(engine_dir: str | Path, dtype: torch.dtype | None = None,
     m = read_manifest(d)
     tp = int(m.get("tp_size", 1))
     if tp != world_size and not (tp == 1 and world_size > 1):
-        raise DFlashError(f"engine {d} has tp_size {tp}: run it as {tp} ranks (mpiexec -n {tp}); "
-                          f"this job has {world_size}")
+        raise DFlashError(
+            f"engine {d} has tp_size {tp}: run it as {tp} ranks (mpiexec -n {tp}); this job has {world_size}"
+        )
     cdt = dtype or parse_dtype(m.get("dtype", "fp32"))
     hf = read_json(d / "hf" / "target" / "config.json", "engine target")
     hf.pop("quantization_config", None)
@@ -189,16 +193,19 @@ def load_engine(engine_dir: str | Path, dtype: torch.dtype | None = None,
         if tcfg.tie_word_embeddings:
             sd["lm_head.weight"] = sd["embed.weight"]
     else:
-        local = dataclasses.replace(tcfg, num_heads=tcfg.num_heads // tp, num_kv_heads=tcfg.num_kv_heads // tp,
-                                    intermediate_size=tcfg.intermediate_size // tp)
+        local = dataclasses.replace(
+            tcfg,
+            num_heads=tcfg.num_heads // tp,
+            num_kv_heads=tcfg.num_kv_heads // tp,
+            intermediate_size=tcfg.intermediate_size // tp,
+        )
         model = TargetModel(local)
         head = dequantized(tt, "lm_head.weight", cdt)
         model.lm_head = torch.nn.Linear(tcfg.hidden_size, head.shape[0], bias=False)  # unties a tied head
         sd = state_dict_from_rank([sp for sp in specs if sp.split != L.VOCAB], tt, model.state_dict(), cdt)
         sd["lm_head.weight"] = head
         sd["embed.weight"] = torch.zeros_like(model.embed.weight, dtype=cdt)  # gathered by the runtime
-        model.engine_shard = EngineShard(rank, tp,
-                                         dequantized(tt, "transformer.vocab_embedding.weight", cdt))
+        model.engine_shard = EngineShard(rank, tp, dequantized(tt, "transformer.vocab_embedding.weight", cdt))
     model.load_state_dict(sd, strict=True)
     model = model.to(cdt).eval()
     if fp8_gemm:
@@ -210,8 +217,11 @@ def load_engine(engine_dir: str | Path, dtype: torch.dtype | None = None,
     dcfg = drafter_config_from_json(dj)
     dspecs = L.drafter_specs(dcfg)
     dt = [load_safetensors_file(d / "drafter" / f"rank{r}.safetensors", "engine drafter") for r in range(tp)]
-    dt = dt[0] if tp == 1 else unshard_rank_files(dspecs, dt, L.qkv_sizes(dcfg.num_heads, dcfg.num_kv_heads,
-                                                                            dcfg.head_dim))
+    dt = (
+        dt[0]
+        if tp == 1
+        else unshard_rank_files(dspecs, dt, L.qkv_sizes(dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim))
+    )
     drafter = DFlashDrafter(dcfg)
     drafter.load_state_dict(state_dict_from_rank(dspecs, dt, drafter.state_dict(), cdt), strict=True)
     drafter = drafter.to(cdt).eval()
@@ -231,9 +241,17 @@ def engine_files_ok(engine_dir: str | Path) -> list[str]:
     return bad
 
 
-def load_models(target_spec: str | None, drafter_spec: str | None, engine_dir: str | None, dtype: torch.dtype,
-                need_drafter: bool = True, fp8_gemm: bool = False, rank: int = 0,
-                world_size: int = 1, device: torch.device | str = "cpu") -> tuple[LoadedTarget, DFlashDrafter | None]:
+def load_models(
+    target_spec: str | None,
+    drafter_spec: str | None,
+    engine_dir: str | None,
+    dtype: torch.dtype,
+    need_drafter: bool = True,
+    fp8_gemm: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+    device: torch.device | str = "cpu",
+) -> tuple[LoadedTarget, DFlashDrafter | None]:
     """What ``generate`` / ``bench`` run: an engine directory (``--engine``) or a checkpoint pair,
     on ``device`` (tensor-parallel ranks move to their own GPU afterwards).
 

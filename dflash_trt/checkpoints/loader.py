@@ -7,6 +7,7 @@ default target when it exists, otherwise a seeded random drafter written once to
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +27,14 @@ DEFAULT_DRAFTER = "smollm2-135m-instruct-dflash"
 RANDOM_DRAFTER_LAYERS = 2
 RANDOM_DRAFTER_BLOCK = 16
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -40,6 +47,24 @@ def parse_dtype(name: str) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise DFlashError(f"unknown dtype {name!r}; choose from fp32, bf16, fp16") from None
+
+
+def dtype_name(name: str) -> str:
+    """The torch / HF name of a dtype (``bf16`` -> ``bfloat16``), as config files write it.
+
+    Raises:
+        DFlashError: unknown name.
+    """
+    return str(parse_dtype(name)).removeprefix("torch.")
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a weight / activation / KV dtype name (``fp8``: 1).
+
+    Raises:
+        DFlashError: unknown name.
+    """
+    return 1 if name == "fp8" else parse_dtype(name).itemsize
 
 
 def parse_device(name: str | None) -> torch.device:
@@ -60,8 +85,10 @@ def parse_device(name: str | None) -> torch.device:
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise DFlashError(f"device {name}: no CUDA GPU is visible here (torch {torch.__version__}, "
-                              f"CUDA build: {torch.version.cuda or 'no'}); use --device cpu")
+            raise DFlashError(
+                f"device {name}: no CUDA GPU is visible here (torch {torch.__version__}, "
+                f"CUDA build: {torch.version.cuda or 'no'}); use --device cpu"
+            )
         if (dev.index or 0) >= count:
             raise DFlashError(f"device {name}: only {count} CUDA GPU(s) visible")
     return dev
@@ -84,8 +111,9 @@ class LoadedTarget:
     stop_token_ids: tuple[int, ...]
 
 
-def load_target(spec: str | None, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu") -> LoadedTarget:
+def load_target(
+    spec: str | None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> LoadedTarget:
     """Load ``--target`` (None = the default SmolLM2 model) in ``dtype`` on ``device``.
 
     Raises:
@@ -147,18 +175,25 @@ def default_drafter_path(target: LoadedTarget, default_target: bool) -> Path:
     out = cache_root() / "drafters" / f"random-{target.path.name}-l{RANDOM_DRAFTER_LAYERS}-b{RANDOM_DRAFTER_BLOCK}"
     if not (out / "config.json").is_file():
         print(f"no trained drafter for this target: using a random one ({out})", file=sys.stderr, flush=True)
-        model = init_drafter(target.model.cfg, RANDOM_DRAFTER_LAYERS, RANDOM_DRAFTER_BLOCK,
-                             default_mask_token_id(target.tokenizer, target.model.cfg.vocab_size), seed=0)
-        try:
+        model = init_drafter(
+            target.model.cfg,
+            RANDOM_DRAFTER_LAYERS,
+            RANDOM_DRAFTER_BLOCK,
+            default_mask_token_id(target.tokenizer, target.model.cfg.vocab_size),
+            seed=0,
+        )
+        with contextlib.suppress(DFlashError):  # created meanwhile by another process
             save_drafter(model, out)
-        except DFlashError:  # created meanwhile by another process
-            pass
     return out
 
 
-def load_pair(target_spec: str | None, drafter_spec: str | None, dtype: torch.dtype = torch.float32,
-              need_drafter: bool = True, device: torch.device | str = "cpu"
-              ) -> tuple[LoadedTarget, DFlashDrafter | None]:
+def load_pair(
+    target_spec: str | None,
+    drafter_spec: str | None,
+    dtype: torch.dtype = torch.float32,
+    need_drafter: bool = True,
+    device: torch.device | str = "cpu",
+) -> tuple[LoadedTarget, DFlashDrafter | None]:
     """Load the target and (unless ``need_drafter`` is false) its drafter on ``device``, and
     validate the pair.
 

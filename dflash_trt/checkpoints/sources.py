@@ -12,13 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_dir, write_json
 from ..errors import DFlashError
 from ..packaged import package_file
 
@@ -70,22 +69,21 @@ def convert_gguf(path: Path) -> Path:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     except Exception as e:  # transformers raises many types for a bad GGUF
-        raise DFlashError(f"cannot read GGUF {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise DFlashError(
+            f"cannot read GGUF {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
     if cfg.get("tie_word_embeddings"):
         sd.pop("lm_head.weight", None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
-        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        tok.save_pretrained(str(tmp))
-        model.generation_config.save_pretrained(str(tmp))
-        os.replace(tmp, out)
+        with atomic_dir(out) as tmp:
+            save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            write_json(tmp / "config.json", cfg)
+            tok.save_pretrained(str(tmp))
+            model.generation_config.save_pretrained(str(tmp))
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
         if not (out / "config.json").is_file():  # not a lost race with another process
             raise
     return out

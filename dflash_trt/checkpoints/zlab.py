@@ -13,22 +13,27 @@ A drafter directory holds:
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_dir, write_json
 from ..errors import DFlashError
 from ..models.config import DrafterConfig, TargetConfig, default_target_layer_ids
 from ..models.drafter import DFlashDrafter
 from .sources import load_safetensors_dir, read_json
 
 
-def _reject_unsupported(cfg: dict, d: dict) -> None:
-    """Refuse z-lab variants our drafter does not implement (they would draft badly, silently)."""
+def _attention_window(cfg: dict, d: dict) -> int | None:
+    """Refuse z-lab variants our drafter does not implement (they would draft badly, silently)
+    and return the sliding window W when every layer is a non-causal ``sliding_attention``
+    layer, else None.
+
+    The window is read the way z-lab's torch model sees it through transformers' ``Qwen3Config``:
+    it exists only with ``use_sliding_window: true`` (otherwise the layers attend to everything).
+    """
     arch = cfg.get("architectures") or []
     if any("DFlash2" in a for a in arch):
         raise DFlashError(f"drafter architecture {arch} (DFlash2) is not supported; only DFlashDraftModel")
@@ -43,13 +48,16 @@ def _reject_unsupported(cfg: dict, d: dict) -> None:
         raise DFlashError("drafter has sliding_attention layers but no sliding_window")
     # z-lab: sliding layers are causal unless is_causal says otherwise; causal drafting is not DFlash
     if value("is_causal") or (sliding and value("is_causal") is None):
-        raise DFlashError("drafter attention is causal (is_causal, or sliding layers without is_causal: false); "
-                          "DFlash draft attention is non-causal and causal drafters are not supported")
+        raise DFlashError(
+            "drafter attention is causal (is_causal, or sliding layers without is_causal: false); "
+            "DFlash draft attention is non-causal and causal drafters are not supported"
+        )
     for key in ("input_embedding_scale", "output_multiplier"):
         if value(key) not in (None, 1, 1.0):
             raise DFlashError(f"drafter sets {key}={value(key)}, which is not supported")
     if value("final_logit_softcapping") not in (None, 0, 0.0):
         raise DFlashError("drafter sets final_logit_softcapping, which is not supported")
+    return int(value("sliding_window")) if sliding and cfg.get("use_sliding_window", False) else None
 
 
 def drafter_config_from_json(cfg: dict) -> DrafterConfig:
@@ -69,7 +77,7 @@ def drafter_config_from_json(cfg: dict) -> DrafterConfig:
             raise DFlashError(f"drafter config.json lacks {name!r}")
         return value
 
-    _reject_unsupported(cfg, d)
+    window = _attention_window(cfg, d)
     try:
         heads = int(cfg["num_attention_heads"])
         layers = int(cfg["num_hidden_layers"])
@@ -94,9 +102,14 @@ def drafter_config_from_json(cfg: dict) -> DrafterConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             attention_bias=bool(cfg.get("attention_bias", False)),
-            sliding_window=_sliding_window(cfg, d),
-            extra={k: v for k, v in cfg.items()
-                   if k not in ("dflash_config", "layer_types", "sliding_window", "use_sliding_window", "is_causal")},
+            sliding_window=window,
+            draft_vocab_size=int(cfg["draft_vocab_size"]) if cfg.get("draft_vocab_size") is not None else None,
+            extra={
+                k: v
+                for k, v in cfg.items()
+                if k
+                not in ("dflash_config", "layer_types", "sliding_window", "use_sliding_window", "is_causal", "draft_vocab_size")
+            },
         )
     except KeyError as e:
         raise DFlashError(f"drafter config.json lacks required key {e.args[0]!r}") from None
@@ -107,50 +120,42 @@ def drafter_config_from_json(cfg: dict) -> DrafterConfig:
 def drafter_config_to_json(cfg: DrafterConfig) -> dict:
     """The z-lab ``config.json`` dict for ``cfg`` (Qwen3 keys + ``dflash_config``)."""
     out = dict(cfg.extra)
-    out.update({
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "attention_bias": cfg.attention_bias,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "block_size": cfg.block_size,
-        "num_target_layers": cfg.num_target_layers,
-        "dflash_config": {
+    out.update(
+        {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size,
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_theta": cfg.rope_theta,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "attention_bias": cfg.attention_bias,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
             "block_size": cfg.block_size,
-            "mask_token_id": cfg.mask_token_id,
-            "target_layer_ids": list(cfg.target_layer_ids),
-        },
-    })
+            "num_target_layers": cfg.num_target_layers,
+            "dflash_config": {
+                "block_size": cfg.block_size,
+                "mask_token_id": cfg.mask_token_id,
+                "target_layer_ids": list(cfg.target_layer_ids),
+            },
+        }
+    )
     if cfg.rope_scaling:
         out["rope_scaling"] = dict(cfg.rope_scaling)
+    if cfg.draft_vocab_size is not None:
+        out["draft_vocab_size"] = cfg.draft_vocab_size
     if cfg.sliding_window is not None:
         out["layer_types"] = ["sliding_attention"] * cfg.num_layers
         out["use_sliding_window"] = True  # transformers' Qwen3Config drops sliding_window without it
         out["sliding_window"] = cfg.sliding_window
         out["is_causal"] = False
     return out
-
-
-def _sliding_window(cfg: dict, d: dict) -> int | None:
-    """W when every layer is a (non-causal) ``sliding_attention`` layer, else None.
-
-    Read the way z-lab's torch model sees it through transformers' ``Qwen3Config``: the window
-    exists only with ``use_sliding_window: true`` (otherwise the layers attend to everything).
-    """
-    types = d.get("layer_types", cfg.get("layer_types")) or []
-    if types and types[0] == "sliding_attention" and cfg.get("use_sliding_window", False):
-        return int(d.get("sliding_window", cfg.get("sliding_window")))
-    return None
 
 
 def validate_pair(target: TargetConfig, drafter: DrafterConfig) -> None:
@@ -178,6 +183,8 @@ def validate_pair(target: TargetConfig, drafter: DrafterConfig) -> None:
         problems.append(f"head_dim {drafter.head_dim} is odd (RoPE needs it even)")
     if drafter.block_size < 2:
         problems.append(f"block_size {drafter.block_size} < 2")
+    if drafter.draft_vocab_size is not None and drafter.draft_vocab_size > target.vocab_size:
+        problems.append(f"draft_vocab_size {drafter.draft_vocab_size} > the target's vocabulary {target.vocab_size}")
     if problems:
         raise DFlashError("drafter does not match target: " + "; ".join(problems))
 
@@ -202,34 +209,61 @@ def load_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32) ->
         if k in own and own[k].shape != t.shape:
             raise DFlashError(f"drafter {path}: {k} has shape {tuple(t.shape)}, config wants {tuple(own[k].shape)}")
     model.load_state_dict({k: sd[k] for k in own}, strict=True)
+    if model.d2t is not None:
+        check_d2t(model.d2t, cfg.vocab_size, f"drafter {path}")
     return model.to(dtype).eval()
 
 
-def save_drafter(model: DFlashDrafter, out: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-    """Write ``model`` as a z-lab drafter directory, atomically (temp dir, then rename).
+def check_d2t(d2t: torch.Tensor, vocab_size: int, what: str) -> None:
+    """Raises DFlashError unless ``arange(N) + d2t`` are strictly increasing target ids in
+    ``0 .. vocab_size - 1`` (the EAGLE-3 / speculators draft-vocabulary mapping)."""
+    if d2t.dtype not in (torch.int64, torch.int32) or d2t.dim() != 1:
+        raise DFlashError(f"{what}: d2t must be a 1-D integer tensor, got {d2t.dtype} {tuple(d2t.shape)}")
+    ids = torch.arange(d2t.numel()) + d2t.cpu().long()
+    if d2t.numel() and (int(ids[0]) < 0 or int(ids[-1]) >= vocab_size or bool((ids[1:] <= ids[:-1]).any())):
+        raise DFlashError(f"{what}: d2t does not map draft ids to distinct, sorted target ids below {vocab_size}")
+
+
+def save_drafter(
+    model: DFlashDrafter,
+    out: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    replace: bool = False,
+    extra: dict[str, Callable[[Path], None]] | None = None,
+) -> Path:
+    """Write ``model`` as a z-lab drafter directory, atomically (:func:`~dflash_trt.atomic.atomic_dir`).
+
+    Args:
+        dtype: dtype of the saved weights (None: as they are).
+        replace: replace an existing ``out`` (else that is an error).
+        extra: more files for the same directory, ``{name: write(path)}`` (a training
+            checkpoint's optimizer state), written before it appears.
 
     Raises:
-        DFlashError: ``out`` already exists.
+        DFlashError: ``out`` already exists and ``replace`` is false.
     """
     from safetensors.torch import save_file
 
     out = Path(out).expanduser()
-    if out.exists():
+    if out.exists() and not replace:
         raise DFlashError(f"output {out} already exists")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    with atomic_dir(out, replace=replace) as tmp:
         sd = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in model.state_dict().items()}
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(drafter_config_to_json(model.cfg), indent=2) + "\n")
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        write_json(tmp / "config.json", drafter_config_to_json(model.cfg))
+        for name, write in (extra or {}).items():
+            write(tmp / name)
     return out
 
 
-def drafter_config_for(target: TargetConfig, num_layers: int, block_size: int, mask_token_id: int,
-                       target_layer_ids: list[int] | None = None, sliding_window: int | None = None) -> DrafterConfig:
+def drafter_config_for(
+    target: TargetConfig,
+    num_layers: int,
+    block_size: int,
+    mask_token_id: int,
+    target_layer_ids: list[int] | None = None,
+    sliding_window: int | None = None,
+) -> DrafterConfig:
     """The shape of a new drafter for ``target``: the target's hidden size, heads, intermediate
     size and RoPE; ``target_layer_ids`` default to the z-lab spread.
 
@@ -260,9 +294,15 @@ def drafter_config_for(target: TargetConfig, num_layers: int, block_size: int, m
     return cfg
 
 
-def init_drafter(target: TargetConfig, num_layers: int, block_size: int, mask_token_id: int,
-                 seed: int = 0, target_layer_ids: list[int] | None = None,
-                 sliding_window: int | None = None) -> DFlashDrafter:
+def init_drafter(
+    target: TargetConfig,
+    num_layers: int,
+    block_size: int,
+    mask_token_id: int,
+    seed: int = 0,
+    target_layer_ids: list[int] | None = None,
+    sliding_window: int | None = None,
+) -> DFlashDrafter:
     """A randomly initialised drafter of :func:`drafter_config_for`'s shape (Qwen3 init:
     normal(0, 0.02) linears, unit norms).
 

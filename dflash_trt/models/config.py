@@ -51,9 +51,7 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         if self.family not in SUPPORTED_FAMILIES:
-            raise DFlashError(
-                f"unsupported target family {self.family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
-            )
+            raise DFlashError(f"unsupported target family {self.family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}")
         if self.num_heads % self.num_kv_heads:
             raise DFlashError(
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
@@ -61,7 +59,7 @@ class TargetConfig:
         _check_rope_scaling(self.rope_scaling, "target")
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "TargetConfig":
+    def from_hf(cls, cfg: dict) -> TargetConfig:
         """Build from an HF ``config.json`` dict.
 
         Raises:
@@ -69,9 +67,7 @@ class TargetConfig:
         """
         family = cfg.get("model_type")
         if family not in SUPPORTED_FAMILIES:
-            raise DFlashError(
-                f"unsupported target model_type {family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
-            )
+            raise DFlashError(f"unsupported target model_type {family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}")
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -134,6 +130,10 @@ class DrafterConfig:
             z-lab ``sliding_attention`` layer with ``is_causal: false`` — the slot at position
             ``q`` sees context positions ``p`` with ``q - p < W`` (so slot ``k`` of a block
             anchored at ``a`` sees the last ``W - 1 - k`` context positions) and its whole block.
+        draft_vocab_size: None (drafts over the target's whole vocabulary), or N: the drafter
+            drafts over N target tokens only (EAGLE-3 / vLLM speculators convention: its
+            weights hold ``d2t`` int64 ``[N]``, draft id ``i`` is target id ``i + d2t[i]``), the
+            rows of the target's LM head it reads.
     """
 
     hidden_size: int
@@ -153,9 +153,14 @@ class DrafterConfig:
     max_position_embeddings: int = 4096
     attention_bias: bool = False
     sliding_window: int | None = None
+    draft_vocab_size: int | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         _check_rope_scaling(self.rope_scaling, "drafter")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise DFlashError(f"drafter draft_vocab_size {self.draft_vocab_size} outside 1..{self.vocab_size}")
         if self.sliding_window is not None and self.sliding_window < self.block_size:
-            raise DFlashError(f"drafter sliding_window {self.sliding_window} is smaller than its block size {self.block_size}")
+            raise DFlashError(
+                f"drafter sliding_window {self.sliding_window} is smaller than its block size {self.block_size}"
+            )

@@ -91,6 +91,44 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        if cfg.draft_vocab_size is not None:  # draft id i is target id i + d2t[i] (EAGLE-3 / speculators)
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        else:
+            self.d2t = None
+        self._head_cache: tuple | None = None
+
+    def draft_token_ids(self) -> torch.Tensor | None:
+        """int64 ``[N]`` sorted target ids of the draft vocabulary (``arange(N) + d2t``), or None
+        when the drafter drafts over the whole target vocabulary."""
+        if self.d2t is None:
+            return None
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def propose(self, hidden: torch.Tensor, lm_head: nn.Module, sharded_head: bool = False) -> torch.Tensor:
+        """Greedy draft tokens from final hidden states.
+
+        Args:
+            hidden: ``[..., hidden]`` (the block's slots 1..B-1).
+            lm_head: the target's LM head (``nn.Linear``, ``[V, hidden]`` weight).
+            sharded_head: the head is vocab-parallel under tensor parallelism (its forward returns
+                gathered full logits, its weight is a shard): the draft vocabulary's columns are
+                picked from the full logits instead of slicing the weight.
+
+        Returns:
+            int64 ``[...]`` target token ids: the argmax over the draft vocabulary (the whole
+            vocabulary without ``d2t``). With a draft vocabulary only its rows of the head are
+            multiplied, so tokens never trained as negatives cannot win the argmax.
+        """
+        if self.d2t is None:
+            return lm_head(hidden).argmax(-1)
+        if sharded_head:
+            return self.draft_token_ids()[lm_head(hidden)[..., self.draft_token_ids()].argmax(-1)]
+        w = lm_head.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if self._head_cache is None or self._head_cache[0] != key:  # slice the head once per weight
+            self._head_cache = (key, w[self.draft_token_ids()].contiguous())
+        ids = torch.nn.functional.linear(hidden.to(w.dtype), self._head_cache[1]).argmax(-1)
+        return ids + self.d2t[ids]
 
     def forward(
         self,
@@ -197,7 +235,7 @@ def _train_attention(attn: DrafterAttention, h, ctx, cos_c, sin_c, cos_b, sin_b,
     kb = attn.k_norm(attn.k_proj(h).view(N, T, hkv, d)).transpose(1, 2)
     kb = apply_rope(kb, cos_b, sin_b).reshape(N, hkv, 1, nb, B, d)
     vb = attn.v_proj(h).view(N, T, hkv, d).transpose(1, 2).reshape(N, hkv, 1, nb, B, d)
-    scale = d ** -0.5
+    scale = d**-0.5
     s_blk = (q @ kb.transpose(-1, -2)) * scale  # [N, hkv, g, nb, B, B]
     if S:
         kc = attn.k_norm(attn.k_proj(ctx).view(N, S, hkv, d)).transpose(1, 2)

@@ -124,7 +124,7 @@ class AttentionMetadata:
     query_valid: torch.Tensor | None = None
 
     @classmethod
-    def causal(cls, positions: torch.Tensor, kv_len: int, write_slots: torch.Tensor | None = None) -> "AttentionMetadata":
+    def causal(cls, positions: torch.Tensor, kv_len: int, write_slots: torch.Tensor | None = None) -> AttentionMetadata:
         """Causal attention by absolute position: slot j is visible to a query at position p
         iff j <= p. ``write_slots`` defaults to ``positions``."""
         slots = torch.arange(kv_len, device=positions.device)
@@ -169,9 +169,9 @@ def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch
     if q.device.type == "cpu" and dtype != torch.float32:
         # CPU SDPA in bf16 measured 1.65x slower end to end (batch 16 decode) than upcasting to fp32
         q, keys, values = q.float(), keys.float(), values.float()
-    return F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=mask, enable_gqa=q.shape[1] != keys.shape[1]
-    ).to(dtype)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=q.shape[1] != keys.shape[1]).to(
+        dtype
+    )
 
 
 def _paged_attention(q, k, v, kv, meta: AttentionMetadata) -> torch.Tensor:

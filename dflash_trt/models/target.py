@@ -146,7 +146,10 @@ class TargetModel(nn.Module):
             ValueError: a tensor has the wrong shape.
         """
         own = self.state_dict()
-        out: dict[str, torch.Tensor] = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
+        out: dict[str, torch.Tensor] = {
+            "embed.weight": sd["model.embed_tokens.weight"],
+            "norm.weight": sd["model.norm.weight"],
+        }
         if not self.cfg.tie_word_embeddings:
             out["lm_head.weight"] = sd["lm_head.weight"]
         for i in range(self.cfg.num_layers):
@@ -154,9 +157,13 @@ class TargetModel(nn.Module):
             a = p + "self_attn."
             out[f"layers.{i}.attn_norm.weight"] = sd[p + "input_layernorm.weight"]
             out[f"layers.{i}.mlp_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
-            out[f"layers.{i}.attn.qkv.weight"] = torch.cat([sd[a + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")])
+            out[f"layers.{i}.attn.qkv.weight"] = torch.cat(
+                [sd[a + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")]
+            )
             if self.cfg.attention_bias:
-                out[f"layers.{i}.attn.qkv.bias"] = torch.cat([sd[a + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")])
+                out[f"layers.{i}.attn.qkv.bias"] = torch.cat(
+                    [sd[a + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")]
+                )
             out[f"layers.{i}.attn.o.weight"] = sd[a + "o_proj.weight"]
             if self.cfg.qk_norm:
                 out[f"layers.{i}.attn.q_norm.weight"] = sd[a + "q_norm.weight"]

@@ -10,7 +10,7 @@ NVFP4 fake-quant forward needs CUDA; the max calibrator does not).
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

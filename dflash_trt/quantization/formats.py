@@ -85,8 +85,9 @@ def quantize_nvfp4(w: torch.Tensor, amax: float | None = None) -> tuple[torch.Te
     return packed, ws, s2.reshape(1)
 
 
-def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Tensor,
-                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_nvfp4(
+    packed: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """``packed`` uint8 ``[out, in/2]``, ``block_scale`` e4m3 ``[out, in/16]``, ``scale_2`` fp32
     ``[1]`` -> ``[out, in]`` in ``dtype`` (no ModelOpt needed)."""
     lo, hi = packed & 0x0F, packed >> 4

@@ -30,8 +30,13 @@ class Fp8Linear(nn.Module):
         ValueError: a weight that is not float8_e4m3fn or scales that are not single values.
     """
 
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
-                 bias: torch.Tensor | None = None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        input_scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ):
         super().__init__()
         if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
             raise ValueError(f"Fp8Linear needs a 2-D float8_e4m3fn weight, got {weight.dtype} {tuple(weight.shape)}")
@@ -47,8 +52,14 @@ class Fp8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         xq = (x2.float() / self.input_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        y = torch._scaled_mm(xq, self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
-                             bias=self.bias, out_dtype=x.dtype if x.dtype != torch.float32 else torch.float32)
+        y = torch._scaled_mm(
+            xq,
+            self.weight.t(),
+            scale_a=self.input_scale,
+            scale_b=self.weight_scale,
+            bias=self.bias,
+            out_dtype=x.dtype if x.dtype != torch.float32 else torch.float32,
+        )
         return y.reshape(*shape[:-1], self.out_features)
 
 

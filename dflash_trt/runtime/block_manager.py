@@ -74,8 +74,9 @@ class BlockManager:
         table = self._tables[seq_id]
         need = self.blocks_for(length)
         if need > self._reserved[seq_id]:
-            raise ValueError(f"sequence {seq_id}: {length} positions exceed its reservation of "
-                             f"{self._reserved[seq_id]} blocks")
+            raise ValueError(
+                f"sequence {seq_id}: {length} positions exceed its reservation of {self._reserved[seq_id]} blocks"
+            )
         while len(table) < need:
             table.append(self._free.pop())
         return table

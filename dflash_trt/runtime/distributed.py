@@ -70,8 +70,16 @@ from ..models.target import TargetModel
 from .engine import EngineConfig, LLMEngine, check_block_size
 from .model_runner import ModelRunner, StepPlan
 
-__all__ = ["TPEngines", "TPGroup", "attach_engine_shard", "init_tp", "run_worker", "shard_target", "split_sizes",
-           "tp_engine"]
+__all__ = [
+    "TPEngines",
+    "TPGroup",
+    "attach_engine_shard",
+    "init_tp",
+    "run_worker",
+    "shard_target",
+    "split_sizes",
+    "tp_engine",
+]
 
 
 def split_sizes(n: int, parts: int) -> list[int]:
@@ -194,7 +202,9 @@ def init_tp(backend: str | None = None) -> TPGroup | None:
     try:
         from mpi4py import MPI
     except ImportError as e:  # pragma: no cover - mpi4py is a dependency
-        raise DFlashError(f"tensor parallelism needs mpi4py and an MPI library (pip install mpich mpi4py): {e}") from None
+        raise DFlashError(
+            f"tensor parallelism needs mpi4py and an MPI library (pip install mpich mpi4py): {e}"
+        ) from None
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     if size == 1:
@@ -248,8 +258,10 @@ def shard_target(model: TargetModel, tp: TPGroup) -> TargetModel:
     if getattr(model, "tp", None) is not None:
         raise DFlashError("the target is already sharded")
     if n > cfg.num_kv_heads:
-        raise DFlashError(f"tp_size {n} exceeds the target's {cfg.num_kv_heads} KV heads "
-                          f"(each rank must hold at least one whole KV head)")
+        raise DFlashError(
+            f"tp_size {n} exceeds the target's {cfg.num_kv_heads} KV heads "
+            f"(each rank must hold at least one whole KV head)"
+        )
     d, H, Hkv, inter = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     group = H // Hkv
     kv_sizes = split_sizes(Hkv, n)
@@ -259,9 +271,13 @@ def shard_target(model: TargetModel, tp: TPGroup) -> TargetModel:
     i0, ni = sum(i_sizes[:r]), i_sizes[r]
     v_sizes = split_sizes(cfg.vocab_size, n)
     v0, nv = sum(v_sizes[:r]), v_sizes[r]
-    qkv_rows = torch.cat([torch.arange(q0 * d, (q0 + nq) * d),
-                          H * d + torch.arange(k0 * d, (k0 + nkv) * d),
-                          (H + Hkv) * d + torch.arange(k0 * d, (k0 + nkv) * d)])
+    qkv_rows = torch.cat(
+        [
+            torch.arange(q0 * d, (q0 + nq) * d),
+            H * d + torch.arange(k0 * d, (k0 + nkv) * d),
+            (H + Hkv) * d + torch.arange(k0 * d, (k0 + nkv) * d),
+        ]
+    )
     mlp_rows = torch.cat([torch.arange(i0, i0 + ni), inter + torch.arange(i0, i0 + ni)])
     for layer in model.layers:
         a, m = layer.attn, layer.mlp
@@ -270,16 +286,16 @@ def shard_target(model: TargetModel, tp: TPGroup) -> TargetModel:
         if a.qkv.bias is not None:
             a.qkv.bias = _param(a.qkv.bias[rows], a.qkv.bias)
         a.qkv.out_features = len(rows)
-        a.o.weight = _param(a.o.weight[:, q0 * d: (q0 + nq) * d], a.o.weight)
+        a.o.weight = _param(a.o.weight[:, q0 * d : (q0 + nq) * d], a.o.weight)
         a.o.in_features = nq * d
         a.h, a.hkv = nq, nkv
         m.gate_up.weight = _param(m.gate_up.weight[mlp_rows.to(m.gate_up.weight.device)], m.gate_up.weight)
         m.gate_up.out_features = 2 * ni
-        m.down.weight = _param(m.down.weight[:, i0: i0 + ni], m.down.weight)
+        m.down.weight = _param(m.down.weight[:, i0 : i0 + ni], m.down.weight)
         m.down.in_features = ni
         m.intermediate = ni
     head = model.lm_head
-    head.weight = _param(head.weight[v0: v0 + nv], head.weight)  # unties a tied head
+    head.weight = _param(head.weight[v0 : v0 + nv], head.weight)  # unties a tied head
     head.out_features = nv
     model.cfg = dataclasses.replace(cfg, num_heads=nq, num_kv_heads=nkv, intermediate_size=ni)
     return _wire(model, tp, v_sizes)
@@ -292,8 +308,7 @@ def _wire(model: TargetModel, tp: TPGroup, vocab_sizes: list[int]) -> TargetMode
     vocab = model.cfg.vocab_size
     for layer in model.layers:
         layer.tp = tp
-    model.lm_head.register_forward_hook(
-        lambda _mod, _inp, out: tp.all_gather_last(out, vocab_sizes)[..., :vocab])
+    model.lm_head.register_forward_hook(lambda _mod, _inp, out: tp.all_gather_last(out, vocab_sizes)[..., :vocab])
     model.tp = tp
     return model
 
@@ -304,8 +319,14 @@ def run_worker(runner: ModelRunner, tp: TPGroup) -> None:
         runner.step(plan)
 
 
-def tp_engine(target: TargetModel, drafter: DFlashDrafter | None, stop_token_ids: tuple[int, ...],
-              config: EngineConfig, tp: TPGroup, runner_cls: type[ModelRunner] = ModelRunner) -> LLMEngine | None:
+def tp_engine(
+    target: TargetModel,
+    drafter: DFlashDrafter | None,
+    stop_token_ids: tuple[int, ...],
+    config: EngineConfig,
+    tp: TPGroup,
+    runner_cls: type[ModelRunner] = ModelRunner,
+) -> LLMEngine | None:
     """Shard ``target`` (in place) and serve it on every rank of ``tp``.
 
     Every rank calls it with the same arguments (the full target, the same drafter, the same
@@ -368,8 +389,9 @@ class TPEngines:
         tp: the TP group.
     """
 
-    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, stop_token_ids: tuple[int, ...],
-                 tp: TPGroup):
+    def __init__(
+        self, target: TargetModel, drafter: DFlashDrafter | None, stop_token_ids: tuple[int, ...], tp: TPGroup
+    ):
         self.target, self.drafter, self.stop_token_ids, self.tp = target, drafter, tuple(stop_token_ids), tp
 
     def make(self, config: EngineConfig, with_drafter: bool = True) -> LLMEngine:

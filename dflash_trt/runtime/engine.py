@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 import torch
 
@@ -82,16 +82,25 @@ class LLMEngine:
         DFlashError: impossible settings (block size, capacity below one block, ...).
     """
 
-    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, stop_token_ids: tuple[int, ...],
-                 config: EngineConfig | None = None, runner: ModelRunner | None = None, tp=None):
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: DFlashDrafter | None,
+        stop_token_ids: tuple[int, ...],
+        config: EngineConfig | None = None,
+        runner: ModelRunner | None = None,
+        tp=None,
+    ):
         cfg = config or EngineConfig()
         K = cfg.block_size if cfg.block_size is not None else (drafter.cfg.block_size if drafter else 1)
         check_block_size(drafter, K)
         if cfg.tokens_per_block < 1:
             raise DFlashError(f"tokens_per_block must be >= 1, got {cfg.tokens_per_block}")
         if cfg.max_num_tokens < K or cfg.max_batch_size < 1:
-            raise DFlashError(f"max_num_tokens ({cfg.max_num_tokens}) must be >= the block size ({K}) "
-                              f"and max_batch_size ({cfg.max_batch_size}) >= 1")
+            raise DFlashError(
+                f"max_num_tokens ({cfg.max_num_tokens}) must be >= the block size ({K}) "
+                f"and max_batch_size ({cfg.max_batch_size}) >= 1"
+            )
         self.block_size = K
         self.config = cfg
         self.stop_token_ids = tuple(stop_token_ids)
@@ -113,8 +122,13 @@ class LLMEngine:
             self.calibrate()
 
     # ---- requests ----
-    def add_request(self, request: Request, on_tokens: TokenCallback | None = None, seq_id: int | None = None,
-                    on_finish: Callable[[int], None] | None = None) -> int:
+    def add_request(
+        self,
+        request: Request,
+        on_tokens: TokenCallback | None = None,
+        seq_id: int | None = None,
+        on_finish: Callable[[int], None] | None = None,
+    ) -> int:
         """Queue a request; returns its sequence id. ``on_tokens(seq_id, tokens)`` is called
         with every batch of committed tokens, ``on_finish(seq_id)`` once when it ends (finished
         or aborted; the engine then forgets it, otherwise :meth:`result` collects it). Both run
@@ -147,8 +161,14 @@ class LLMEngine:
         s = self._seqs.pop(seq_id)
         end = s.finish_s or s.arrival_s
         first = s.first_token_s or end  # an abort before any token
-        return RequestOutput(s.output, s.finish_reason or "length", s.commit_lengths, first - s.arrival_s,
-                             end - s.arrival_s, s.draft_lengths)
+        return RequestOutput(
+            s.output,
+            s.finish_reason or "length",
+            s.commit_lengths,
+            first - s.arrival_s,
+            end - s.arrival_s,
+            s.draft_lengths,
+        )
 
     # ---- the iteration ----
     def _finish(self, seq: Sequence, done: list[Sequence]) -> None:
@@ -201,16 +221,22 @@ class LLMEngine:
         for s, n in sched.prefill:
             table = self.blocks.ensure(s.seq_id, s.num_cached + n)
             ends_prompt = s.num_cached + n == s.prompt_len
-            items.append(StepItem(s.seq_id, s.tokens[s.num_cached: s.num_cached + n], s.num_cached, list(table),
-                                  num_logits=int(ends_prompt)))
+            items.append(
+                StepItem(
+                    s.seq_id,
+                    s.tokens[s.num_cached : s.num_cached + n],
+                    s.num_cached,
+                    list(table),
+                    num_logits=int(ends_prompt),
+                )
+            )
         any_draft = False
         for j, s in enumerate(sched.decode):
             nd = drafts[j] if j < len(drafts) else 0
             any_draft |= nd > 0
             span = self.block_size if nd else 1  # the drafter writes a whole block
             table = self.blocks.ensure(s.seq_id, s.num_cached + span)
-            items.append(StepItem(s.seq_id, [s.tokens[-1]], s.num_cached, list(table), num_draft=nd,
-                                  num_logits=1 + nd))
+            items.append(StepItem(s.seq_id, [s.tokens[-1]], s.num_cached, list(table), num_draft=nd, num_logits=1 + nd))
         release, self._release = self._release, []
         return StepPlan(items, self.block_size if any_draft else 0, release)
 
@@ -230,6 +256,7 @@ class LLMEngine:
             ctl.target_cost.observe(out.target_tokens, out.target_s)
             if drafted:
                 ctl.draft_cost.observe(sum(1 for it in plan.items if it.num_draft), out.draft_s)
+
         def choice(i: int, s: Sequence) -> list[int]:  # the target's token after each logits row
             if s.request.sampling.greedy and out.argmax:
                 return out.argmax[i]
@@ -246,8 +273,11 @@ class LLMEngine:
             i = n_prefill + j
             drafts = out.drafts[i]
             choice_l = choice(i, s)
-            acc = int(accepted_lengths(torch.tensor([drafts], dtype=torch.long), torch.tensor([choice_l]))[0]) \
-                if drafts else 0
+            acc = (
+                int(accepted_lengths(torch.tensor([drafts], dtype=torch.long), torch.tensor([choice_l]))[0])
+                if drafts
+                else 0
+            )
             kept = s.commit(drafts[:acc] + [choice_l[acc]])
             s.commit_lengths.append(len(kept))
             s.draft_lengths.append(len(drafts))
@@ -276,7 +306,7 @@ class LLMEngine:
         token budget) and drafter cost vs sequences, using scratch sequences that are freed
         afterwards. Each size runs twice; the second (warm) time is kept."""
         ctl, K, bm = self.controller, self.block_size, self.blocks
-        sizes = [n for n in (2 ** i for i in range(12)) if n <= min(max_tokens, self.config.max_num_tokens)]
+        sizes = [n for n in (2**i for i in range(12)) if n <= min(max_tokens, self.config.max_num_tokens)]
         scratch: list[int] = []  # negative ids, never a request's
 
         def reserve(sids: list[int], n: int) -> list[list[int]] | None:
@@ -304,8 +334,12 @@ class LLMEngine:
             if tables is None:
                 break
             self._run(StepPlan([StepItem(sid, [0] * 7, 0, t) for sid, t in zip(sids, tables)]))
-            out = warm(StepPlan([StepItem(sid, [0], 7, t, num_draft=K - 1, num_logits=K)
-                                 for sid, t in zip(sids, tables)], draft_block=K))
+            out = warm(
+                StepPlan(
+                    [StepItem(sid, [0], 7, t, num_draft=K - 1, num_logits=K) for sid, t in zip(sids, tables)],
+                    draft_block=K,
+                )
+            )
             ctl.draft_cost.observe(s, out.draft_s)
             ctl.target_cost.observe(out.target_tokens, out.target_s)
         for sid in scratch:

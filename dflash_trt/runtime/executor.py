@@ -33,8 +33,9 @@ def top2_margin(model: TargetModel, ids: list[int]) -> float:
     dtype = model.embed.weight.dtype
     cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, T, dtype, model.embed.weight.device)
     pos = torch.arange(T, device=cache.layers[0][0].device).unsqueeze(0)
-    logits = model(torch.tensor([ids], device=pos.device), AttentionMetadata.causal(pos, T),
-                   cache.layers, logits_index=pos[:, -1:]).logits[0, -1]
+    logits = model(
+        torch.tensor([ids], device=pos.device), AttentionMetadata.causal(pos, T), cache.layers, logits_index=pos[:, -1:]
+    ).logits[0, -1]
     top = logits.float().topk(2).values
     return float(top[0] - top[1])
 
@@ -60,8 +61,13 @@ class DFlashEngine:
             drafter's, block size > 1 without a drafter, empty prompt, max_new_tokens < 1).
     """
 
-    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, stop_token_ids: tuple[int, ...],
-                 runner_cls: type[ModelRunner] = ModelRunner):
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: DFlashDrafter | None,
+        stop_token_ids: tuple[int, ...],
+        runner_cls: type[ModelRunner] = ModelRunner,
+    ):
         self.target = target
         self.drafter = drafter
         self.stop_token_ids = tuple(stop_token_ids)
@@ -99,9 +105,13 @@ class DFlashEngine:
             raise ValueError("stats were made for another block size")
         n = max(len(requests), 1)
         need = sum(-(-(len(r.prompt_ids) + r.max_new_tokens + K) // tokens_per_block) for r in requests)
-        cfg = EngineConfig(block_size=K, max_batch_size=n, tokens_per_block=tokens_per_block,
-                           max_num_tokens=max(sum(len(r.prompt_ids) for r in requests), K * n, 1),
-                           kv_capacity_tokens=max(need, 1) * tokens_per_block)
+        cfg = EngineConfig(
+            block_size=K,
+            max_batch_size=n,
+            tokens_per_block=tokens_per_block,
+            max_num_tokens=max(sum(len(r.prompt_ids) for r in requests), K * n, 1),
+            kv_capacity_tokens=max(need, 1) * tokens_per_block,
+        )
         runner = self.runner_cls(self.target, self.drafter if K > 1 else None, max(need, 1), tokens_per_block)
         engine = LLMEngine(self.target, self.drafter, self.stop_token_ids, cfg, runner=runner)
         for i, r in enumerate(requests):

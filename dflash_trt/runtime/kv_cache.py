@@ -26,8 +26,16 @@ class KVCache:
     Memory: ``2 * num_layers * batch * num_kv_heads * (capacity + 1) * head_dim`` elements.
     """
 
-    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         shape = (batch, num_kv_heads, capacity + 1, head_dim)
         self.capacity = capacity
         self.layers = [
@@ -54,8 +62,16 @@ class PagedKVCache:
     elements of ``dtype``.
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, tokens_per_block: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        tokens_per_block: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         shape = (num_blocks * tokens_per_block + 1, num_kv_heads, head_dim)
         self.tokens_per_block = tokens_per_block
         self.layers = [

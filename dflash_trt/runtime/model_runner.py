@@ -83,7 +83,9 @@ class StepOutput:
     target_tokens: int = 0
 
 
-def _written(tables: list[list[int]], starts: list[int], lengths: list[int], tpb: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _written(
+    tables: list[list[int]], starts: list[int], lengths: list[int], tpb: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions and pool slots of ``lengths[i]`` tokens from ``starts[i]`` of each sequence,
     concatenated in sequence order (int64 ``[N]`` each; empty when nothing is written)."""
     pos = [torch.arange(s, s + n) for s, n in zip(starts, lengths)]
@@ -91,9 +93,18 @@ def _written(tables: list[list[int]], starts: list[int], lengths: list[int], tpb
     return torch.cat(pos + empty), torch.cat([slots_of(t, p, tpb) for t, p in zip(tables, pos)] + empty)
 
 
-def _packed_meta(starts: list[int], lengths: list[int], query_from: list[int], query_len: int | list[int],
-                 tables: list[list[int]], tpb: int, spare_slot: int, device, window: int | None = None,
-                 causal: bool = True) -> AttentionMetadata:
+def _packed_meta(
+    starts: list[int],
+    lengths: list[int],
+    query_from: list[int],
+    query_len: int | list[int],
+    tables: list[list[int]],
+    tpb: int,
+    spare_slot: int,
+    device,
+    window: int | None = None,
+    causal: bool = True,
+) -> AttentionMetadata:
     """Attention metadata for ``S`` sequences packed into one row.
 
     Sequence ``i`` contributes tokens at positions ``starts[i] .. starts[i] + lengths[i] - 1``
@@ -128,8 +139,15 @@ def _packed_meta(starts: list[int], lengths: list[int], query_from: list[int], q
         if window is not None:
             mask = mask & sliding_visible(qpos.unsqueeze(-1), keys.view(1, 1, -1), window)
     to = lambda x: x.to(device)  # noqa: E731
-    return AttentionMetadata(to(positions).unsqueeze(0), to(write).unsqueeze(0), to(mask.unsqueeze(1)), kv_len,
-                             read_slots=to(read), query_index=to(qidx), query_valid=to(qvalid))
+    return AttentionMetadata(
+        to(positions).unsqueeze(0),
+        to(write).unsqueeze(0),
+        to(mask.unsqueeze(1)),
+        kv_len,
+        read_slots=to(read),
+        query_index=to(qidx),
+        query_valid=to(qvalid),
+    )
 
 
 class ModelRunner:
@@ -146,22 +164,25 @@ class ModelRunner:
     drafter pool likewise with the drafter's layer and head counts.
     """
 
-    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, num_blocks: int, tokens_per_block: int,
-                 tp=None):
+    def __init__(
+        self, target: TargetModel, drafter: DFlashDrafter | None, num_blocks: int, tokens_per_block: int, tp=None
+    ):
         self.target, self.drafter, self.tp = target, drafter, tp
         self.dtype = target.embed.weight.dtype
         self.device = target.embed.weight.device
         self.tpb = tokens_per_block
         tc = target.cfg
-        self.tcache = PagedKVCache(tc.num_layers, num_blocks, tokens_per_block, tc.num_kv_heads, tc.head_dim,
-                                   self.dtype, self.device)
+        self.tcache = PagedKVCache(
+            tc.num_layers, num_blocks, tokens_per_block, tc.num_kv_heads, tc.head_dim, self.dtype, self.device
+        )
         self.spare_slot = num_blocks * tokens_per_block
         self.dcache = None
         self.capture: tuple[int, ...] = ()
         if drafter is not None:
             dc = drafter.cfg
-            self.dcache = PagedKVCache(dc.num_layers, num_blocks, tokens_per_block, dc.num_kv_heads, dc.head_dim,
-                                       self.dtype, self.device)
+            self.dcache = PagedKVCache(
+                dc.num_layers, num_blocks, tokens_per_block, dc.num_kv_heads, dc.head_dim, self.dtype, self.device
+            )
             self.capture = tuple(dc.target_layer_ids)
         # per sequence: (first position, target features [n, F]) not yet in the drafter's cache
         self._features: dict[int, tuple[int, torch.Tensor]] = {}
@@ -206,17 +227,28 @@ class ModelRunner:
         tables = [it.table for it in items]
         # packed order: every item's context tokens, then every item's block tokens
         ctx_pos, ctx_slots = _written(tables, [first for first, _ in ctx], [len(f) for _, f in ctx], self.tpb)
-        blk = _packed_meta([it.start for it in items], [block] * len(items), [i * block for i in range(len(items))],
-                           block, tables, self.tpb, self.spare_slot, self.device, d.cfg.sliding_window, causal=False)
+        blk = _packed_meta(
+            [it.start for it in items],
+            [block] * len(items),
+            [i * block for i in range(len(items))],
+            block,
+            tables,
+            self.tpb,
+            self.spare_slot,
+            self.device,
+            d.cfg.sliding_window,
+            causal=False,
+        )
         meta = dataclasses.replace(
-            blk, positions=torch.cat([ctx_pos.to(self.device).unsqueeze(0), blk.positions], dim=1),
-            write_slots=torch.cat([ctx_slots.to(self.device).unsqueeze(0), blk.write_slots], dim=1))
+            blk,
+            positions=torch.cat([ctx_pos.to(self.device).unsqueeze(0), blk.positions], dim=1),
+            write_slots=torch.cat([ctx_slots.to(self.device).unsqueeze(0), blk.write_slots], dim=1),
+        )
         ids = torch.full((len(items), block), d.cfg.mask_token_id, dtype=torch.long)
         ids[:, 0] = torch.tensor([it.tokens[0] for it in items])
         feats = torch.cat([f for _, f in ctx]).unsqueeze(0)  # [1, N_ctx, F]; N_ctx may be 0
         hidden = d(self.target.embed(ids.to(self.device).view(1, -1)), feats, meta, self.dcache.layers)
-        logits = self.target.lm_head(hidden.view(len(items), block, -1)[:, 1:])
-        drafts = logits.argmax(-1)
+        drafts = d.propose(hidden.view(len(items), block, -1)[:, 1:], self.target.lm_head, self.tp is not None)
         if self.tp is not None:
             drafts = self.tp.broadcast(drafts)
         rows = drafts.tolist()
@@ -244,8 +276,16 @@ class ModelRunner:
         tokens = [it.tokens + out.drafts[i] for i, it in enumerate(items)]
         lengths = [len(x) for x in tokens]
         offsets = list(accumulate(lengths[:-1], initial=0))
-        meta = _packed_meta([it.start for it in items], lengths, offsets, lengths, [it.table for it in items],
-                            self.tpb, self.spare_slot, self.device)
+        meta = _packed_meta(
+            [it.start for it in items],
+            lengths,
+            offsets,
+            lengths,
+            [it.table for it in items],
+            self.tpb,
+            self.spare_slot,
+            self.device,
+        )
         ids = torch.tensor([x for seq in tokens for x in seq], dtype=torch.long, device=self.device).unsqueeze(0)
         rows = [o + n - it.num_logits + j for o, n, it in zip(offsets, lengths, items) for j in range(it.num_logits)]
         index = torch.tensor(rows, dtype=torch.long, device=self.device).unsqueeze(0)
@@ -259,9 +299,9 @@ class ModelRunner:
         out.argmax = [[] for _ in items]
         for i, (it, o, n) in enumerate(zip(items, offsets, lengths)):
             if it.num_logits:
-                out.logits[i] = res.logits[0, k: k + it.num_logits]
-                out.argmax[i] = best[k: k + it.num_logits]
+                out.logits[i] = res.logits[0, k : k + it.num_logits]
+                out.argmax[i] = best[k : k + it.num_logits]
                 k += it.num_logits
             if self.drafter is not None:
-                self.store_features(it.seq_id, it.start, res.features[0, o: o + n])
+                self.store_features(it.seq_id, it.start, res.features[0, o : o + n])
         return out

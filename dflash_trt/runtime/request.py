@@ -94,8 +94,17 @@ class LoopStats:
     def acceptance_per_position(self) -> list[float]:
         return [a / r if r else 0.0 for a, r in zip(self.accepted, self.reached)]
 
-    def merge(self, other: "LoopStats") -> None:
-        for name in ("verify_steps", "committed", "draft_tokens", "draft_s", "draft_calls", "verify_s", "verify_calls", "prefill_s"):
+    def merge(self, other: LoopStats) -> None:
+        for name in (
+            "verify_steps",
+            "committed",
+            "draft_tokens",
+            "draft_s",
+            "draft_calls",
+            "verify_s",
+            "verify_calls",
+            "prefill_s",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.reached = [a + b for a, b in zip(self.reached, other.reached)]
         self.accepted = [a + b for a, b in zip(self.accepted, other.accepted)]

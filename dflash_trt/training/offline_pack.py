@@ -24,9 +24,9 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
+from ..atomic import atomic_dir, atomic_write, write_json
 from ..checkpoints.sources import sha256_file
 from ..errors import DFlashError
 
@@ -41,8 +41,13 @@ def _write_jsonl(path: Path, prompts: list[str]) -> None:
             f.write(json.dumps({"prompt": p}, ensure_ascii=False) + "\n")
 
 
-def write_pack(out: str | os.PathLike, model_file: str | os.PathLike | None = None, part_mib: int = 48,
-               num_train_prompts: int | None = None, progress: bool = True) -> dict:
+def write_pack(
+    out: str | os.PathLike,
+    model_file: str | os.PathLike | None = None,
+    part_mib: int = 48,
+    num_train_prompts: int | None = None,
+    progress: bool = True,
+) -> dict:
     """Write the pack for an offline GPU training run (layout in the module docstring).
 
     Args:
@@ -62,9 +67,8 @@ def write_pack(out: str | os.PathLike, model_file: str | os.PathLike | None = No
     """
     from tqdm import tqdm
 
-    from ..bench.datasets import DATASETS, dataset_size, load_prompts
     from ..checkpoints.sources import default_target_gguf
-    from .data import sharegpt_prompts
+    from ..prompts import DATASETS, dataset_size, load_prompts, sharegpt_prompts
 
     out = Path(out).expanduser()
     if out.exists():
@@ -77,14 +81,14 @@ def write_pack(out: str | os.PathLike, model_file: str | os.PathLike | None = No
     train = sharegpt_prompts(num_train_prompts)
     evals = {name: load_prompts(name, dataset_size(name)) for name in DATASETS}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         size, part_bytes = src.stat().st_size, part_mib << 20
         h = hashlib.sha256()
         parts = []
-        with open(src, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc="pack model",
-                                         disable=not progress) as bar:
+        with (
+            open(src, "rb") as f,
+            tqdm(total=size, unit="B", unit_scale=True, desc="pack model", disable=not progress) as bar,
+        ):
             for i in range(max(1, -(-size // part_bytes))):
                 d = tmp / f"model-{i:02d}"
                 d.mkdir()
@@ -105,17 +109,16 @@ def write_pack(out: str | os.PathLike, model_file: str | os.PathLike | None = No
         for name, prompts in evals.items():
             _write_jsonl(tmp / "prompts" / f"{name}.jsonl", prompts)
         manifest = {
-            "format": PACK_FORMAT, "version": PACK_VERSION,
+            "format": PACK_FORMAT,
+            "version": PACK_VERSION,
             "model": {"file": src.name, "bytes": size, "sha256": h.hexdigest(), "parts": parts},
-            "prompts": {"train": "prompts/sharegpt.jsonl", "train_count": len(train),
-                        **{name: f"prompts/{name}.jsonl" for name in evals}},
+            "prompts": {
+                "train": "prompts/sharegpt.jsonl",
+                "train_count": len(train),
+                **{name: f"prompts/{name}.jsonl" for name in evals},
+            },
         }
-        (tmp / "pack.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_json(tmp / "pack.json", manifest)
     return manifest
 
 
@@ -148,17 +151,13 @@ def join_model(pack: str | os.PathLike, dest: str | os.PathLike) -> Path:
     missing = [p for p in m["parts"] if not (pack / p).is_file()]
     if missing:
         raise DFlashError(f"model part(s) missing from {pack}: {', '.join(missing)} (each part travels separately)")
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", dir=dest)
-    try:
-        with os.fdopen(fd, "wb") as g:
+
+    def join(tmp: str) -> None:
+        with open(tmp, "wb") as g:
             for p in m["parts"]:
                 with open(pack / p, "rb") as f:
                     shutil.copyfileobj(f, g, _COPY)
-        got = Path(tmp)
-        if got.stat().st_size != m["bytes"] or sha256_file(got) != m["sha256"]:
+        if Path(tmp).stat().st_size != m["bytes"] or sha256_file(Path(tmp)) != m["sha256"]:
             raise DFlashError("joined model does not match pack.json (size or sha256): a part is corrupt")
-        os.replace(tmp, final)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return final
+
+    return atomic_write(final, join)

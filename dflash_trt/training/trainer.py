@@ -38,9 +38,9 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -229,8 +229,15 @@ def prepare_sequences(samples: Sequence, vocab_size: int, max_seq_len: int) -> l
 class FeatureStore:
     """Target features per sequence index, computed on first use and cached up to a budget."""
 
-    def __init__(self, model: TargetModel, seqs: list[TrainSequence], capture: Sequence[int], dtype: torch.dtype,
-                 cache: bool, budget_bytes: float):
+    def __init__(
+        self,
+        model: TargetModel,
+        seqs: list[TrainSequence],
+        capture: Sequence[int],
+        dtype: torch.dtype,
+        cache: bool,
+        budget_bytes: float,
+    ):
         self.model, self.seqs, self.capture, self.dtype = model, seqs, tuple(capture), dtype
         self.cache_on, self.budget = cache, budget_bytes
         self.cache: dict[int, torch.Tensor] = {}
@@ -243,7 +250,7 @@ class FeatureStore:
             # sort by length so padding stays small; batches of at most 8 sequences
             order = sorted(missing, key=lambda i: len(self.seqs[i].ids))
             for c in range(0, len(order), 8):
-                part = order[c: c + 8]
+                part = order[c : c + 8]
                 for i, f in zip(part, target_features(self.model, [self.seqs[i].ids for i in part], self.capture)):
                     fresh[i] = f.to(self.dtype)
             if self.cache_on:
@@ -285,8 +292,15 @@ def sample_anchors(seq: TrainSequence, n: int, gen: torch.Generator) -> torch.Te
     return c[torch.randperm(c.numel(), generator=gen)[:n]].sort().values
 
 
-def build_batch(seqs: list[TrainSequence], feats: list[torch.Tensor], anchors_per_seq: int, block_size: int,
-                mask_token_id: int, gen: torch.Generator, device: torch.device | str = "cpu") -> Batch:
+def build_batch(
+    seqs: list[TrainSequence],
+    feats: list[torch.Tensor],
+    anchors_per_seq: int,
+    block_size: int,
+    mask_token_id: int,
+    gen: torch.Generator,
+    device: torch.device | str = "cpu",
+) -> Batch:
     """Sample anchors and lay out one step's tensors (see :class:`Batch`)."""
     N, B = len(seqs), block_size
     S = max(len(s.ids) for s in seqs)
@@ -311,8 +325,15 @@ def build_batch(seqs: list[TrainSequence], feats: list[torch.Tensor], anchors_pe
         ok = inside & s.mask[lpc]
         labels[i, :m] = torch.where(ok, s.ids[lpc], IGNORE)
     positions = torch.arange(S).expand(N, S).contiguous()
-    return Batch(features.to(device, non_blocking=True), positions.to(device), valid.to(device), anchors.to(device),
-                 block_ids.to(device), labels.to(device), int(sum(len(s.ids) for s in seqs)))
+    return Batch(
+        features.to(device, non_blocking=True),
+        positions.to(device),
+        valid.to(device),
+        anchors.to(device),
+        block_ids.to(device),
+        labels.to(device),
+        int(sum(len(s.ids) for s in seqs)),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,11 +360,11 @@ class _HeadCrossEntropy(torch.autograd.Function):
             grad = torch.empty_like(h)
             pred = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
             for s in range(0, h.shape[0], chunk):
-                logits = h[s: s + chunk].to(dtype) @ Wc.t()
-                y, w = labels[s: s + chunk], weights[s: s + chunk]
+                logits = h[s : s + chunk].to(dtype) @ Wc.t()
+                y, w = labels[s : s + chunk], weights[s : s + chunk]
                 r = torch.arange(len(y), device=h.device)
                 p = torch.softmax(logits, dim=-1, dtype=torch.float32)
-                pred[s: s + chunk] = p.argmax(-1)
+                pred[s : s + chunk] = p.argmax(-1)
                 p_y = p[r, y]
                 ce = -torch.log(p_y)
                 tiny = p_y < 1e-30
@@ -353,7 +374,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 total += (ce * w).sum()
                 p[r, y] -= 1.0
                 p.mul_(w.unsqueeze(1))
-                grad[s: s + chunk] = (p.to(dtype) @ Wc).to(h.dtype)
+                grad[s : s + chunk] = (p.to(dtype) @ Wc).to(h.dtype)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(pred)
         return total, pred
@@ -372,10 +393,17 @@ class StepStats:
     supervised: int
 
 
-def compute_loss(drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Tensor, batch: Batch,
-                 weights: torch.Tensor, amp: torch.dtype | None, ce_chunk: int = 256,
-                 vocab: torch.Tensor | None = None, reg_weight: float = 0.0
-                 ) -> tuple[torch.Tensor, StepStats]:
+def compute_loss(
+    drafter: DFlashDrafter,
+    embed_w: torch.Tensor,
+    head_w: torch.Tensor,
+    batch: Batch,
+    weights: torch.Tensor,
+    amp: torch.dtype | None,
+    ce_chunk: int = 256,
+    vocab: torch.Tensor | None = None,
+    reg_weight: float = 0.0,
+) -> tuple[torch.Tensor, StepStats]:
     """Weighted same-position CE of one batch (see the module docstring).
 
     Args:
@@ -399,8 +427,13 @@ def compute_loss(drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Te
     dev = embed_w.device
     embeds = F.embedding(batch.block_ids, embed_w)
     with torch.autocast(dev.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
-        hidden = drafter.forward_train(embeds, batch.features.float() if amp is None else batch.features,
-                                       batch.positions, batch.anchors, batch.valid)
+        hidden = drafter.forward_train(
+            embeds,
+            batch.features.float() if amp is None else batch.features,
+            batch.positions,
+            batch.anchors,
+            batch.valid,
+        )
     sup = batch.labels != IGNORE  # [N, nb, B-1]
     rows = hidden[:, :, 1:][sup]  # [M, H]
     y = batch.labels[sup]
@@ -469,21 +502,23 @@ def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
 
 
 def _save_checkpoint(out_dir: Path, step: int, drafter, opt, sched, cfg: TrainConfig) -> Path:
-    final = out_dir / f"ckpt-{step:06d}"
-    tmp = out_dir / f".ckpt-{step:06d}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_drafter(drafter, tmp)
-    state = {
-        "step": step,
-        "optimizer": opt.state_dict(),
-        "scheduler": sched.state_dict(),
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        "config": asdict(cfg),
-    }
-    torch.save(state, tmp / "train_state.pt")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    final = save_drafter(
+        drafter,
+        out_dir / f"ckpt-{step:06d}",
+        replace=True,
+        extra={
+            "train_state.pt": lambda p: torch.save(
+                {
+                    "step": step,
+                    "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(),
+                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                    "config": asdict(cfg),
+                },
+                p,
+            )
+        },
+    )
     if cfg.keep_checkpoints > 0:
         for _, old in list_checkpoints(out_dir)[: -cfg.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
@@ -576,8 +611,14 @@ def _step_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed + 1) * 7_919_113 + step)
 
 
-def train(target: LoadedTarget, samples: Sequence, out_dir: str | os.PathLike, cfg: TrainConfig,
-          init_drafter_dir: str | os.PathLike | None = None, resume: bool = True) -> Path:
+def train(
+    target: LoadedTarget,
+    samples: Sequence,
+    out_dir: str | os.PathLike,
+    cfg: TrainConfig,
+    init_drafter_dir: str | os.PathLike | None = None,
+    resume: bool = True,
+) -> Path:
     """Train a DFlash drafter for ``target`` on ``samples`` and export it to ``out_dir/drafter``.
 
     Args:
@@ -606,7 +647,7 @@ def train(target: LoadedTarget, samples: Sequence, out_dir: str | os.PathLike, c
     if ckpts and not resume:
         raise DFlashError(f"{out} already holds checkpoints; resume, or choose another output directory")
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob(".ckpt-*.partial"):
+    for stale in out.glob(".*.partial-*"):  # left by a killed run (atomic_dir cleans up otherwise)
         shutil.rmtree(stale, ignore_errors=True)
 
     start = 0
@@ -618,17 +659,33 @@ def train(target: LoadedTarget, samples: Sequence, out_dir: str | os.PathLike, c
     elif init_drafter_dir is not None:
         drafter = load_drafter(init_drafter_dir, torch.float32)
     else:
-        mask = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token_id(target.tokenizer, tcfg.vocab_size)
-        drafter = init_drafter(tcfg, cfg.num_layers, cfg.block_size, mask, seed=cfg.seed,
-                               target_layer_ids=list(cfg.target_layer_ids) if cfg.target_layer_ids else None,
-                               sliding_window=cfg.sliding_window)
+        mask = (
+            cfg.mask_token_id
+            if cfg.mask_token_id is not None
+            else default_mask_token_id(target.tokenizer, tcfg.vocab_size)
+        )
+        drafter = init_drafter(
+            tcfg,
+            cfg.num_layers,
+            cfg.block_size,
+            mask,
+            seed=cfg.seed,
+            target_layer_ids=list(cfg.target_layer_ids) if cfg.target_layer_ids else None,
+            sliding_window=cfg.sliding_window,
+        )
         with torch.no_grad():  # the drafter's output feeds the target's LM head, like the target's final norm
             drafter.norm.weight.copy_(model.norm.weight.float())
     validate_pair(tcfg, drafter.cfg)
     dcfg = drafter.cfg
-    if state is not None and init_drafter_dir is None and (dcfg.block_size, dcfg.num_layers) != (cfg.block_size, cfg.num_layers):
-        raise DFlashError(f"{out} holds a run with block size {dcfg.block_size} and {dcfg.num_layers} layers, not "
-                          f"{cfg.block_size} and {cfg.num_layers}; use another output directory")
+    if (
+        state is not None
+        and init_drafter_dir is None
+        and (dcfg.block_size, dcfg.num_layers) != (cfg.block_size, cfg.num_layers)
+    ):
+        raise DFlashError(
+            f"{out} holds a run with block size {dcfg.block_size} and {dcfg.num_layers} layers, not "
+            f"{cfg.block_size} and {cfg.num_layers}; use another output directory"
+        )
     B = dcfg.block_size
     drafter = drafter.to(dev).float().train()
     model.requires_grad_(False)
@@ -636,15 +693,19 @@ def train(target: LoadedTarget, samples: Sequence, out_dir: str | os.PathLike, c
     seqs = prepare_sequences(samples, tcfg.vocab_size, cfg.max_seq_len)
     amp = None if cfg.autocast == "fp32" else parse_dtype(cfg.autocast)
     feat_dtype = amp or torch.float32
-    store = FeatureStore(model, seqs, dcfg.target_layer_ids, feat_dtype, cfg.cache_features, cfg.feature_cache_gb * 2**30)
+    store = FeatureStore(
+        model, seqs, dcfg.target_layer_ids, feat_dtype, cfg.cache_features, cfg.feature_cache_gb * 2**30
+    )
     embed_w = model.embed.weight.detach()
     head_w = model.lm_head.weight.detach()
     if amp is not None:
         head_w = head_w.to(amp)
     weights = slot_weights(B, cfg.gamma).to(dev)
     if cfg.reg_weight > 0 and dcfg.target_layer_ids[-1] != tcfg.num_layers - 1:
-        raise DFlashError(f"reg_weight needs the target's last layer ({tcfg.num_layers - 1}) as the drafter's last "
-                          f"target layer; it reads {list(dcfg.target_layer_ids)}")
+        raise DFlashError(
+            f"reg_weight needs the target's last layer ({tcfg.num_layers - 1}) as the drafter's last "
+            f"target layer; it reads {list(dcfg.target_layer_ids)}"
+        )
     seen = None
     if cfg.head_vocab == "seen":
         seen = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
@@ -663,9 +724,15 @@ def train(target: LoadedTarget, samples: Sequence, out_dir: str | os.PathLike, c
         random.seed(cfg.seed)
     log = out / "log.jsonl"
     _rewrite_log(log, start) if start else log.unlink(missing_ok=True)
-    effective = asdict(cfg) | {"block_size": B, "num_layers": dcfg.num_layers, "mask_token_id": dcfg.mask_token_id,
-                               "target_layer_ids": list(dcfg.target_layer_ids), "target": str(target.path),
-                               "sequences": len(seqs), "gamma": cfg.gamma or default_gamma(B)}
+    effective = asdict(cfg) | {
+        "block_size": B,
+        "num_layers": dcfg.num_layers,
+        "mask_token_id": dcfg.mask_token_id,
+        "target_layer_ids": list(dcfg.target_layer_ids),
+        "target": str(target.path),
+        "sequences": len(seqs),
+        "gamma": cfg.gamma or default_gamma(B),
+    }
     (out / "train_config.json").write_text(json.dumps(effective, indent=2, default=str) + "\n")
 
     end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
@@ -674,8 +741,15 @@ def train(target: LoadedTarget, samples: Sequence, out_dir: str | os.PathLike, c
     if start < end:
         from tqdm import tqdm
 
-        bar = tqdm(total=end, initial=start, desc="train", unit="step", disable=not cfg.progress,
-                   dynamic_ncols=True, file=sys.stderr)
+        bar = tqdm(
+            total=end,
+            initial=start,
+            desc="train",
+            unit="step",
+            disable=not cfg.progress,
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
         t_run = time.perf_counter()
         max_s = 60 * cfg.max_minutes if cfg.max_minutes else None
         schedule = lr_lambda(cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio)
@@ -690,26 +764,49 @@ def train(target: LoadedTarget, samples: Sequence, out_dir: str | os.PathLike, c
                     idx = _batch_indices(step, cfg.batch, len(seqs), cfg.seed)
                     feats = store.get(idx)
                     t1 = time.perf_counter()
-                    batch = build_batch([seqs[i] for i in idx], feats, cfg.anchors_per_seq, B, dcfg.mask_token_id,
-                                        _step_generator(cfg.seed, step), dev)
-                    vocab = None if seen is None else _step_vocab(seen, cfg.head_negatives,
-                                                                  _step_generator(cfg.seed + 1, step)).to(dev)
-                    loss, st = compute_loss(drafter, embed_w, head_w, batch, weights, amp, cfg.ce_chunk,
-                                            vocab, cfg.reg_weight)
+                    batch = build_batch(
+                        [seqs[i] for i in idx],
+                        feats,
+                        cfg.anchors_per_seq,
+                        B,
+                        dcfg.mask_token_id,
+                        _step_generator(cfg.seed, step),
+                        dev,
+                    )
+                    vocab = (
+                        None
+                        if seen is None
+                        else _step_vocab(seen, cfg.head_negatives, _step_generator(cfg.seed + 1, step)).to(dev)
+                    )
+                    loss, st = compute_loss(
+                        drafter, embed_w, head_w, batch, weights, amp, cfg.ce_chunk, vocab, cfg.reg_weight
+                    )
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
-                    gnorm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-                                  if cfg.grad_clip > 0 else 0.0)
+                    gnorm = float(
+                        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+                        if cfg.grad_clip > 0
+                        else 0.0
+                    )
                     lr = opt.param_groups[0]["lr"]
                     opt.step()
                     sched.step()
                     step += 1
                     dt = time.perf_counter() - t0
-                    rec = {"step": step, "loss": round(st.loss, 5), "lr": lr, "grad_norm": round(gnorm, 4),
-                           "tau_est": round(st.tau_est, 4), "acc": [round(a, 4) for a in st.acc],
-                           "tokens": batch.tokens, "supervised": st.supervised, "blocks": int(batch.anchors.numel()),
-                           "step_s": round(dt, 4), "target_s": round(t1 - t0, 4),
-                           "elapsed_s": round(time.perf_counter() - t_run, 2)}
+                    rec = {
+                        "step": step,
+                        "loss": round(st.loss, 5),
+                        "lr": lr,
+                        "grad_norm": round(gnorm, 4),
+                        "tau_est": round(st.tau_est, 4),
+                        "acc": [round(a, 4) for a in st.acc],
+                        "tokens": batch.tokens,
+                        "supervised": st.supervised,
+                        "blocks": int(batch.anchors.numel()),
+                        "step_s": round(dt, 4),
+                        "target_s": round(t1 - t0, 4),
+                        "elapsed_s": round(time.perf_counter() - t_run, 2),
+                    }
                     logf.write(json.dumps(rec) + "\n")
                     logf.flush()
                     bar.set_postfix(loss=f"{st.loss:.3f}", tau=f"{st.tau_est:.2f}", lr=f"{lr:.1e}", refresh=False)
@@ -717,8 +814,8 @@ def train(target: LoadedTarget, samples: Sequence, out_dir: str | os.PathLike, c
                     out_of_time = max_s is not None and time.perf_counter() - t_run >= max_s
                     if step % cfg.save_every == 0 or step == end or out_of_time:
                         _save_checkpoint(out, step, drafter, opt, sched, cfg)
-                        last_saved = step
                         plot_loss(out)
+                        last_saved = step
                     if out_of_time:
                         print(f"time box: stopping after {cfg.max_minutes:g} min at step {step}", file=sys.stderr)
                         break
@@ -729,12 +826,6 @@ def train(target: LoadedTarget, samples: Sequence, out_dir: str | os.PathLike, c
             raise
         finally:
             bar.close()
-    plot_loss(out)
-    final = out / "drafter"
-    tmp = out / ".drafter.new"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_drafter(drafter.eval(), tmp, parse_dtype(cfg.export_dtype))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    return final
+    if last_saved != step or start == end:  # (every checkpoint in the loop redraws the plot)
+        plot_loss(out)
+    return save_drafter(drafter.eval(), out / "drafter", parse_dtype(cfg.export_dtype), replace=True)

@@ -68,23 +68,31 @@ class TensorSpec:
 
 def target_specs(cfg: TargetConfig) -> list[TensorSpec]:
     """The TensorRT-LLM tensors of a Llama / Qwen2 / Qwen3 target, in file order."""
-    I = cfg.intermediate_size
+    inter = cfg.intermediate_size
     out = [TensorSpec("transformer.vocab_embedding.weight", "embed.weight", split=VOCAB)]
     for i in range(cfg.num_layers):
         t, o = f"transformer.layers.{i}.", f"layers.{i}."
         out.append(TensorSpec(t + "input_layernorm.weight", o + "attn_norm.weight"))
-        out.append(TensorSpec(t + "attention.qkv.weight", o + "attn.qkv.weight", split=QKV, linear=True, module=o + "attn.qkv"))
+        out.append(
+            TensorSpec(t + "attention.qkv.weight", o + "attn.qkv.weight", split=QKV, linear=True, module=o + "attn.qkv")
+        )
         if cfg.attention_bias:
             out.append(TensorSpec(t + "attention.qkv.bias", o + "attn.qkv.bias", split=QKV))
-        out.append(TensorSpec(t + "attention.dense.weight", o + "attn.o.weight", split=ROW, linear=True, module=o + "attn.o"))
+        out.append(
+            TensorSpec(t + "attention.dense.weight", o + "attn.o.weight", split=ROW, linear=True, module=o + "attn.o")
+        )
         if cfg.qk_norm:
             out.append(TensorSpec(t + "attention.q_layernorm.weight", o + "attn.q_norm.weight"))
             out.append(TensorSpec(t + "attention.k_layernorm.weight", o + "attn.k_norm.weight"))
         out.append(TensorSpec(t + "post_layernorm.weight", o + "mlp_norm.weight"))
-        gu = o + "mlp.gate_up.weight"
-        out.append(TensorSpec(t + "mlp.fc.weight", gu, rows=(0, I), split=COLUMN, linear=True, module=o + "mlp.gate_up"))
-        out.append(TensorSpec(t + "mlp.gate.weight", gu, rows=(I, 2 * I), split=COLUMN, linear=True, module=o + "mlp.gate_up"))
-        out.append(TensorSpec(t + "mlp.proj.weight", o + "mlp.down.weight", split=ROW, linear=True, module=o + "mlp.down"))
+        gu, gu_mod = o + "mlp.gate_up.weight", o + "mlp.gate_up"
+        out.append(TensorSpec(t + "mlp.fc.weight", gu, rows=(0, inter), split=COLUMN, linear=True, module=gu_mod))
+        out.append(
+            TensorSpec(t + "mlp.gate.weight", gu, rows=(inter, 2 * inter), split=COLUMN, linear=True, module=gu_mod)
+        )
+        out.append(
+            TensorSpec(t + "mlp.proj.weight", o + "mlp.down.weight", split=ROW, linear=True, module=o + "mlp.down")
+        )
     out.append(TensorSpec("transformer.ln_f.weight", "norm.weight"))
     # the LM head is never quantized (it decides every draft and verify argmax): not a ``linear`` here
     out.append(TensorSpec("lm_head.weight", "lm_head.weight", split=VOCAB))
@@ -97,25 +105,47 @@ def drafter_specs(cfg: DrafterConfig) -> list[TensorSpec]:
     q/k/v are fused into ``attention.qkv`` like the target's (their sources are concatenated by
     :func:`gather`); the source key of a fused tensor is ``"a|b|c"``.
     """
-    out = [TensorSpec("transformer.fc.weight", "fc.weight", linear=True, module="fc"),
-           TensorSpec("transformer.hidden_norm.weight", "hidden_norm.weight")]
+    out = [
+        TensorSpec("transformer.fc.weight", "fc.weight", linear=True, module="fc"),
+        TensorSpec("transformer.hidden_norm.weight", "hidden_norm.weight"),
+    ]
     for i in range(cfg.num_layers):
         t, o = f"transformer.layers.{i}.", f"layers.{i}."
         a = o + "self_attn."
         out.append(TensorSpec(t + "input_layernorm.weight", o + "input_layernorm.weight"))
-        out.append(TensorSpec(t + "attention.qkv.weight", "|".join(a + n + ".weight" for n in ("q_proj", "k_proj", "v_proj")),
-                              split=QKV, linear=True, module=a + "q_proj|" + a + "k_proj|" + a + "v_proj"))
+        out.append(
+            TensorSpec(
+                t + "attention.qkv.weight",
+                "|".join(a + n + ".weight" for n in ("q_proj", "k_proj", "v_proj")),
+                split=QKV,
+                linear=True,
+                module=a + "q_proj|" + a + "k_proj|" + a + "v_proj",
+            )
+        )
         if cfg.attention_bias:
-            out.append(TensorSpec(t + "attention.qkv.bias", "|".join(a + n + ".bias" for n in ("q_proj", "k_proj", "v_proj")),
-                                  split=QKV))
-        out.append(TensorSpec(t + "attention.dense.weight", a + "o_proj.weight", split=ROW, linear=True, module=a + "o_proj"))
+            out.append(
+                TensorSpec(
+                    t + "attention.qkv.bias",
+                    "|".join(a + n + ".bias" for n in ("q_proj", "k_proj", "v_proj")),
+                    split=QKV,
+                )
+            )
+        out.append(
+            TensorSpec(t + "attention.dense.weight", a + "o_proj.weight", split=ROW, linear=True, module=a + "o_proj")
+        )
         out.append(TensorSpec(t + "attention.q_layernorm.weight", a + "q_norm.weight"))
         out.append(TensorSpec(t + "attention.k_layernorm.weight", a + "k_norm.weight"))
         out.append(TensorSpec(t + "post_layernorm.weight", o + "post_attention_layernorm.weight"))
         m = o + "mlp."
-        out.append(TensorSpec(t + "mlp.fc.weight", m + "gate_proj.weight", split=COLUMN, linear=True, module=m + "gate_proj"))
-        out.append(TensorSpec(t + "mlp.gate.weight", m + "up_proj.weight", split=COLUMN, linear=True, module=m + "up_proj"))
-        out.append(TensorSpec(t + "mlp.proj.weight", m + "down_proj.weight", split=ROW, linear=True, module=m + "down_proj"))
+        out.append(
+            TensorSpec(t + "mlp.fc.weight", m + "gate_proj.weight", split=COLUMN, linear=True, module=m + "gate_proj")
+        )
+        out.append(
+            TensorSpec(t + "mlp.gate.weight", m + "up_proj.weight", split=COLUMN, linear=True, module=m + "up_proj")
+        )
+        out.append(
+            TensorSpec(t + "mlp.proj.weight", m + "down_proj.weight", split=ROW, linear=True, module=m + "down_proj")
+        )
     out.append(TensorSpec("transformer.ln_f.weight", "norm.weight"))
     return out
 
@@ -123,7 +153,7 @@ def drafter_specs(cfg: DrafterConfig) -> list[TensorSpec]:
 def hf_target_specs(cfg: TargetConfig) -> list[TensorSpec]:
     """HF names of the target (ModelOpt unified export keeps them) with their sources: q/k/v and
     gate/up are row ranges of our fused weights."""
-    I = cfg.intermediate_size
+    inter = cfg.intermediate_size
     out = [TensorSpec("model.embed_tokens.weight", "embed.weight")]
     for i in range(cfg.num_layers):
         h, o = f"model.layers.{i}.", f"layers.{i}."
@@ -137,8 +167,8 @@ def hf_target_specs(cfg: TargetConfig) -> list[TensorSpec]:
             out.append(TensorSpec(h + "self_attn.q_norm.weight", o + "attn.q_norm.weight"))
             out.append(TensorSpec(h + "self_attn.k_norm.weight", o + "attn.k_norm.weight"))
         out.append(TensorSpec(h + "post_attention_layernorm.weight", o + "mlp_norm.weight"))
-        out.append(TensorSpec(h + "mlp.gate_proj.weight", o + "mlp.gate_up.weight", rows=(0, I), linear=True))
-        out.append(TensorSpec(h + "mlp.up_proj.weight", o + "mlp.gate_up.weight", rows=(I, 2 * I), linear=True))
+        out.append(TensorSpec(h + "mlp.gate_proj.weight", o + "mlp.gate_up.weight", rows=(0, inter), linear=True))
+        out.append(TensorSpec(h + "mlp.up_proj.weight", o + "mlp.gate_up.weight", rows=(inter, 2 * inter), linear=True))
         out.append(TensorSpec(h + "mlp.down_proj.weight", o + "mlp.down.weight", linear=True))
     out.append(TensorSpec("model.norm.weight", "norm.weight"))
     if not cfg.tie_word_embeddings:
@@ -149,8 +179,11 @@ def hf_target_specs(cfg: TargetConfig) -> list[TensorSpec]:
 def hf_drafter_specs(cfg: DrafterConfig) -> list[TensorSpec]:
     """z-lab names of the drafter; q/k/v are row ranges of the fused (quantized-together) qkv
     source that :func:`drafter_specs` uses."""
-    out = [TensorSpec("fc.weight", "fc.weight", linear=True), TensorSpec("hidden_norm.weight", "hidden_norm.weight"),
-           TensorSpec("norm.weight", "norm.weight")]
+    out = [
+        TensorSpec("fc.weight", "fc.weight", linear=True),
+        TensorSpec("hidden_norm.weight", "hidden_norm.weight"),
+        TensorSpec("norm.weight", "norm.weight"),
+    ]
     for i in range(cfg.num_layers):
         o = f"layers.{i}."
         a = o + "self_attn."
@@ -162,8 +195,10 @@ def hf_drafter_specs(cfg: DrafterConfig) -> list[TensorSpec]:
         out.append(TensorSpec(a + "o_proj.weight", a + "o_proj.weight", linear=True))
         names = [a + "q_norm", a + "k_norm", o + "input_layernorm", o + "post_attention_layernorm"]
         out += [TensorSpec(n + ".weight", n + ".weight") for n in names]
-        out += [TensorSpec(o + f"mlp.{n}.weight", o + f"mlp.{n}.weight", linear=True)
-                for n in ("gate_proj", "up_proj", "down_proj")]
+        out += [
+            TensorSpec(o + f"mlp.{n}.weight", o + f"mlp.{n}.weight", linear=True)
+            for n in ("gate_proj", "up_proj", "down_proj")
+        ]
     return out
 
 
@@ -175,7 +210,7 @@ def gather_source(sd: dict[str, torch.Tensor], source: str) -> torch.Tensor:
 def gather(sd: dict[str, torch.Tensor], spec: TensorSpec) -> torch.Tensor:
     """The full (unsharded) tensor of ``spec`` from our state dict."""
     t = gather_source(sd, spec.source)
-    return t[spec.rows[0]: spec.rows[1]] if spec.rows else t
+    return t[spec.rows[0] : spec.rows[1]] if spec.rows else t
 
 
 def check_tp(cfg: TargetConfig | DrafterConfig, tp: int, what: str) -> None:
@@ -184,8 +219,10 @@ def check_tp(cfg: TargetConfig | DrafterConfig, tp: int, what: str) -> None:
     if tp < 1:
         raise DFlashError(f"tp_size must be >= 1, got {tp}")
     if heads % tp or kv_heads % tp:
-        raise DFlashError(f"tp_size {tp} does not divide the {what}'s {heads} attention heads and {kv_heads} KV heads "
-                          f"(each rank must hold whole heads); use a tp_size dividing both")
+        raise DFlashError(
+            f"tp_size {tp} does not divide the {what}'s {heads} attention heads and {kv_heads} KV heads "
+            f"(each rank must hold whole heads); use a tp_size dividing both"
+        )
     if intermediate % tp:
         raise DFlashError(f"tp_size {tp} does not divide the {what}'s intermediate size {intermediate}")
 
@@ -206,8 +243,9 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
 
 
-def shard(t: torch.Tensor, split: str, tp: int, rank: int, qkv: tuple[int, int, int] | None = None,
-          col_unit: int = 1) -> torch.Tensor:
+def shard(
+    t: torch.Tensor, split: str, tp: int, rank: int, qkv: tuple[int, int, int] | None = None, col_unit: int = 1
+) -> torch.Tensor:
     """Rank ``rank``'s part of ``t`` (a weight, a packed NVFP4 weight or a block-scale tensor).
 
     Args:
@@ -233,8 +271,10 @@ def shard(t: torch.Tensor, split: str, tp: int, rank: int, qkv: tuple[int, int, 
         return t.chunk(tp, 0)[rank].contiguous()
     if split == ROW:
         if t.shape[1] % tp:
-            raise DFlashError(f"cannot split {t.shape[1] * col_unit} input columns over tp_size {tp}"
-                              + (" in whole NVFP4 16-element blocks" if col_unit > 1 else ""))
+            raise DFlashError(
+                f"cannot split {t.shape[1] * col_unit} input columns over tp_size {tp}"
+                + (" in whole NVFP4 16-element blocks" if col_unit > 1 else "")
+            )
         return t.chunk(tp, 1)[rank].contiguous()
     if split == QKV:
         parts = torch.split(t, list(qkv), 0)
@@ -242,8 +282,9 @@ def shard(t: torch.Tensor, split: str, tp: int, rank: int, qkv: tuple[int, int, 
     raise ValueError(f"unknown split {split!r}")
 
 
-def unshard(parts: list[torch.Tensor], split: str, qkv: tuple[int, int, int] | None = None,
-            rows: int | None = None) -> torch.Tensor:
+def unshard(
+    parts: list[torch.Tensor], split: str, qkv: tuple[int, int, int] | None = None, rows: int | None = None
+) -> torch.Tensor:
     """Inverse of :func:`shard` over all ranks' parts (``rows``: the unpadded vocabulary)."""
     tp = len(parts)
     if split == REPLICATE or tp == 1 and split != VOCAB:

@@ -20,31 +20,35 @@ build leaves nothing at the output path)::
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import platform
 import shutil
 import sys
-import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_dir, write_json
+from ..checkpoints import trtllm as L
 from ..checkpoints.engine import ENGINE_FORMAT, ENGINE_VERSION
+from ..checkpoints.loader import LoadedTarget, dtype_name
 from ..checkpoints.sources import sha256_file
 from ..config import BuildConfig
 from ..errors import DFlashError
 from ..models.config import DrafterConfig, TargetConfig
+from ..models.drafter import DFlashDrafter
 from ..quantization.formats import activation_scale, quantize_fp8, quantize_nvfp4
-from . import layout as L
 from .plan import MemoryPlan, memory_plan
 
-TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 QUANT_ALGO = {"none": None, "fp8": "FP8", "nvfp4": "NVFP4"}
 #: TRT-LLM checkpoint suffix -> unified HF (ModelOpt export) suffix
-HF_SUFFIX = {"weights_scaling_factor": "weight_scale", "weights_scaling_factor_2": "weight_scale_2",
-             "activation_scaling_factor": "input_scale"}
+HF_SUFFIX = {
+    "weights_scaling_factor": "weight_scale",
+    "weights_scaling_factor_2": "weight_scale_2",
+    "activation_scaling_factor": "input_scale",
+}
 
 
 #: one quantized GEMM weight over its whole (unsharded) output range: TRT-LLM suffix ->
@@ -71,8 +75,14 @@ def quantize_linear(w: torch.Tensor, fmt: str, act_amax: float) -> QuantizedLine
     return t
 
 
-def quantize_model(sd: dict[str, torch.Tensor], specs: list[L.TensorSpec], fmt: str,
-                   amax: dict[str, float], progress: bool = False, desc: str = "quantize") -> dict[str, QuantizedLinear]:
+def quantize_model(
+    sd: dict[str, torch.Tensor],
+    specs: list[L.TensorSpec],
+    fmt: str,
+    amax: dict[str, float],
+    progress: bool = False,
+    desc: str = "quantize",
+) -> dict[str, QuantizedLinear]:
     """``{spec.source: QuantizedLinear}`` for every linear of ``specs`` (whole fused sources:
     the gate/up halves are quantized together and sliced later).
 
@@ -94,8 +104,9 @@ def quantize_model(sd: dict[str, torch.Tensor], specs: list[L.TensorSpec], fmt: 
     return out
 
 
-def linear_tensors(spec: L.TensorSpec, sd: dict[str, torch.Tensor], qlin: dict[str, QuantizedLinear],
-                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def linear_tensors(
+    spec: L.TensorSpec, sd: dict[str, torch.Tensor], qlin: dict[str, QuantizedLinear], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """``{suffix: tensor}`` of one spec over its full range: ``{"": weight}`` unquantized, or
     the quantized tensors (``weight``, scales)."""
     if spec.source in qlin:
@@ -104,8 +115,15 @@ def linear_tensors(spec: L.TensorSpec, sd: dict[str, torch.Tensor], qlin: dict[s
     return {"": L.gather(sd, spec).to(dtype)}
 
 
-def rank_tensors(specs: list[L.TensorSpec], sd: dict[str, torch.Tensor], qlin: dict[str, QuantizedLinear],
-                 dtype: torch.dtype, tp: int, rank: int, qkv: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+def rank_tensors(
+    specs: list[L.TensorSpec],
+    sd: dict[str, torch.Tensor],
+    qlin: dict[str, QuantizedLinear],
+    dtype: torch.dtype,
+    tp: int,
+    rank: int,
+    qkv: tuple[int, int, int],
+) -> dict[str, torch.Tensor]:
     """TRT-LLM tensors of rank ``rank``."""
     out = {}
     for s in specs:
@@ -126,7 +144,7 @@ def _decoder_keys(cfg: TargetConfig | DrafterConfig, bc: BuildConfig, quant: str
     """TRT-LLM ``PretrainedConfig`` keys shared by the target and the drafter (both are RoPE
     decoder stacks with RMSNorm and a SiLU-gated MLP)."""
     return {
-        "dtype": TORCH_DTYPE_NAMES[bc.dtype],
+        "dtype": dtype_name(bc.dtype),
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers,
@@ -142,16 +160,23 @@ def _decoder_keys(cfg: TargetConfig | DrafterConfig, bc: BuildConfig, quant: str
         "rotary_scaling": cfg.rope_scaling,
         "attn_bias": cfg.attention_bias,
         "mapping": {"world_size": bc.tp_size, "tp_size": bc.tp_size, "pp_size": 1},
-        "quantization": _quant_block(quant, bc.kv_cache_dtype),
+        "quantization": quant_algos(quant, bc.kv_cache_dtype, ["lm_head"] if quant != "none" else None),
     }
 
 
 def target_trtllm_config(cfg: TargetConfig, bc: BuildConfig) -> dict:
     """TRT-LLM ``config.json`` of the target (``PretrainedConfig`` / ``LLaMAConfig`` / ``QWenConfig`` keys)."""
-    c = {"architecture": ARCHITECTURES[cfg.family], "logits_dtype": "float32",
-         **_decoder_keys(cfg, bc, bc.target_quant),
-         "use_parallel_embedding": True, "embedding_sharding_dim": 0, "share_embedding_table": False,
-         "tie_word_embeddings": cfg.tie_word_embeddings, "mlp_bias": False, "qk_layernorm": cfg.qk_norm}
+    c = {
+        "architecture": ARCHITECTURES[cfg.family],
+        "logits_dtype": "float32",
+        **_decoder_keys(cfg, bc, bc.target_quant),
+        "use_parallel_embedding": True,
+        "embedding_sharding_dim": 0,
+        "share_embedding_table": False,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "mlp_bias": False,
+        "qk_layernorm": cfg.qk_norm,
+    }
     if cfg.family in ("qwen2", "qwen3"):
         c.update(qwen_type=cfg.family, seq_length=bc.max_seq_len)
     return c
@@ -159,16 +184,30 @@ def target_trtllm_config(cfg: TargetConfig, bc: BuildConfig) -> dict:
 
 def drafter_trtllm_config(cfg: DrafterConfig, bc: BuildConfig) -> dict:
     """The drafter's ``config.json`` in the same layout (architecture ``DFlashDraftModel``)."""
-    return {"architecture": "DFlashDraftModel", **_decoder_keys(cfg, bc, bc.drafter_quant),
-            "qk_layernorm": True, "block_size": cfg.block_size, "num_target_layers": cfg.num_target_layers,
-            "sliding_window": cfg.sliding_window,
-            "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
-                              "target_layer_ids": list(cfg.target_layer_ids)}}
+    return {
+        "architecture": "DFlashDraftModel",
+        **_decoder_keys(cfg, bc, bc.drafter_quant),
+        "qk_layernorm": True,
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "sliding_window": cfg.sliding_window,
+        "dflash_config": {
+            "block_size": cfg.block_size,
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": list(cfg.target_layer_ids),
+        },
+    }
 
 
-def _quant_block(fmt: str, kv: str) -> dict:
-    q = {"quant_algo": QUANT_ALGO[fmt], "kv_cache_quant_algo": "FP8" if kv == "fp8" else None,
-         "exclude_modules": ["lm_head"] if fmt != "none" else None}
+def quant_algos(fmt: str, kv: str, exclude: list[str] | None) -> dict:
+    """The quantization block both TensorRT-LLM's ``config.json`` and ModelOpt's
+    ``hf_quant_config.json`` carry: ``quant_algo``, ``kv_cache_quant_algo``, ``exclude_modules``
+    (+ ``group_size`` 16 for NVFP4)."""
+    q = {
+        "quant_algo": QUANT_ALGO[fmt],
+        "kv_cache_quant_algo": "FP8" if kv == "fp8" else None,
+        "exclude_modules": exclude,
+    }
     if fmt == "nvfp4":
         q["group_size"] = 16
     return q
@@ -179,8 +218,9 @@ def _quant_block(fmt: str, kv: str) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def hf_tensors(specs: list[L.TensorSpec], sd: dict[str, torch.Tensor], qlin: dict[str, QuantizedLinear],
-               dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def hf_tensors(
+    specs: list[L.TensorSpec], sd: dict[str, torch.Tensor], qlin: dict[str, QuantizedLinear], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """Unified-HF tensors: ``x.weight`` (+ ``x.weight_scale``, ``x.weight_scale_2``, ``x.input_scale``, 0-d)."""
     out = {}
     for s in specs:
@@ -189,18 +229,17 @@ def hf_tensors(specs: list[L.TensorSpec], sd: dict[str, torch.Tensor], qlin: dic
             if suffix in ("", "weight"):
                 out[s.name] = t.contiguous()
             else:
-                out[f"{base}.{HF_SUFFIX[suffix]}"] = t.reshape(()) if t.numel() == 1 and t.dim() == 1 else t.contiguous()
+                out[f"{base}.{HF_SUFFIX[suffix]}"] = (
+                    t.reshape(()) if t.numel() == 1 and t.dim() == 1 else t.contiguous()
+                )
     return out
 
 
 def hf_quant_config(fmt: str, kv: str, exclude: list[str]) -> dict | None:
     """``hf_quant_config.json`` content (ModelOpt 0.47 ``get_quant_config``), None when nothing is quantized."""
-    algo, kv_algo = QUANT_ALGO[fmt], ("FP8" if kv == "fp8" else None)
-    if algo is None and kv_algo is None:
+    q = quant_algos(fmt, kv, sorted(exclude))
+    if q["quant_algo"] is None and q["kv_cache_quant_algo"] is None:
         return None
-    q = {"quant_algo": algo, "kv_cache_quant_algo": kv_algo, "exclude_modules": sorted(exclude)}
-    if fmt == "nvfp4":
-        q["group_size"] = 16
     return {"producer": {"name": "dflash-trt", "version": _version("dflash-trt")}, "quantization": q}
 
 
@@ -208,11 +247,18 @@ def hf_quantization_config(fmt: str, kv: str, exclude: list[str]) -> dict | None
     """``config.json`` ``quantization_config`` (ModelOpt ``convert_hf_quant_config_format``)."""
     if fmt == "none":
         return None
-    bits = {"num_bits": 8, "type": "float", "dynamic": False} if fmt == "fp8" else \
-        {"num_bits": 4, "type": "float", "dynamic": False, "group_size": 16}
-    out = {"config_groups": {"group_0": {"input_activations": dict(bits), "weights": dict(bits), "targets": ["Linear"]}},
-           "ignore": sorted(exclude), "quant_algo": QUANT_ALGO[fmt], "quant_method": "modelopt",
-           "producer": {"name": "dflash-trt", "version": _version("dflash-trt")}}
+    bits = (
+        {"num_bits": 8, "type": "float", "dynamic": False}
+        if fmt == "fp8"
+        else {"num_bits": 4, "type": "float", "dynamic": False, "group_size": 16}
+    )
+    out = {
+        "config_groups": {"group_0": {"input_activations": dict(bits), "weights": dict(bits), "targets": ["Linear"]}},
+        "ignore": sorted(exclude),
+        "quant_algo": QUANT_ALGO[fmt],
+        "quant_method": "modelopt",
+        "producer": {"name": "dflash-trt", "version": _version("dflash-trt")},
+    }
     if kv == "fp8":
         out["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
     return out
@@ -226,10 +272,12 @@ def hf_quantization_config(fmt: str, kv: str, exclude: list[str]) -> dict | None
 def trtllm_build_command(bc: BuildConfig) -> str:
     """The ``trtllm-build`` line for ``target/`` (TensorRT-LLM 1.2.x ``commands/build.py`` flags)."""
     gemm = {"none": "auto", "fp8": "fp8", "nvfp4": "nvfp4"}[bc.target_quant]
-    return (f"trtllm-build --checkpoint_dir target --output_dir trtllm/engine/target --gemm_plugin {gemm} "
-            f"--max_batch_size {bc.max_batch_size} --max_seq_len {bc.max_seq_len} --max_num_tokens {bc.max_num_tokens} "
-            f"--kv_cache_type paged --tokens_per_block {bc.tokens_per_block} --use_paged_context_fmha enable "
-            f"--workers {bc.tp_size}")
+    return (
+        f"trtllm-build --checkpoint_dir target --output_dir trtllm/engine/target --gemm_plugin {gemm} "
+        f"--max_batch_size {bc.max_batch_size} --max_seq_len {bc.max_seq_len} --max_num_tokens {bc.max_num_tokens} "
+        f"--kv_cache_type paged --tokens_per_block {bc.tokens_per_block} --use_paged_context_fmha enable "
+        f"--workers {bc.tp_size}"
+    )
 
 
 def llm_api_yaml(bc: BuildConfig, dcfg: DrafterConfig) -> str:
@@ -242,14 +290,23 @@ def llm_api_yaml(bc: BuildConfig, dcfg: DrafterConfig) -> str:
         "max_batch_size": bc.max_batch_size,
         "max_seq_len": bc.max_seq_len,
         "max_num_tokens": bc.max_num_tokens,
-        "kv_cache_config": {"free_gpu_memory_fraction": bc.gpu_memory_fraction, "tokens_per_block": bc.tokens_per_block,
-                            "dtype": "fp8" if bc.kv_cache_dtype == "fp8" else "auto"},
-        "speculative_config": {"decoding_type": "DFlash", "max_draft_len": bc.block_size - 1,
-                               "speculative_model": "hf/drafter", "target_layer_ids": list(dcfg.target_layer_ids),
-                               "mask_token_id": dcfg.mask_token_id},
+        "kv_cache_config": {
+            "free_gpu_memory_fraction": bc.gpu_memory_fraction,
+            "tokens_per_block": bc.tokens_per_block,
+            "dtype": "fp8" if bc.kv_cache_dtype == "fp8" else "auto",
+        },
+        "speculative_config": {
+            "decoding_type": "DFlash",
+            "max_draft_len": bc.block_size - 1,
+            "speculative_model": "hf/drafter",
+            "target_layer_ids": list(dcfg.target_layer_ids),
+            "mask_token_id": dcfg.mask_token_id,
+        },
     }
-    head = ("# TensorRT-LLM LLM-API options (PyTorch backend, releases with DFlashDecodingConfig, >= 1.3):\n"
-            f"#   trtllm-serve hf/target --tp_size {bc.tp_size} --extra_llm_api_options trtllm/llm_api.yaml\n")
+    head = (
+        "# TensorRT-LLM LLM-API options (PyTorch backend, releases with DFlashDecodingConfig, >= 1.3):\n"
+        f"#   trtllm-serve hf/target --tp_size {bc.tp_size} --extra_llm_api_options trtllm/llm_api.yaml\n"
+    )
     return head + yaml.safe_dump(options, sort_keys=False)
 
 
@@ -280,13 +337,45 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(out, str(path), metadata={"format": "pt"})
 
 
-def _write_json(obj: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2) + "\n")
+@dataclass
+class EngineContents:
+    """Everything written into an engine directory (what :func:`build_engine` computed).
+
+    Attributes:
+        bc: the build config.
+        target, drafter: the loaded fp32 models (the target with its tokenizer and HF path).
+        tsd, dsd: their state dicts (detached tensors).
+        tspecs, dspecs: their TensorRT-LLM tensor specs.
+        tq, dq: quantized linears by state-dict key (empty when a model is not quantized).
+        dtype: the compute dtype of unquantized tensors.
+        plan: the memory plan.
+        target_source: ``--target`` as given (None: the default model).
+        drafter_path: the drafter directory used.
+    """
+
+    bc: BuildConfig
+    target: LoadedTarget
+    drafter: DFlashDrafter
+    tsd: dict[str, torch.Tensor]
+    dsd: dict[str, torch.Tensor]
+    tspecs: list[L.TensorSpec]
+    dspecs: list[L.TensorSpec]
+    tq: dict[str, QuantizedLinear]
+    dq: dict[str, QuantizedLinear]
+    dtype: torch.dtype
+    plan: MemoryPlan
+    target_source: str | None
+    drafter_path: Path
 
 
-def build_engine(bc: BuildConfig, target_spec: str | None, drafter_spec: str | None, out_dir: str | os.PathLike,
-                 progress: bool = True, log=print) -> Path:
+def build_engine(
+    bc: BuildConfig,
+    target_spec: str | None,
+    drafter_spec: str | None,
+    out_dir: str | os.PathLike,
+    progress: bool = True,
+    log=print,
+) -> Path:
     """Build ``out_dir`` from a target and its drafter (see the module docstring).
 
     Args:
@@ -333,34 +422,33 @@ def build_engine(bc: BuildConfig, target_spec: str | None, drafter_spec: str | N
         if bc.drafter_quant != "none":
             dq = quantize_model(dsd, dspecs, bc.drafter_quant, d_amax, progress, "quantize drafter")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
-    try:
-        _write_all(tmp, bc, target, drafter, tsd, dsd, tspecs, dspecs, tq, dq, dtype, plan, target_spec, drafter_path,
-                   progress)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    contents = EngineContents(
+        bc, target, drafter, tsd, dsd, tspecs, dspecs, tq, dq, dtype, plan, target_spec, drafter_path
+    )
+    with atomic_dir(out) as tmp:
+        _write_all(tmp, contents, progress)
     log(f"wrote {out}")
     if _version("tensorrt_llm") is None:
-        log(f"skipped the TensorRT-LLM engine build: tensorrt_llm is not installed "
-            f"(the checkpoints are ready; see {out}/trtllm/build.sh)")
+        log(
+            f"skipped the TensorRT-LLM engine build: tensorrt_llm is not installed "
+            f"(the checkpoints are ready; see {out}/trtllm/build.sh)"
+        )
     return out
 
 
-def _write_all(tmp: Path, bc: BuildConfig, target, drafter, tsd, dsd, tspecs, dspecs, tq, dq, dtype, plan: MemoryPlan,
-               target_spec, drafter_path: Path, progress: bool) -> None:
+def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
     from tqdm import tqdm
 
+    bc, target, drafter, dtype = c.bc, c.target, c.drafter, c.dtype
     tcfg, dcfg = target.model.cfg, drafter.cfg
     t_qkv = L.qkv_sizes(tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
     d_qkv = L.qkv_sizes(dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim)
-    _write_json(target_trtllm_config(tcfg, bc), tmp / "target" / "config.json")
-    _write_json(drafter_trtllm_config(dcfg, bc), tmp / "drafter" / "config.json")
+    write_json(tmp / "target" / "config.json", target_trtllm_config(tcfg, bc))
+    write_json(tmp / "drafter" / "config.json", drafter_trtllm_config(dcfg, bc))
     kv_scale = bc.kv_cache_dtype == "fp8"
     for r in tqdm(range(bc.tp_size), desc="write ranks", unit="rank", disable=not progress, file=sys.stderr):
-        tt = rank_tensors(tspecs, tsd, tq, dtype, bc.tp_size, r, t_qkv)
-        dt = rank_tensors(dspecs, dsd, dq, dtype, bc.tp_size, r, d_qkv)
+        tt = rank_tensors(c.tspecs, c.tsd, c.tq, dtype, bc.tp_size, r, t_qkv)
+        dt = rank_tensors(c.dspecs, c.dsd, c.dq, dtype, bc.tp_size, r, d_qkv)
         if kv_scale:  # TensorRT-LLM / ModelOpt write 1.0 (amax/448 clamped to >= 1)
             for i in range(tcfg.num_layers):
                 tt[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"] = torch.ones(1)
@@ -375,54 +463,82 @@ def _write_all(tmp: Path, bc: BuildConfig, target, drafter, tsd, dsd, tspecs, ds
 
     hf_cfg = read_json(Path(target.path) / "config.json", "target")
     hf_cfg.pop("quantization_config", None)
-    hf_cfg["torch_dtype"] = TORCH_DTYPE_NAMES[bc.dtype]
-    _write_hf(tmp / "hf" / "target", hf_cfg, hf_tensors(L.hf_target_specs(tcfg), tsd, tq, dtype), bc.target_quant,
-              bc.kv_cache_dtype, ["lm_head", "model.embed_tokens"])
+    hf_cfg["torch_dtype"] = dtype_name(bc.dtype)
+    _write_hf(
+        tmp / "hf" / "target",
+        hf_cfg,
+        hf_tensors(L.hf_target_specs(tcfg), c.tsd, c.tq, dtype),
+        bc.target_quant,
+        bc.kv_cache_dtype,
+        ["lm_head", "model.embed_tokens"],
+    )
     target.tokenizer.save_pretrained(str(tmp / "hf" / "target"))
     if (Path(target.path) / "generation_config.json").is_file():
         shutil.copy(Path(target.path) / "generation_config.json", tmp / "hf" / "target")
-    _write_hf(tmp / "hf" / "drafter", drafter_config_to_json(dcfg), hf_tensors(L.hf_drafter_specs(dcfg), dsd, dq, dtype),
-              bc.drafter_quant, bc.kv_cache_dtype, [])
+    _write_hf(
+        tmp / "hf" / "drafter",
+        drafter_config_to_json(dcfg),
+        hf_tensors(L.hf_drafter_specs(dcfg), c.dsd, c.dq, dtype),
+        bc.drafter_quant,
+        bc.kv_cache_dtype,
+        [],
+    )
 
     (tmp / "trtllm").mkdir()
     (tmp / "trtllm" / "llm_api.yaml").write_text(llm_api_yaml(bc, dcfg))
     (tmp / "trtllm" / "build.sh").write_text(
         "#!/bin/sh\n# TensorRT-LLM 1.2.x engine build of the target (run from the engine directory).\n"
         "# DFlash itself runs in TensorRT-LLM's PyTorch backend (>= 1.3): see llm_api.yaml.\nset -e\n"
-        + trtllm_build_command(bc) + "\n")
+        + trtllm_build_command(bc)
+        + "\n"
+    )
 
-    files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-             for p in sorted(tmp.rglob("*")) if p.is_file()}
+    files = {
+        str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(tmp.rglob("*"))
+        if p.is_file()
+    }
     manifest = {
         "format": ENGINE_FORMAT,
         "version": ENGINE_VERSION,
         "build_config": bc.to_dict(),
-        "target": {"source": str(target_spec or "default"), "path": str(target.path), "family": tcfg.family,
-                   "checkpoint_sha256": _dir_digest(Path(target.path))},
-        "drafter": {"source": str(drafter_path), "block_size": dcfg.block_size,
-                    "checkpoint_sha256": _dir_digest(drafter_path)},
+        "target": {
+            "source": str(c.target_source or "default"),
+            "path": str(target.path),
+            "family": tcfg.family,
+            "checkpoint_sha256": _dir_digest(Path(target.path)),
+        },
+        "drafter": {
+            "source": str(c.drafter_path),
+            "block_size": dcfg.block_size,
+            "checkpoint_sha256": _dir_digest(c.drafter_path),
+        },
         "tp_size": bc.tp_size,
         "dtype": bc.dtype,
         "target_quant": bc.target_quant,
         "drafter_quant": bc.drafter_quant,
-        "memory_plan": plan.to_dict(),
-        "packages": {p: _version(p) for p in ("dflash-trt", "torch", "transformers", "safetensors", "nvidia-modelopt",
-                                                "tensorrt_llm")},
+        "memory_plan": c.plan.to_dict(),
+        "packages": {
+            p: _version(p)
+            for p in ("dflash-trt", "torch", "transformers", "safetensors", "nvidia-modelopt", "tensorrt_llm")
+        },
         "python": platform.python_version(),
-        "trtllm_build": "skipped: tensorrt_llm is not installed" if _version("tensorrt_llm") is None else "see trtllm/build.sh",
+        "trtllm_build": "skipped: tensorrt_llm is not installed"
+        if _version("tensorrt_llm") is None
+        else "see trtllm/build.sh",
         "files": files,
     }
-    _write_json(manifest, tmp / "engine.json")
+    write_json(tmp / "engine.json", manifest)
 
 
 def _write_hf(d: Path, config: dict, tensors: dict[str, torch.Tensor], fmt: str, kv: str, exclude: list[str]) -> None:
     """One unified HF checkpoint: ``config.json`` (+ ``quantization_config``), ``hf_quant_config.json``
     when anything is quantized, ``model.safetensors``."""
     qc = hf_quantization_config(fmt, kv, exclude)
-    _write_json(config | ({"quantization_config": qc} if qc else {}), d / "config.json")
+    write_json(d / "config.json", config | ({"quantization_config": qc} if qc else {}))
     hq = hf_quant_config(fmt, kv, exclude)
     if hq:
-        _write_json(hq, d / "hf_quant_config.json")
+        write_json(d / "hf_quant_config.json", hq)
     _save(tensors, d / "model.safetensors")
 
 

@@ -1,6 +1,6 @@
 """Memory plan of an engine: bytes per TP rank and the KV-cache token capacity left.
 
-Per rank (weights sharded as :mod:`.layout` writes them, so the plan is what ``build`` writes):
+Per rank (weights sharded as :mod:`..checkpoints.trtllm` lays them out, so the plan is what ``build`` writes):
 
 * target weights and drafter weights, at their stored size (NVFP4: half a byte per element +
   one e4m3 scale per 16 elements; FP8: one byte; unquantized: the compute dtype);
@@ -22,12 +22,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..checkpoints import trtllm as L
+from ..checkpoints.loader import dtype_bytes
 from ..config import BuildConfig
 from ..errors import DFlashError
 from ..models.config import DrafterConfig, TargetConfig
-from . import layout as L
-
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 def _tensor_bytes(shape: tuple[int, ...], fmt: str, dtype_bytes: int, linear: bool) -> float:
@@ -51,8 +50,9 @@ def _rank_shape(spec: L.TensorSpec, shape: tuple[int, ...], tp: int) -> tuple[in
     return (shape[0] // tp, *shape[1:])  # column, qkv
 
 
-def weight_bytes(specs: list[L.TensorSpec], shapes: dict[str, tuple[int, ...]], fmt: str, dtype_bytes: int,
-                 tp: int) -> float:
+def weight_bytes(
+    specs: list[L.TensorSpec], shapes: dict[str, tuple[int, ...]], fmt: str, dtype_bytes: int, tp: int
+) -> float:
     """Bytes of one rank's tensors (``shapes``: full shape per spec name)."""
     total = 0.0
     for s in specs:
@@ -101,12 +101,16 @@ class MemoryPlan:
         weights = self.target_weight_bytes + self.drafter_weight_bytes
         if weights + self.workspace_bytes > self.usable_bytes:
             raise DFlashError(
-                f"does not fit on {self.gpu} x{self.tp_size}: weights {_gb(weights)} + workspace {_gb(self.workspace_bytes)} "
-                f"per rank exceed the usable {_gb(self.usable_bytes)}; raise tp_size, quantize, or lower max_num_tokens")
+                f"does not fit on {self.gpu} x{self.tp_size}: weights {_gb(weights)} + "
+                f"workspace {_gb(self.workspace_bytes)} per rank exceed the usable {_gb(self.usable_bytes)}; "
+                "raise tp_size, quantize, or lower max_num_tokens"
+            )
         if self.kv_token_capacity < self.max_seq_len:
             raise DFlashError(
                 f"KV cache too small on {self.gpu} x{self.tp_size}: room for {self.kv_token_capacity} tokens per rank, "
-                f"one sequence needs max_seq_len {self.max_seq_len}; lower max_seq_len, use an fp8 KV cache or raise tp_size")
+                f"one sequence needs max_seq_len {self.max_seq_len}; lower max_seq_len, use an fp8 KV cache "
+                "or raise tp_size"
+            )
 
     def table(self) -> str:
         kv = self.target_kv_bytes_per_token + self.drafter_kv_bytes_per_token
@@ -118,8 +122,10 @@ class MemoryPlan:
             ("target KV per token", f"{self.target_kv_bytes_per_token / 1024:.1f} KiB"),
             ("drafter context KV per token", f"{self.drafter_kv_bytes_per_token / 1024:.1f} KiB"),
             ("KV token capacity", f"{self.kv_token_capacity:,} tokens ({kv / 1024:.1f} KiB each)"),
-            ("sequences at max_seq_len", f"{self.full_sequences:,.1f} x {self.max_seq_len} tokens "
-                                         f"(max_batch_size {self.max_batch_size})"),
+            (
+                "sequences at max_seq_len",
+                f"{self.full_sequences:,.1f} x {self.max_seq_len} tokens (max_batch_size {self.max_batch_size})",
+            ),
         ]
         head = f"memory plan per rank: {self.gpu}, tp_size {self.tp_size}"
         return "\n".join([head, "-" * 60] + [f"{k:<30} {v:>28}" for k, v in rows])
@@ -140,8 +146,8 @@ def memory_plan(bc: BuildConfig, tcfg: TargetConfig, dcfg: DrafterConfig | None)
 
     tp = bc.tp_size
     L.check_tp(tcfg, tp, "target")
-    act = DTYPE_BYTES[bc.dtype]
-    kvb = DTYPE_BYTES[bc.kv_dtype]
+    act = dtype_bytes(bc.dtype)
+    kvb = dtype_bytes(bc.kv_dtype)
     with torch.device("meta"):
         tmodel = TargetModel(tcfg)
         tspecs = L.target_specs(tcfg)
@@ -159,7 +165,16 @@ def memory_plan(bc: BuildConfig, tcfg: TargetConfig, dcfg: DrafterConfig | None)
     work = bc.max_num_tokens * per_token + logits
     free = bc.memory_bytes - tw - dw - work
     cap = max(0, int(free // (tkv + dkv))) if free > 0 else 0
-    return MemoryPlan(gpu=bc.device.name, tp_size=tp, usable_bytes=bc.memory_bytes, target_weight_bytes=tw,
-                      drafter_weight_bytes=dw, workspace_bytes=work, target_kv_bytes_per_token=tkv,
-                      drafter_kv_bytes_per_token=dkv, kv_token_capacity=cap, max_seq_len=bc.max_seq_len,
-                      max_batch_size=bc.max_batch_size)
+    return MemoryPlan(
+        gpu=bc.device.name,
+        tp_size=tp,
+        usable_bytes=bc.memory_bytes,
+        target_weight_bytes=tw,
+        drafter_weight_bytes=dw,
+        workspace_bytes=work,
+        target_kv_bytes_per_token=tkv,
+        drafter_kv_bytes_per_token=dkv,
+        kv_token_capacity=cap,
+        max_seq_len=bc.max_seq_len,
+        max_batch_size=bc.max_batch_size,
+    )

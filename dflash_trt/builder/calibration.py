@@ -24,12 +24,10 @@ def calibration_ids(tokenizer, bc: BuildConfig) -> list[torch.Tensor]:
     Raises:
         DFlashError: unknown dataset or too few prompts.
     """
-    from ..bench.datasets import DATASETS, chat_prompt_ids, load_prompts
+    from ..prompts import DATASETS, chat_prompt_ids, load_prompts, sharegpt_prompts
 
     c = bc.calibration
     if c.dataset == "sharegpt":
-        from ..training.data import sharegpt_prompts
-
         texts = sharegpt_prompts(c.num_samples)
     elif c.dataset in DATASETS:
         texts = load_prompts(c.dataset, c.num_samples)
@@ -38,7 +36,9 @@ def calibration_ids(tokenizer, bc: BuildConfig) -> list[torch.Tensor]:
     return [torch.tensor(chat_prompt_ids(tokenizer, t)[: c.max_seq_len]) for t in texts]
 
 
-def calibrate_pair(target, drafter, bc: BuildConfig, progress: bool = True) -> tuple[dict[str, float], dict[str, float]]:
+def calibrate_pair(
+    target, drafter, bc: BuildConfig, progress: bool = True
+) -> tuple[dict[str, float], dict[str, float]]:
     """Input amax of every linear of the target and of the drafter (``{module name: amax}``;
     empty for a model that is not quantized)."""
     from tqdm import tqdm
@@ -46,21 +46,41 @@ def calibrate_pair(target, drafter, bc: BuildConfig, progress: bool = True) -> t
     model = target.model
     ids = calibration_ids(target.tokenizer, bc)
     bs = bc.calibration.batch_size
-    batches = [ids[i: i + bs] for i in range(0, len(ids), bs)]
+    batches = [ids[i : i + bs] for i in range(0, len(ids), bs)]
 
-    def target_loop(m):  # a prefill through every layer (the LM head is never quantized)
-        for b in tqdm(batches, desc="calibrate target", unit="batch", disable=not progress, file=sys.stderr):
-            target_features(m, b, (m.cfg.num_layers - 1,))
+    dcfg = drafter.cfg
+    # the drafter's features come out of the same prefill that calibrates the target (one pass)
+    want = tuple(dcfg.target_layer_ids) if bc.drafter_quant != "none" else ()
+    width = len(want) * model.cfg.hidden_size
+    feats: list[torch.Tensor] = []
 
-    t_amax = calibrate_input_amax(model, target_loop) if bc.target_quant != "none" else {}
+    def prefill(m, every_layer: bool):  # (the LM head is never quantized)
+        capture = want + ((m.cfg.num_layers - 1,) if every_layer else ())
+        feats.clear()
+        for b in tqdm(
+            batches,
+            desc="calibrate target" if every_layer else "target features",
+            unit="batch",
+            disable=not progress,
+            file=sys.stderr,
+        ):
+            out = target_features(m, b, capture)
+            if want:
+                feats.extend(f[:, :width] for f in out)
+
+    if bc.target_quant != "none":
+        t_amax = calibrate_input_amax(model, lambda m: prefill(m, True))
+    else:
+        t_amax = {}
+        if want:
+            prefill(model, False)
     d_amax = {}
-    if bc.drafter_quant != "none":
-        dcfg = drafter.cfg
-        feats = [f for b in batches for f in target_features(model, b, dcfg.target_layer_ids)]
+    if want:
 
         def drafter_loop(d):  # one block every 8 positions, on the target's own features
-            for x, f in tqdm(list(zip(ids, feats)), desc="calibrate drafter", unit="prompt", disable=not progress,
-                             file=sys.stderr):
+            for x, f in tqdm(
+                list(zip(ids, feats)), desc="calibrate drafter", unit="prompt", disable=not progress, file=sys.stderr
+            ):
                 anchors = torch.arange(1, len(x), 8)
                 blocks = torch.full((len(anchors), dcfg.block_size), dcfg.mask_token_id)
                 blocks[:, 0] = x[anchors]

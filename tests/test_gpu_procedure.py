@@ -1,0 +1,107 @@
+"""The offline GPU training procedure (README "Training a drafter on a GPU"), its CPU side for
+real and its GPU side as a dry run on the CPU at tiny size: ``dflash-trt pack`` cuts the real
+default model into parts and writes the prompt files; ``scripts/gpu_train.sh`` (``DEVICE=cpu``)
+joins and checks the model, self-distils data, trains time-boxed and benchmarks the drafter on
+the packed GSM8K prompts. Bad packs give one-line errors and leave nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import error_line, run
+
+from dflash_trt.checkpoints.sources import default_target_gguf, sha256_file
+from dflash_trt.checkpoints.zlab import load_drafter
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pack") / "pack"
+    proc = run("pack", "--out", str(out), "--num-train-prompts", "12", "--part-mib", "40")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+def test_pack_parts_join_to_the_model(pack, tmp_path):
+    m = json.loads((pack / "pack.json").read_text())
+    src = default_target_gguf()
+    assert m["model"]["bytes"] == src.stat().st_size and m["model"]["sha256"] == sha256_file(src)
+    parts = [pack / p for p in m["model"]["parts"]]
+    assert len(parts) == 3 and all(p.stat().st_size <= 40 << 20 for p in parts)
+    assert len({p.parent for p in parts}) == 3  # one folder per part: each travels alone
+    train = [json.loads(x)["prompt"] for x in (pack / "prompts" / "sharegpt.jsonl").read_text().splitlines()]
+    assert len(train) == m["prompts"]["train_count"] == 12
+    gsm = (pack / "prompts" / "gsm8k.jsonl").read_text().splitlines()
+    assert len(gsm) == 1319 and "question" not in gsm[0]  # {"prompt": ...} lines
+    proc = run("unpack", "--pack", str(pack), "--dest", str(tmp_path / "m"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    joined = Path(proc.stdout.strip())
+    assert sha256_file(joined) == m["model"]["sha256"]
+
+
+def test_bad_packs_one_line_errors(pack, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(pack, broken)
+    shutil.rmtree(broken / "model-01")
+    assert "model part(s) missing" in error_line(run("unpack", "--pack", str(broken), "--dest", str(tmp_path / "d")))
+    shutil.copytree(pack / "model-01", broken / "model-01")
+    part = next((broken / "model-02").iterdir())
+    data = bytearray(part.read_bytes())
+    data[100] ^= 0xFF
+    part.write_bytes(bytes(data))
+    assert "corrupt" in error_line(run("unpack", "--pack", str(broken), "--dest", str(tmp_path / "d")))
+    assert not any((tmp_path / "d").iterdir()), "nothing half-written is left"
+    assert "not an offline pack" in error_line(run("unpack", "--pack", str(tmp_path), "--dest", str(tmp_path / "d")))
+    assert "already exists" in error_line(run("pack", "--out", str(pack)))
+
+
+def test_gpu_procedure_dry_run_on_cpu(pack, tmp_path):
+    env = dict(
+        os.environ,
+        DEVICE="cpu",
+        DTYPE="fp32",
+        PYTHON=sys.executable,
+        DISTILL_MINUTES="0.05",
+        NUM_PROMPTS="6",
+        BATCH="3",
+        MAX_NEW_TOKENS="12",
+        SHARD_SIZE="3",
+        TRAIN_MINUTES="0.2",
+        STEPS="4",
+        TRAIN_BATCH="2",
+        ANCHORS="8",
+        CE_CHUNK="256",
+        FEATURE_CACHE_GB="1",
+        SAVE_EVERY="2",
+        BENCH_PROMPTS="2",
+        BENCH_TOKENS="12",
+        BENCH_SETS="gsm8k",
+    )
+    work = tmp_path / "work"
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_train.sh"), str(pack), str(work)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = (work / "steps.log").read_text()
+    assert "== all done" in steps and "distill: done" in steps and "train: done" in steps
+    manifest = json.loads((work / "data" / "manifest.json").read_text())
+    assert manifest["totals"]["samples"] >= 3 and manifest["settings"]["max_new_tokens"] == 12
+    log = [json.loads(x) for x in (work / "run" / "log.jsonl").read_text().splitlines()]
+    assert 1 <= len(log) <= 4
+    d = load_drafter(work / "run" / "drafter").cfg
+    assert (d.block_size, d.num_layers, d.target_layer_ids) == (8, 2, (1, 7, 14, 21, 27))
+    bench = json.loads((work / "bench" / "gsm8k.json").read_text())
+    assert bench["num_prompts"] == 2 and bench["dataset"] == "gsm8k.jsonl"
+    assert bench["lossless"] or all(x["top2_margin"] < 1e-4 for x in bench["divergences"])
