@@ -115,6 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("--out", required=True)
 
+    tx = sub.add_parser(
+        "text-data",
+        help="make drafter training data from ShareGPT conversations (labelled by the target, no generation)",
+    )
+    tx.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
+    tx.add_argument("--out", required=True, help="new data directory")
+    tx.add_argument("--num-conversations", type=int, default=None, help="the first N conversations (default: all)")
+    tx.add_argument("--max-seq-len", type=int, default=2048, help="conversations are cut to this many tokens")
+
     d = sub.add_parser("distill", help="make drafter training data: the target's own answers to ShareGPT prompts")
     d.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
     d.add_argument("--out", required=True, help="data directory (resumable: re-run to continue)")
@@ -180,7 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a DFlash drafter on self-distilled data (paper recipe)")
     t.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
-    t.add_argument("--data", required=True, help="self-distillation data directory (see training/data.py)")
+    t.add_argument(
+        "--data",
+        required=True,
+        nargs="+",
+        help="training data directories (distill: self-distilled answers; text-data: text the target labels), mixed",
+    )
     t.add_argument("--out", required=True, help="run directory: log, loss.png, checkpoints, final drafter/")
     t.add_argument("--steps", type=int, required=True, help="optimizer steps (the LR schedule spans them)")
     t.add_argument("--layers", type=int, default=1, help="decoder layers of a new drafter")
@@ -229,6 +243,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--ce-chunk", type=int, default=256, help="supervised rows per LM-head chunk (GPU: thousands)")
     t.add_argument("--feature-cache-gb", type=float, default=4.0, help="target features kept in (device) memory")
+    t.add_argument(
+        "--feature-cache",
+        help="on-disk target feature cache, shared by runs on the same target (default: OUT/feature-cache)",
+    )
+    t.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="a new drafter drafts over the top-N response tokens of the data (d2t; default: the whole vocabulary)",
+    )
+    t.add_argument("--holdout", type=float, default=0.0, help="share of sequences held out for evaluation")
+    t.add_argument("--eval-every", type=int, default=200, help="held-out evaluation every N steps")
     t.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
     t.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     t.add_argument("--seed", type=int, default=0)
@@ -515,10 +541,15 @@ def cmd_train(args) -> None:
         max_minutes=args.max_minutes,
         ce_chunk=args.ce_chunk,
         feature_cache_gb=args.feature_cache_gb,
+        feature_cache=args.feature_cache,
+        draft_vocab=args.draft_vocab,
+        holdout=args.holdout,
+        eval_every=args.eval_every,
     )
     cfg.validate()
-    if not os.path.isdir(args.data):
-        raise DFlashError(f"training data not found: {args.data}")
+    for d in args.data:
+        if not os.path.isdir(d):
+            raise DFlashError(f"training data not found: {d}")
     _setup_threads(args.threads)
     try:
         from .training.data import load_dataset, read_manifest
@@ -527,16 +558,21 @@ def cmd_train(args) -> None:
     from .checkpoints.loader import load_target, parse_device, parse_dtype
 
     device = parse_device(args.device)
-    samples = load_dataset(args.data, allow_incomplete=True)
-    m = read_manifest(args.data)
-    if not m["complete"]:
-        print(
-            f"note: {args.data} is incomplete ({len(m['shards'])} of {m['num_shards']} shards): training on the "
-            "shards written so far",
-            file=sys.stderr,
-        )
+    samples = []
+    for d in args.data:
+        samples += load_dataset(d, allow_incomplete=True)
+        m = read_manifest(d)
+        if not m["complete"]:
+            print(
+                f"note: {d} is incomplete ({len(m['shards'])} of {m['num_shards']} shards): training on the "
+                "shards written so far",
+                file=sys.stderr,
+            )
     target = load_target(args.target, parse_dtype(args.dtype), device)
-    print(f"training a drafter for {target.path.name} on {len(samples)} samples from {args.data}", file=sys.stderr)
+    print(
+        f"training a drafter for {target.path.name} on {len(samples)} samples from {', '.join(args.data)}",
+        file=sys.stderr,
+    )
     out = train(target, samples, args.out, cfg, init_drafter_dir=args.init_drafter, resume=not args.no_resume)
     recs = read_log(args.out)
     tail = recs[-min(len(recs), 20) :]
@@ -545,7 +581,24 @@ def cmd_train(args) -> None:
         taus = [r["tau_est"] for r in tail if r["tau_est"] == r["tau_est"]]  # NaN: no full block
         tau = sum(taus) / len(taus) if taus else float("nan")
         print(f"step {recs[-1]['step']}: loss {loss:.3f}, tau_est {tau:.2f} (mean of the last {len(tail)} steps)")
+    evals = read_log(args.out, evals=True)
+    if evals:
+        e = evals[-1]["eval"]
+        acc = " ".join(f"{a:.3f}" for a in e["acc"][:4])
+        print(f"held-out: loss {e['loss']:.3f}, accuracy at draft positions 1-4 {acc}, tau_est {e['tau_est']:.2f}")
     print(f"wrote {out}")
+
+
+def cmd_text_data(args) -> None:
+    from .checkpoints.loader import load_target
+    from .prompts import sharegpt_conversations
+    from .training.data import read_manifest, write_text_dataset
+
+    convs = sharegpt_conversations(args.num_conversations)
+    target = load_target(args.target)
+    out = write_text_dataset(target, convs, Path(args.out), args.max_seq_len, source="ShareGPT conversations")
+    t = read_manifest(out)["totals"]
+    print(f"wrote {out}: {t['samples']} conversations, {t['tokens']} tokens, {t['response_tokens']} assistant tokens")
 
 
 def cmd_pack(args) -> None:
@@ -612,6 +665,7 @@ COMMANDS = {
     "init-drafter": cmd_init_drafter,
     "distill": cmd_distill,
     "train": cmd_train,
+    "text-data": cmd_text_data,
     "pack": cmd_pack,
     "unpack": cmd_unpack,
 }

@@ -222,10 +222,22 @@ def chat_prompt_ids(tokenizer, text: str | list[dict]) -> list[int]:
     Raises:
         DFlashError: the tokenizer has no chat template.
     """
+    messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
+    return chat_ids(tokenizer, messages, add_generation_prompt=True)
+
+
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """Token ids of a message list in the tokenizer's chat template (plain Python ints), with or
+    without the assistant header after it.
+
+    Raises:
+        DFlashError: the tokenizer has no chat template.
+    """
     if not getattr(tokenizer, "chat_template", None):
         raise DFlashError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
-    messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+    )
     if hasattr(ids, "keys"):  # BatchEncoding / dict despite return_dict=False
         ids = ids["input_ids"]
     if hasattr(ids, "tolist"):  # tensor / array
@@ -348,9 +360,10 @@ def _contaminated(text: str) -> bool:
 
 
 @lru_cache(maxsize=1)
-def _sharegpt_all() -> tuple[tuple[str, ...], dict]:
+def _sharegpt_all() -> tuple[tuple[str, ...], dict, tuple[tuple[dict, ...], ...]]:
     """All usable first-turn prompts in file order (deduplicated, decontaminated, unfiltered by
-    length) and counters describing the parse."""
+    length), counters describing the parse, and per prompt its conversation: the alternating
+    user / assistant turns from the first one (up to the first turn out of order)."""
     path = _sharegpt_file()
     stats = {
         "items": 0,
@@ -362,6 +375,7 @@ def _sharegpt_all() -> tuple[tuple[str, ...], dict]:
     }
     seen: set[str] = set()
     out: list[str] = []
+    convs: list[tuple[dict, ...]] = []
     for item, tail in iter_json_array(path):
         if item is None:
             stats["truncated_tail_chars"] = tail
@@ -393,11 +407,19 @@ def _sharegpt_all() -> tuple[tuple[str, ...], dict]:
         if _contaminated(text):
             stats["overlap_eval_sets"] += 1
             continue
+        messages = []  # the conversation, cut before a turn out of order or a later user turn from an eval set
+        for i, t in enumerate(turns):
+            role = "user" if t.get("from") in ("human", "user") else "assistant"
+            value = t.get("value").strip() if isinstance(t.get("value"), str) else ""
+            if role != ("user", "assistant")[i % 2] or not value or (i and role == "user" and _contaminated(value)):
+                break
+            messages.append({"role": role, "content": value})
         out.append(text)
+        convs.append(tuple(messages))
     if stats["items"] == 0:
         raise DFlashError(f"ShareGPT: no complete conversation in {path}")
     stats["prompts"] = len(out)
-    return tuple(out), stats
+    return tuple(out), stats, tuple(convs)
 
 
 def sharegpt_stats() -> dict:
@@ -411,6 +433,28 @@ def sharegpt_stats() -> dict:
         DFlashError: as :func:`sharegpt_prompts`.
     """
     return dict(_sharegpt_all()[1])
+
+
+def sharegpt_conversations(n: int | None = None, min_chars: int = 16, max_chars: int = 2000) -> list[list[dict]]:
+    """ShareGPT conversations as chat message lists (``role`` user / assistant, alternating from
+    a user turn, ending where the file's turns stop alternating), for training on the text
+    itself (labelled by the target, :mod:`dflash_trt.training.feature_cache`).
+
+    The same conversations, order, deduplication and decontamination (every user turn is
+    checked against the evaluation sets: a later one that overlaps ends the conversation before
+    it) as :func:`sharegpt_prompts`, keeping those with at least one assistant turn;
+    ``min_chars`` / ``max_chars`` filter on the first turn.
+
+    Raises:
+        DFlashError: as :func:`sharegpt_prompts`.
+    """
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise DFlashError(f"number of conversations must be an integer >= 1, got {n!r}")
+    prompts, _, convs = _sharegpt_all()
+    out = [list(c) for p, c in zip(prompts, convs) if min_chars <= len(p) <= max_chars and len(c) >= 2]
+    if n is not None and n > len(out):
+        raise DFlashError(f"ShareGPT has {len(out)} conversations with an answer, asked for {n}")
+    return out if n is None else out[:n]
 
 
 def sharegpt_prompts(n: int | None = None, min_chars: int = 16, max_chars: int = 2000) -> list[str]:

@@ -30,6 +30,7 @@ from dflash_trt.runtime.executor import DFlashEngine, Request, first_divergence,
 from dflash_trt.runtime.kv_cache import KVCache
 from dflash_trt.runtime.model_runner import ModelRunner, StepItem
 from dflash_trt.training import trainer as T
+from dflash_trt.training.feature_cache import features_and_predictions
 
 SENTENCES = [
     "The train left the station at dawn, carrying farmers and their baskets to the market in town.",
@@ -120,7 +121,7 @@ def test_forward_train_equals_inference(smollm2, samples, window):
     capture = drafter.cfg.target_layer_ids
     seqs = [samples[0].input_ids, samples[5].input_ids]
     feats = [full_features(target, s, capture) for s in seqs]
-    ours = T.target_features(target, [torch.tensor(s) for s in seqs], capture)
+    ours = [f for f, _ in features_and_predictions(target, [torch.tensor(s) for s in seqs], capture)]
     fd = max(float((a - b).abs().max()) for a, b in zip(ours, feats))
     assert fd < 1e-4, f"trainer feature pass differs from TargetModel.forward by {fd}"
 
@@ -229,7 +230,7 @@ def test_batch_layout_and_weights(samples):
 
 def _fixed_batch_loss(smollm2, drafter, samples, B) -> float:
     seqs = T.prepare_sequences(samples, smollm2.model.cfg.vocab_size, 2048)
-    feats = T.target_features(smollm2.model, [s.ids for s in seqs], drafter.cfg.target_layer_ids)
+    feats = [f for f, _ in features_and_predictions(smollm2.model, [s.ids for s in seqs], drafter.cfg.target_layer_ids)]
     batch = T.build_batch(seqs, feats, 16, B, drafter.cfg.mask_token_id, torch.Generator().manual_seed(123))
     with torch.no_grad():
         loss, _ = T.compute_loss(
@@ -245,7 +246,7 @@ def test_sampled_softmax_and_feature_regression(smollm2, samples):
     L = target.cfg.num_layers
     drafter = init_drafter(target.cfg, 1, 8, mask_id(smollm2), seed=5, target_layer_ids=[3, L - 1]).float()
     seqs = T.prepare_sequences(samples[:3], target.cfg.vocab_size, 2048)
-    feats = T.target_features(target, [s.ids for s in seqs], drafter.cfg.target_layer_ids)
+    feats = [f for f, _ in features_and_predictions(target, [s.ids for s in seqs], drafter.cfg.target_layer_ids)]
     batch = T.build_batch(seqs, feats, 8, 8, drafter.cfg.mask_token_id, torch.Generator().manual_seed(1))
     E, W, w = target.embed.weight, target.lm_head.weight, T.slot_weights(8)
     with torch.no_grad():

@@ -13,6 +13,7 @@ A drafter directory holds:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,9 @@ from ..errors import DFlashError
 from ..models.config import DrafterConfig, TargetConfig, default_target_layer_ids
 from ..models.drafter import DFlashDrafter
 from .sources import load_safetensors_dir, read_json
+
+#: config keys that become DrafterConfig fields (the rest is kept in ``extra`` and written back)
+_PARSED_KEYS = ("dflash_config", "layer_types", "sliding_window", "use_sliding_window", "is_causal", "draft_vocab_size")
 
 
 def _attention_window(cfg: dict, d: dict) -> int | None:
@@ -104,12 +108,7 @@ def drafter_config_from_json(cfg: dict) -> DrafterConfig:
             attention_bias=bool(cfg.get("attention_bias", False)),
             sliding_window=window,
             draft_vocab_size=int(cfg["draft_vocab_size"]) if cfg.get("draft_vocab_size") is not None else None,
-            extra={
-                k: v
-                for k, v in cfg.items()
-                if k
-                not in ("dflash_config", "layer_types", "sliding_window", "use_sliding_window", "is_causal", "draft_vocab_size")
-            },
+            extra={k: v for k, v in cfg.items() if k not in _PARSED_KEYS},
         )
     except KeyError as e:
         raise DFlashError(f"drafter config.json lacks required key {e.args[0]!r}") from None
@@ -302,14 +301,22 @@ def init_drafter(
     seed: int = 0,
     target_layer_ids: list[int] | None = None,
     sliding_window: int | None = None,
+    draft_token_ids: torch.Tensor | None = None,
 ) -> DFlashDrafter:
     """A randomly initialised drafter of :func:`drafter_config_for`'s shape (Qwen3 init:
     normal(0, 0.02) linears, unit norms).
 
+    Args:
+        draft_token_ids: sorted distinct target ids of a draft vocabulary (sets
+            ``draft_vocab_size`` and ``d2t``); None: the whole vocabulary.
+
     Raises:
-        DFlashError: see :func:`drafter_config_for`.
+        DFlashError: see :func:`drafter_config_for`; a draft vocabulary that is not sorted,
+            distinct target ids.
     """
     cfg = drafter_config_for(target, num_layers, block_size, mask_token_id, target_layer_ids, sliding_window)
+    if draft_token_ids is not None:
+        cfg = dataclasses.replace(cfg, draft_vocab_size=int(draft_token_ids.numel()))
     g = torch.Generator().manual_seed(seed)
     model = DFlashDrafter(cfg)
     with torch.no_grad():
@@ -318,4 +325,7 @@ def init_drafter(
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        if draft_token_ids is not None:
+            model.d2t.copy_(draft_token_ids.long() - torch.arange(draft_token_ids.numel()))
+            check_d2t(model.d2t, cfg.vocab_size, "draft vocabulary")
     return model.eval()

@@ -59,6 +59,9 @@ class Sample:
         prompt_index: index of its prompt in the list given to :func:`generate_dataset`.
         sampled: True when the response was sampled at the dataset's temperature, False when greedy.
         stopped: True when a stop token ended the response, False when it hit ``max_new_tokens``.
+        labels: ``text`` (the response is the target's own: train on its tokens) or ``target``
+            (text written by someone else: train on the target's greedy predictions along it,
+            :mod:`dflash_trt.training.feature_cache`).
     """
 
     input_ids: list[int]
@@ -66,6 +69,7 @@ class Sample:
     prompt_index: int
     sampled: bool
     stopped: bool
+    labels: str = "text"
 
     @property
     def response_start(self) -> int:
@@ -134,6 +138,50 @@ def _shard_entry(path: Path, first: int, count: int, wall_s: float | None, batch
         "stopped": int(t["stopped"].sum()),
         "wall_s": wall_s,
         "batch_size": batch_size,
+    }
+
+
+def _write_shard(
+    path: Path, first: int, count: int, rows: list[tuple], wall_s: float | None, batch_size: int | None
+) -> dict:
+    """Write one shard atomically; ``rows`` are ``(prompt index, ids, loss mask, sampled,
+    stopped)`` in prompt order. Returns its manifest entry."""
+    from safetensors.torch import save_file
+
+    flat, mask, offsets = [], [], [0]
+    for _, ids, m, _, _ in rows:
+        flat += ids
+        mask += m
+        offsets.append(len(flat))
+    tensors = {
+        "input_ids": torch.tensor(flat, dtype=torch.int32),
+        "offsets": torch.tensor(offsets, dtype=torch.int64),
+        "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+        "prompt_index": torch.tensor([r[0] for r in rows], dtype=torch.int64),
+        "sampled": torch.tensor([r[3] for r in rows], dtype=torch.uint8),
+        "stopped": torch.tensor([r[4] for r in rows], dtype=torch.uint8),
+    }
+    meta = {"format": FORMAT, "version": str(FORMAT_VERSION), "first_prompt": str(first), "num_prompts": str(count)}
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+    return {
+        "file": path.name,
+        "first_prompt": first,
+        "num_prompts": count,
+        "samples": len(rows),
+        "skipped": count - len(rows),
+        "tokens": len(flat),
+        "response_tokens": sum(mask),
+        "sampled": int(tensors["sampled"].sum()),
+        "stopped": int(tensors["stopped"].sum()),
+        "wall_s": None if wall_s is None else round(wall_s, 3),
+        "batch_size": batch_size,
+    }
+
+
+def _totals(entries: list[dict]) -> dict:
+    """Sums of the shard entries' counters (the manifest's ``totals``)."""
+    return {
+        k: sum(e[k] for e in entries) for k in ("samples", "skipped", "tokens", "response_tokens", "sampled", "stopped")
     }
 
 
@@ -280,10 +328,7 @@ def generate_dataset(
 
     def write_manifest(complete: bool) -> None:
         shards = [entries[i] for i in sorted(entries)]
-        totals = {
-            k: sum(s[k] for s in shards)
-            for k in ("samples", "skipped", "tokens", "response_tokens", "sampled", "stopped")
-        }
+        totals = _totals(shards)
         write_json(
             out_dir / MANIFEST,
             {
@@ -352,49 +397,118 @@ def generate_dataset(
                     rate = gen_tokens / max(gen_s + time.perf_counter() - t, 1e-9)
                     bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
             gen_s += time.perf_counter() - t
-            flat, mask, offsets = [], [], [0]
-            for j in keep:
-                resp, _ = outs[j]
-                flat += ids[j] + resp
-                mask += [0] * len(ids[j]) + [1] * len(resp)
-                offsets.append(len(flat))
-            tensors = {
-                "input_ids": torch.tensor(flat, dtype=torch.int32),
-                "offsets": torch.tensor(offsets, dtype=torch.int64),
-                "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-                "prompt_index": torch.tensor(keep, dtype=torch.int64),
-                "sampled": torch.tensor([j in sampled for j in keep], dtype=torch.uint8),
-                "stopped": torch.tensor([outs[j][1] for j in keep], dtype=torch.uint8),
-            }
-            meta = {
-                "format": FORMAT,
-                "version": str(FORMAT_VERSION),
-                "first_prompt": str(first),
-                "num_prompts": str(count),
-            }
-
-            def write(tmp, tensors=tensors, meta=meta):
-                from safetensors.torch import save_file
-
-                save_file(tensors, tmp, metadata=meta)
-
-            atomic_write(shard_paths[i], write)
-            entries[i] = {
-                "file": shard_paths[i].name,
-                "first_prompt": first,
-                "num_prompts": count,
-                "samples": len(keep),
-                "skipped": count - len(keep),
-                "tokens": len(flat),
-                "response_tokens": sum(mask),
-                "sampled": int(tensors["sampled"].sum()),
-                "stopped": int(tensors["stopped"].sum()),
-                "wall_s": round(time.perf_counter() - t_shard, 3),
-                "batch_size": batch_size,
-            }
+            rows = [
+                (j, ids[j] + outs[j][0], [0] * len(ids[j]) + [1] * len(outs[j][0]), j in sampled, outs[j][1])
+                for j in keep
+            ]
+            entries[i] = _write_shard(shard_paths[i], first, count, rows, time.perf_counter() - t_shard, batch_size)
             write_manifest(len(entries) == num_shards)
     finally:
         bar.close()
+    return out_dir
+
+
+def conversation_ids(
+    tokenizer, messages: list[dict], stop_token_ids: tuple[int, ...]
+) -> tuple[list[int], list[int]] | None:
+    """Token ids of a conversation in the chat template and a loss mask that is 1 on every
+    assistant turn's tokens up to and including its first stop token (what the target would
+    have generated for that turn); None when the template does not extend a conversation's
+    prefix token for token (the masks would be ambiguous)."""
+    from ..prompts import chat_ids
+
+    ids = chat_ids(tokenizer, messages, add_generation_prompt=False)
+    mask = [0] * len(ids)
+    stops = set(stop_token_ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        head = chat_ids(tokenizer, messages[:i], add_generation_prompt=True)
+        upto = chat_ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if ids[: len(head)] != head or ids[: len(upto)] != upto:
+            return None
+        for p in range(len(head), len(upto)):
+            mask[p] = 1
+            if ids[p] in stops:
+                break
+    return ids, mask
+
+
+def write_text_dataset(
+    target,
+    conversations: list[list[dict]],
+    out_dir: Path,
+    max_seq_len: int = 2048,
+    shard_size: int = 1024,
+    source: str | None = None,
+    progress: bool = True,
+) -> Path:
+    """Write conversations written by others (e.g. ShareGPT's) as a training dataset labelled
+    by the target: no generation, only tokenizing; the trainer teaches the drafter the target's
+    own greedy predictions along this text (``labels: target`` in the manifest, see
+    :mod:`dflash_trt.training.feature_cache`: "labels at prefill speed").
+
+    Same directory format as :func:`generate_dataset` (``prompt_index`` = the conversation's
+    index, ``sampled`` 0, ``stopped`` 1 when its last assistant turn ends in a stop token);
+    the loss mask covers every assistant turn. Conversations are cut to ``max_seq_len`` tokens;
+    those the template tokenizes ambiguously or with no assistant token are skipped (counted).
+
+    Args:
+        target: a :class:`~dflash_trt.checkpoints.loader.LoadedTarget` (tokenizer and stop ids).
+        conversations: message lists (``role`` / ``content``), e.g.
+            :func:`dflash_trt.prompts.sharegpt_conversations`.
+        out_dir: a new (or empty) directory.
+
+    Raises:
+        DFlashError: ``out_dir`` holds files, no conversations, bad ``max_seq_len`` /
+            ``shard_size``, a tokenizer without a chat template.
+    """
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise DFlashError(f"{out_dir} exists and is not an empty directory")
+    if not conversations:
+        raise DFlashError("no conversations to write")
+    for name, value in (("max_seq_len", max_seq_len), ("shard_size", shard_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+            raise DFlashError(f"{name} must be an integer >= 2, got {value!r}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    N = len(conversations)
+    num_shards = -(-N // shard_size)
+    stops = tuple(target.stop_token_ids)
+    entries = []
+    for i in tqdm(range(num_shards), desc="tokenize", unit="shard", disable=not progress, dynamic_ncols=True):
+        first, count = i * shard_size, min(shard_size, N - i * shard_size)
+        rows = []
+        for j in range(first, first + count):
+            got = conversation_ids(target.tokenizer, conversations[j], stops)
+            if got is None:
+                continue
+            ids, mask = got[0][:max_seq_len], got[1][:max_seq_len]
+            if sum(mask) >= 2:
+                rows.append((j, ids, mask, False, ids[-1] in stops and mask[-1] == 1))
+        entries.append(_write_shard(out_dir / SHARD_TEMPLATE.format(i), first, count, rows, None, None))
+    totals = _totals(entries)
+    write_json(
+        out_dir / MANIFEST,
+        {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "labels": "target",
+            "target": str(target.path),
+            "num_prompts": N,
+            "prompts_sha256": hashlib.sha256(json.dumps(conversations).encode()).hexdigest(),
+            "shard_size": shard_size,
+            "num_shards": num_shards,
+            "settings": {"kind": "text", "max_seq_len": max_seq_len},
+            "source": source,
+            "stop_token_ids": list(stops),
+            "complete": True,
+            "totals": totals,
+            "shards": entries,
+        },
+    )
     return out_dir
 
 
@@ -434,11 +548,12 @@ def load_dataset(out_dir: Path, allow_incomplete: bool = False) -> list[Sample]:
             "re-run generation with the same directory to finish it"
         )
     samples: list[Sample] = []
+    labels = m.get("labels", "text")
     for entry in sorted(m["shards"], key=lambda s: s["file"]):
         t = _load_shard(out_dir / entry["file"])
         ids, mask, off = t["input_ids"].tolist(), t["loss_mask"].tolist(), t["offsets"].tolist()
         for k, (pi, s, st) in enumerate(zip(t["prompt_index"].tolist(), t["sampled"].tolist(), t["stopped"].tolist())):
             a, b = off[k], off[k + 1]
-            samples.append(Sample(ids[a:b], mask[a:b], int(pi), bool(s), bool(st)))
+            samples.append(Sample(ids[a:b], mask[a:b], int(pi), bool(s), bool(st), labels))
     samples.sort(key=lambda s: s.prompt_index)
     return samples

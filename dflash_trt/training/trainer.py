@@ -49,8 +49,8 @@ from ..checkpoints.loader import LoadedTarget, default_mask_token_id, parse_dtyp
 from ..checkpoints.zlab import init_drafter, load_drafter, save_drafter, validate_pair
 from ..errors import DFlashError
 from ..models.drafter import DFlashDrafter
-from ..models.target import TargetModel
-from ..runtime.features import target_features
+from .draft_vocab import token_counts, top_tokens
+from .feature_cache import FeatureCache
 
 IGNORE = -100
 CKPT_RE = re.compile(r"^ckpt-(\d{6,})$")
@@ -84,9 +84,18 @@ class TrainConfig:
         sliding_window: a new drafter's z-lab sliding window W (None: full context); its slot
             ``k`` then sees the last ``W - 1 - k`` context positions. A short window makes the
             anchor and the newest target features a large share of what each slot attends to.
-        cache_features: keep target features in memory (bf16 under autocast, else fp32) so
-            each sequence costs one target forward in the whole run.
-        feature_cache_gb: memory cap of that cache; past it features are recomputed.
+        feature_cache: directory of the on-disk feature cache (:mod:`.feature_cache`; None:
+            ``<out_dir>/feature-cache``). Every sequence costs one target forward ever: the cache
+            is filled before the first step and shared by later runs that name it.
+        feature_cache_gb: device memory kept for features across steps (past it they are read
+            from the memory-mapped cache again).
+        draft_vocab: a new drafter drafts over the top-N response tokens of the training data
+            (:mod:`.draft_vocab`; CE over those N rows of the LM head, labels outside them are
+            left out of the loss and counted); None: the whole vocabulary. A drafter given
+            with ``init_drafter_dir`` or resumed keeps its own.
+        holdout: share of the sequences held out (never trained on) for the evaluation below.
+        eval_every: every this many steps (and at the end) log accuracy per draft position
+            and tau_est over a fixed set of held-out blocks (``eval`` records in ``log.jsonl``).
         ce_chunk: supervised rows per LM-head chunk (bounds the logits' memory).
         head_vocab: ``full`` (CE over the whole vocabulary, the paper) or ``seen`` (a sampled
             softmax: CE over the tokens that occur in the training sequences plus
@@ -129,8 +138,11 @@ class TrainConfig:
     mask_token_id: int | None = None
     target_layer_ids: tuple[int, ...] | None = None
     sliding_window: int | None = None
-    cache_features: bool = True
+    feature_cache: str | None = None
     feature_cache_gb: float = 4.0
+    draft_vocab: int | None = None
+    holdout: float = 0.0
+    eval_every: int = 200
     ce_chunk: int = 256
     head_vocab: str = "full"
     head_negatives: int = 2048
@@ -163,6 +175,9 @@ class TrainConfig:
             (self.stop_after is None or self.stop_after >= 1, f"stop_after must be >= 1, got {self.stop_after}"),
             (self.max_minutes is None or self.max_minutes > 0, f"max_minutes must be > 0, got {self.max_minutes}"),
             (self.feature_cache_gb >= 0, f"feature_cache_gb must be >= 0, got {self.feature_cache_gb}"),
+            (self.draft_vocab is None or self.draft_vocab >= 1, f"draft_vocab must be >= 1, got {self.draft_vocab}"),
+            (0 <= self.holdout < 1, f"holdout must be in [0, 1), got {self.holdout}"),
+            (self.eval_every >= 1, f"eval_every must be >= 1, got {self.eval_every}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -188,17 +203,21 @@ def slot_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
 
 @dataclass
 class TrainSequence:
-    """One training sequence after cutting: ids and response mask (int64 / bool ``[S]``) and
-    the anchor candidates (response positions with a supervised next token)."""
+    """One training sequence after cutting: ids and response mask (int64 / bool ``[S]``), the
+    anchor candidates (response positions with a supervised next token), and where its labels
+    come from: the text itself (``target_labels`` false: self-distilled answers, the target's
+    own tokens) or the target's greedy predictions on the text (true: labelled text, see
+    :mod:`.feature_cache`)."""
 
     ids: torch.Tensor
     mask: torch.Tensor
     candidates: torch.Tensor
+    target_labels: bool = False
 
 
 def prepare_sequences(samples: Sequence, vocab_size: int, max_seq_len: int) -> list[TrainSequence]:
-    """Turn samples (objects with ``input_ids`` and ``loss_mask`` lists) into sequences;
-    samples without any anchor candidate are dropped.
+    """Turn samples (objects with ``input_ids`` and ``loss_mask`` lists, and optionally
+    ``labels == "target"``) into sequences; samples without any anchor candidate are dropped.
 
     Raises:
         DFlashError: no samples, ragged sample, token ids outside the vocabulary, or no sample
@@ -220,46 +239,43 @@ def prepare_sequences(samples: Sequence, vocab_size: int, max_seq_len: int) -> l
         m = torch.tensor(mask, dtype=torch.bool)
         cand = torch.nonzero(m[:-1] & m[1:]).flatten()  # anchor a in the response, a + 1 supervised
         if cand.numel():
-            out.append(TrainSequence(t, m, cand))
+            out.append(TrainSequence(t, m, cand, getattr(s, "labels", "text") == "target"))
     if not out:
         raise DFlashError("no training sample has a response of at least 2 tokens (loss_mask)")
     return out
 
 
 class FeatureStore:
-    """Target features per sequence index, computed on first use and cached up to a budget."""
+    """Target features and greedy predictions per sequence index: read from the on-disk
+    :class:`~.feature_cache.FeatureCache` (filled once, up front) and kept on the training device
+    in the compute dtype up to a memory budget.
 
-    def __init__(
-        self,
-        model: TargetModel,
-        seqs: list[TrainSequence],
-        capture: Sequence[int],
-        dtype: torch.dtype,
-        cache: bool,
-        budget_bytes: float,
-    ):
-        self.model, self.seqs, self.capture, self.dtype = model, seqs, tuple(capture), dtype
-        self.cache_on, self.budget = cache, budget_bytes
-        self.cache: dict[int, torch.Tensor] = {}
+    Args:
+        cache: the filled feature cache.
+        seqs: the training sequences (all in ``cache``).
+        device, dtype: where and in which dtype :meth:`get` returns features.
+        budget_bytes: device memory kept for features across steps (0: read every time).
+    """
+
+    def __init__(self, cache, seqs: list[TrainSequence], device: torch.device, dtype: torch.dtype, budget_bytes: float):
+        self.disk, self.seqs, self.device, self.dtype, self.budget = cache, seqs, device, dtype, budget_bytes
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.bytes = 0
 
-    def get(self, idx: list[int]) -> list[torch.Tensor]:
-        missing = [i for i in dict.fromkeys(idx) if i not in self.cache]
-        fresh = {}
-        if missing:
-            # sort by length so padding stays small; batches of at most 8 sequences
-            order = sorted(missing, key=lambda i: len(self.seqs[i].ids))
-            for c in range(0, len(order), 8):
-                part = order[c : c + 8]
-                for i, f in zip(part, target_features(self.model, [self.seqs[i].ids for i in part], self.capture)):
-                    fresh[i] = f.to(self.dtype)
-            if self.cache_on:
-                for i, f in fresh.items():
-                    size = f.numel() * f.element_size()
-                    if self.bytes + size <= self.budget:
-                        self.cache[i] = f
-                        self.bytes += size
-        return [self.cache[i] if i in self.cache else fresh[i] for i in idx]
+    def get(self, idx: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per index, ``(features [S, F] in the compute dtype, predictions int64 [S])`` on the device."""
+        out = []
+        for i in idx:
+            hit = self.kept.get(i)
+            if hit is None:
+                f, p = self.disk.get(self.seqs[i].ids)
+                hit = (f.to(self.device, self.dtype), p.to(self.device))
+                size = hit[0].numel() * hit[0].element_size()
+                if self.bytes + size <= self.budget:
+                    self.kept[i] = hit
+                    self.bytes += size
+            out.append(hit)
+        return out
 
 
 @dataclass
@@ -300,8 +316,16 @@ def build_batch(
     mask_token_id: int,
     gen: torch.Generator,
     device: torch.device | str = "cpu",
+    preds: list[torch.Tensor] | None = None,
 ) -> Batch:
-    """Sample anchors and lay out one step's tensors (see :class:`Batch`)."""
+    """Sample anchors and lay out one step's tensors (see :class:`Batch`).
+
+    Slot ``k`` of the block anchored at ``a`` is labelled with the token at ``a + k`` (inside the
+    response). For a sequence with ``target_labels`` the label is instead the target's own
+    greedy choice there (``preds[i][a + k - 1]``, needed then), and only while the text follows
+    the target's greedy path from ``a + 1`` to ``a + k - 1`` (where it leaves the path, the
+    target's choice after it is unknown, so later slots are not supervised).
+    """
     N, B = len(seqs), block_size
     S = max(len(s.ids) for s in seqs)
     Fdim = feats[0].shape[-1]
@@ -323,7 +347,13 @@ def build_batch(
         inside = lp < L
         lpc = lp.clamp(max=L - 1)
         ok = inside & s.mask[lpc]
-        labels[i, :m] = torch.where(ok, s.ids[lpc], IGNORE)
+        if s.target_labels:
+            p = preds[i].cpu()
+            want = p[lpc - 1]  # the target's greedy token at a + k given the text before it
+            on_path = torch.cat([torch.ones(m, 1, dtype=torch.bool), (s.ids[lpc] == want)[:, :-1]], 1).cummin(1).values
+            labels[i, :m] = torch.where(ok & on_path, want, IGNORE)
+        else:
+            labels[i, :m] = torch.where(ok, s.ids[lpc], IGNORE)
     positions = torch.arange(S).expand(N, S).contiguous()
     return Batch(
         features.to(device, non_blocking=True),
@@ -387,10 +417,14 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
 @dataclass
 class StepStats:
+    """What one :func:`compute_loss` saw: its loss, accuracy per draft position, tau_est, the
+    supervised slots, and how many of their labels fell outside the draft vocabulary."""
+
     loss: float
     acc: list[float]
     tau_est: float
     supervised: int
+    outside_vocab: int = 0
 
 
 def compute_loss(
@@ -403,6 +437,7 @@ def compute_loss(
     ce_chunk: int = 256,
     vocab: torch.Tensor | None = None,
     reg_weight: float = 0.0,
+    drop_outside: bool = False,
 ) -> tuple[torch.Tensor, StepStats]:
     """Weighted same-position CE of one batch (see the module docstring).
 
@@ -412,8 +447,9 @@ def compute_loss(
         weights: ``[B-1]`` slot weights.
         amp: autocast dtype, or None for full fp32.
         vocab: optional sorted int64 ``[V']`` token ids: the softmax runs over these rows of
-            the LM head only (sampled softmax; every label must be in it, accuracy is then
-            measured within it).
+            the LM head only (a sampled softmax, or the drafter's draft vocabulary).
+        drop_outside: labels outside ``vocab`` are left out of the loss (and count as wrong
+            predictions in the accuracy); otherwise such a label is an error.
         reg_weight: weight of the relative-MSE pull of each supervised slot's hidden state
             towards the target's final normed hidden state at ``anchor + k - 1`` (the last
             ``hidden`` columns of ``batch.features``, which must come from the target's last
@@ -438,14 +474,18 @@ def compute_loss(
     rows = hidden[:, :, 1:][sup]  # [M, H]
     y = batch.labels[sup]
     w = weights.to(dev).expand_as(batch.labels)[sup]
-    denom = w.sum().clamp_min(1e-12)
-    W, idx = head_w, y
+    W, idx, w_ce = head_w, y, w
+    outside = 0
     if vocab is not None:  # labels become indices into the (sorted) subset
         idx = torch.searchsorted(vocab, y).clamp(max=len(vocab) - 1)
-        if not bool((vocab[idx] == y).all()):
+        inside = vocab[idx] == y
+        outside = int((~inside).sum())
+        if outside and not drop_outside:
             raise DFlashError("a label is outside the training vocabulary subset")
+        w_ce = w * inside  # a label the drafter can never draft teaches nothing
         W = head_w[vocab]
-    total, pred = _HeadCrossEntropy.apply(rows, W, idx, w, ce_chunk, amp or torch.float32)
+    denom = w_ce.sum().clamp_min(1e-12)
+    total, pred = _HeadCrossEntropy.apply(rows, W, idx, w_ce, ce_chunk, amp or torch.float32)
     if vocab is not None:
         pred = vocab[pred]
     loss = total / denom
@@ -469,7 +509,7 @@ def compute_loss(
             tau = 1.0 + float(run.mean())
         else:
             tau = float("nan")
-    return loss, StepStats(float(loss.detach()), acc, tau, int(sup.sum()))
+    return loss, StepStats(float(loss.detach()), acc, tau, int(sup.sum()), outside)
 
 
 # --------------------------------------------------------------------------------------------
@@ -539,17 +579,22 @@ def _rewrite_log(log: Path, upto: int) -> None:
     log.write_text("".join(k + "\n" for k in keep))
 
 
-def read_log(out_dir: str | os.PathLike) -> list[dict]:
-    """The records of ``out_dir/log.jsonl``."""
+def read_log(out_dir: str | os.PathLike, evals: bool = False) -> list[dict]:
+    """The step records of ``out_dir/log.jsonl`` (or, with ``evals``, its held-out evaluation
+    records ``{"step", "eval": {"loss", "acc", "tau_est", "supervised"}}``)."""
     log = Path(out_dir) / "log.jsonl"
     if not log.is_file():
         return []
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    recs = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    return [r for r in recs if ("eval" in r) == evals]
 
 
 def plot_loss(out_dir: str | os.PathLike) -> Path | None:
-    """Plot ``log.jsonl`` (loss with an EMA; tau_est and slot-1 accuracy) to ``loss.png``."""
+    """Plot ``log.jsonl`` to ``loss.png``: the training loss with an EMA (and the held-out loss),
+    tau_est and slot-1 accuracy of the training batches, and held-out accuracy at draft
+    positions 1-3 when the run evaluates on held-out sequences."""
     recs = read_log(out_dir)
+    evals = read_log(out_dir, evals=True)
     if not recs:
         return None
     import matplotlib
@@ -566,12 +611,22 @@ def plot_loss(out_dir: str | os.PathLike) -> Path | None:
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     a1.plot(steps, loss, lw=0.6, alpha=0.5, label="loss")
     a1.plot(steps, ema, lw=1.5, label="EMA 0.95")
+    if evals:
+        a1.plot([r["step"] for r in evals], [r["eval"]["loss"] for r in evals], "o-", ms=3, label="held-out")
     a1.set_ylabel("weighted CE")
     a1.set_yscale("log")
     a1.legend()
     a1.grid(alpha=0.3)
     a2.plot(steps, [r.get("tau_est", float("nan")) for r in recs], lw=0.8, label="tau_est (batch)")
     a2.plot(steps, [1 + r["acc"][0] if r.get("acc") else float("nan") for r in recs], lw=0.8, label="1 + acc slot 1")
+    for k in range(min(3, len(evals[0]["eval"]["acc"]) if evals else 0)):
+        a2.plot(
+            [r["step"] for r in evals],
+            [1 + r["eval"]["acc"][k] for r in evals],
+            "o-",
+            ms=3,
+            label=f"1 + held-out acc slot {k + 1}",
+        )
     a2.set_xlabel("step")
     a2.legend()
     a2.grid(alpha=0.3)
@@ -605,6 +660,31 @@ def _step_vocab(seen: torch.Tensor, negatives: int, gen: torch.Generator) -> tor
     rest = torch.nonzero(~seen).flatten()
     extra = rest[torch.randperm(rest.numel(), generator=gen)[:negatives]]
     return torch.cat([torch.nonzero(seen).flatten(), extra]).sort().values
+
+
+def evaluate(drafter, embed_w, head_w, batches: list[Batch], weights, amp, ce_chunk: int, vocab) -> dict:
+    """Loss, accuracy per draft position and tau_est over fixed held-out batches (no grad),
+    each averaged over the batches weighted by their supervised slots."""
+    total, acc, tau, tau_w, loss = 0, None, 0.0, 0, 0.0
+    with torch.no_grad():
+        for b in batches:
+            _, st = compute_loss(
+                drafter, embed_w, head_w, b, weights, amp, ce_chunk, vocab, drop_outside=vocab is not None
+            )
+            n = st.supervised
+            total += n
+            loss += st.loss * n
+            acc = [a * n for a in st.acc] if acc is None else [x + a * n for x, a in zip(acc, st.acc)]
+            if st.tau_est == st.tau_est:  # NaN: no fully supervised block in this batch
+                tau += st.tau_est * n
+                tau_w += n
+    total = max(total, 1)
+    return {
+        "loss": round(loss / total, 5),
+        "acc": [round(a / total, 4) for a in acc or []],
+        "tau_est": round(tau / tau_w, 4) if tau_w else float("nan"),
+        "supervised": total,
+    }
 
 
 def _step_generator(seed: int, step: int) -> torch.Generator:
@@ -650,6 +730,16 @@ def train(
     for stale in out.glob(".*.partial-*"):  # left by a killed run (atomic_dir cleans up otherwise)
         shutil.rmtree(stale, ignore_errors=True)
 
+    seqs = prepare_sequences(samples, tcfg.vocab_size, cfg.max_seq_len)
+    held: list[TrainSequence] = []
+    if cfg.holdout > 0:  # a fixed random share, never trained on
+        order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(cfg.seed + 12345)).tolist()
+        n_held = max(1, round(cfg.holdout * len(seqs)))
+        if n_held >= len(seqs):
+            raise DFlashError(f"holdout {cfg.holdout} leaves no sequence to train on ({len(seqs)} in all)")
+        held = [seqs[i] for i in sorted(order[:n_held])]
+        seqs = [seqs[i] for i in sorted(order[n_held:])]
+
     start = 0
     state = None
     if ckpts:
@@ -672,6 +762,9 @@ def train(
             seed=cfg.seed,
             target_layer_ids=list(cfg.target_layer_ids) if cfg.target_layer_ids else None,
             sliding_window=cfg.sliding_window,
+            draft_token_ids=None
+            if cfg.draft_vocab is None
+            else top_tokens(token_counts(((s.ids, s.mask) for s in seqs), tcfg.vocab_size), cfg.draft_vocab),
         )
         with torch.no_grad():  # the drafter's output feeds the target's LM head, like the target's final norm
             drafter.norm.weight.copy_(model.norm.weight.float())
@@ -690,12 +783,19 @@ def train(
     drafter = drafter.to(dev).float().train()
     model.requires_grad_(False)
 
-    seqs = prepare_sequences(samples, tcfg.vocab_size, cfg.max_seq_len)
     amp = None if cfg.autocast == "fp32" else parse_dtype(cfg.autocast)
-    feat_dtype = amp or torch.float32
-    store = FeatureStore(
-        model, seqs, dcfg.target_layer_ids, feat_dtype, cfg.cache_features, cfg.feature_cache_gb * 2**30
+    cache = FeatureCache(
+        cfg.feature_cache or out / "feature-cache",
+        str(target.path),
+        dcfg.target_layer_ids,
+        model.embed.weight.dtype,
+        tcfg.hidden_size,
     )
+    cache.fill(model, [s.ids for s in seqs + held], progress=cfg.progress)
+    store = FeatureStore(cache, seqs, dev, amp or torch.float32, cfg.feature_cache_gb * 2**30)
+    draft_ids = drafter.draft_token_ids()
+    if draft_ids is not None and cfg.head_vocab == "seen":
+        raise DFlashError("head_vocab 'seen' (a sampled softmax) and a draft vocabulary exclude each other")
     embed_w = model.embed.weight.detach()
     head_w = model.lm_head.weight.detach()
     if amp is not None:
@@ -735,6 +835,31 @@ def train(
     }
     (out / "train_config.json").write_text(json.dumps(effective, indent=2, default=str) + "\n")
 
+    eval_batches = []
+    if held:  # fixed blocks of the held-out sequences: the same ones at every evaluation
+        g = torch.Generator().manual_seed(cfg.seed + 999)
+        for c in range(0, len(held), cfg.batch):
+            part = held[c : c + cfg.batch]
+            got = [cache.get(s.ids) for s in part]
+            eval_batches.append(
+                build_batch(
+                    part,
+                    [f.to(dev, amp or torch.float32) for f, _ in got],
+                    min(cfg.anchors_per_seq, 64),
+                    B,
+                    dcfg.mask_token_id,
+                    g,
+                    dev,
+                    preds=[p for _, p in got],
+                )
+            )
+
+    def run_eval(logf) -> None:
+        if eval_batches:
+            ev = evaluate(drafter, embed_w, head_w, eval_batches, weights, amp, cfg.ce_chunk, draft_ids)
+            logf.write(json.dumps({"step": step, "eval": ev}) + "\n")
+            logf.flush()
+
     end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
     step = start
     last_saved = start
@@ -762,24 +887,34 @@ def train(
                         for g in opt.param_groups:
                             g["lr"] = cfg.lr * schedule(min(at, cfg.steps - 1))
                     idx = _batch_indices(step, cfg.batch, len(seqs), cfg.seed)
-                    feats = store.get(idx)
+                    got = store.get(idx)
                     t1 = time.perf_counter()
                     batch = build_batch(
                         [seqs[i] for i in idx],
-                        feats,
+                        [f for f, _ in got],
                         cfg.anchors_per_seq,
                         B,
                         dcfg.mask_token_id,
                         _step_generator(cfg.seed, step),
                         dev,
+                        preds=[p for _, p in got],
                     )
                     vocab = (
-                        None
+                        draft_ids
                         if seen is None
                         else _step_vocab(seen, cfg.head_negatives, _step_generator(cfg.seed + 1, step)).to(dev)
                     )
                     loss, st = compute_loss(
-                        drafter, embed_w, head_w, batch, weights, amp, cfg.ce_chunk, vocab, cfg.reg_weight
+                        drafter,
+                        embed_w,
+                        head_w,
+                        batch,
+                        weights,
+                        amp,
+                        cfg.ce_chunk,
+                        vocab,
+                        cfg.reg_weight,
+                        drop_outside=draft_ids is not None,
                     )
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
@@ -802,6 +937,7 @@ def train(
                         "acc": [round(a, 4) for a in st.acc],
                         "tokens": batch.tokens,
                         "supervised": st.supervised,
+                        "outside_vocab": st.outside_vocab,
                         "blocks": int(batch.anchors.numel()),
                         "step_s": round(dt, 4),
                         "target_s": round(t1 - t0, 4),
@@ -812,6 +948,8 @@ def train(
                     bar.set_postfix(loss=f"{st.loss:.3f}", tau=f"{st.tau_est:.2f}", lr=f"{lr:.1e}", refresh=False)
                     bar.update(1)
                     out_of_time = max_s is not None and time.perf_counter() - t_run >= max_s
+                    if step % cfg.eval_every == 0 or step == end or out_of_time:
+                        run_eval(logf)
                     if step % cfg.save_every == 0 or step == end or out_of_time:
                         _save_checkpoint(out, step, drafter, opt, sched, cfg)
                         plot_loss(out)
