@@ -177,6 +177,37 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             c.add_argument("--target-config", help="an HF config.json: plan for that shape (no weights needed)")
 
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (vLLM's wire format) on the runtime")
+    sv.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
+    sv.add_argument("--drafter", help="z-lab DFlash drafter dir (default: the default target's drafter)")
+    sv.add_argument("--engine", help="engine directory from `dflash-trt build` (instead of --target/--drafter)")
+    sv.add_argument("--fp8-gemm", action="store_true", help="with --engine: FP8 linears as FP8 GEMMs")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--model-name", help="the model id clients use (default: the target directory's name)")
+    _engine_flags(sv)
+    sv.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: fp32, or the engine's)")
+    sv.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
+    sv.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+
+    tr = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository serving the runtime")
+    tr.add_argument("--out", required=True, help="model repository to create")
+    tr.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
+    tr.add_argument("--drafter", help="z-lab DFlash drafter dir (default: the default target's drafter)")
+    tr.add_argument("--engine", help="engine directory from `dflash-trt build` (instead of --target/--drafter)")
+    tr.add_argument("--fp8-gemm", action="store_true", help="with --engine: FP8 linears as FP8 GEMMs")
+    tr.add_argument("--model-name", help="the model id reported to clients (default: the target directory's name)")
+    tr.add_argument("--instances", type=int, default=1, help="model instances (each its own engine)")
+    _engine_flags(tr)
+    tr.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: fp32, or the engine's)")
+    tr.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
+
+    ts = sub.add_parser("triton-serve", help="run tritonserver (from the nvidia-pytriton wheel) on a repository")
+    ts.add_argument("--repo", required=True, help="model repository from `dflash-trt triton-repo`")
+    ts.add_argument("--http-port", type=int, default=8001)
+    ts.add_argument("--grpc-port", type=int, default=8002)
+    ts.add_argument("--metrics-port", type=int, default=8003)
+
     pk = sub.add_parser("pack", help="pack the model (in parts) and the prompt sets for an offline GPU training run")
     pk.add_argument("--out", required=True, help="pack folder to create (see scripts/gpu_train.sh)")
     pk.add_argument("--model-file", help="the target as one file, e.g. a .gguf (default: the SmolLM2 GGUF)")
@@ -589,6 +620,93 @@ def cmd_train(args) -> None:
     print(f"wrote {out}")
 
 
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    """The runtime engine's knobs (serving)."""
+    p.add_argument("--block-size", type=int, default=None, help="most tokens per verify block (default: the drafter's)")
+    p.add_argument("--no-adaptive", action="store_true", help="always draft block_size - 1 tokens")
+    p.add_argument("--max-batch-size", type=int, default=64, help="most running sequences")
+    p.add_argument("--max-num-tokens", type=int, default=2048, help="most target tokens per iteration")
+    p.add_argument("--tokens-per-block", type=int, default=32, help="KV-cache block size in positions")
+    p.add_argument("--kv-capacity", type=int, default=None, help="KV positions (default: engine plan or 65536)")
+
+
+def _serve_config(args):
+    from .serving.service import ServeConfig
+
+    return ServeConfig(
+        target=args.target,
+        drafter=args.drafter,
+        engine=args.engine,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        adaptive=not args.no_adaptive,
+        max_batch_size=args.max_batch_size,
+        max_num_tokens=args.max_num_tokens,
+        tokens_per_block=args.tokens_per_block,
+        kv_capacity=args.kv_capacity,
+        model_name=args.model_name,
+        fp8_gemm=args.fp8_gemm,
+    )
+
+
+def cmd_serve(args) -> None:
+    import socket
+
+    try:
+        import uvicorn
+
+        from .serving.openai_api import build_app
+        from .serving.service import EngineService
+    except ImportError as e:
+        raise DFlashError(f"serve needs fastapi, uvicorn and prometheus_client (pip install them): {e}") from None
+    if not 0 < args.port < 65536:
+        raise DFlashError(f"--port must be 1..65535, got {args.port}")
+    with socket.socket() as s:  # fail early and in one line when the address is taken
+        try:
+            s.bind((args.host, args.port))
+        except OSError as e:
+            raise DFlashError(f"cannot listen on {args.host}:{args.port} ({e.strerror})") from None
+    _setup_threads(args.threads)
+    service = EngineService(_serve_config(args))
+    print(
+        f"serving {service.model_name} ({service.dtype}, {service.device}) on http://{args.host}:{args.port}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        uvicorn.run(build_app(service), host=args.host, port=args.port, log_level="warning")
+    finally:
+        service.close()
+
+
+def cmd_triton_repo(args) -> None:
+    from .serving.triton_repo import write_repo
+
+    args.host = args.port = None
+    out = write_repo(args.out, _serve_config(args), args.max_batch_size, args.instances)
+    print(f"wrote {out} (model dflash); start it with: dflash-trt triton-serve --repo {out}")
+
+
+def cmd_triton_serve(args) -> None:
+    from .serving.triton_repo import start_server
+
+    proc = start_server(args.repo, args.http_port, args.grpc_port, args.metrics_port)
+    print(
+        f"tritonserver ready: HTTP http://127.0.0.1:{args.http_port}, gRPC 127.0.0.1:{args.grpc_port}, "
+        f"metrics http://127.0.0.1:{args.metrics_port}/metrics (Ctrl-C stops it)",
+        flush=True,
+    )
+    try:
+        proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        proc.wait(30)
+        raise
+    if proc.returncode:
+        raise DFlashError(f"tritonserver exited with status {proc.returncode}")
+
+
 def cmd_text_data(args) -> None:
     from .checkpoints.loader import load_target
     from .prompts import sharegpt_conversations
@@ -666,6 +784,9 @@ COMMANDS = {
     "distill": cmd_distill,
     "train": cmd_train,
     "text-data": cmd_text_data,
+    "serve": cmd_serve,
+    "triton-repo": cmd_triton_repo,
+    "triton-serve": cmd_triton_serve,
     "pack": cmd_pack,
     "unpack": cmd_unpack,
 }

@@ -11,12 +11,12 @@ import pytest
 from helpers import error_line, run
 
 from dflash_trt.bench.load import (
-    DEFAULT_KV_CAPACITY,
     LoadConfig,
     arrival_times,
     drive,
     kv_capacity_for,
 )
+from dflash_trt.checkpoints.engine import DEFAULT_KV_CAPACITY
 from dflash_trt.runtime.engine import EngineConfig, LLMEngine
 from dflash_trt.runtime.executor import first_divergence, top2_margin
 from dflash_trt.runtime.request import Request

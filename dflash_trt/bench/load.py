@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..atomic import write_json
-from ..checkpoints.engine import load_models, read_manifest
+from ..checkpoints.engine import kv_capacity, load_models
 from ..checkpoints.loader import parse_device, parse_dtype
 from ..errors import DFlashError
 from ..prompts import DATASETS, chat_prompt_ids
@@ -52,7 +52,6 @@ from .runner import BenchConfig, device_name
 
 #: KV capacity (tokens) when neither ``kv_capacity`` nor an engine memory plan says otherwise,
 #: and the cap applied to an engine plan's capacity
-DEFAULT_KV_CAPACITY = 65536
 
 MODES = ("dflash", "ar")
 
@@ -121,18 +120,8 @@ class LoadConfig(BenchConfig):
 
 
 def kv_capacity_for(cfg: LoadConfig) -> tuple[int, str]:
-    """``(KV capacity in tokens, where it came from)``."""
-    if cfg.kv_capacity is not None:
-        return cfg.kv_capacity, "--kv-capacity"
-    if cfg.engine:
-        plan = read_manifest(cfg.engine).get("memory_plan") or {}
-        cap = plan.get("kv_token_capacity")
-        if isinstance(cap, int) and cap > 0:
-            if cap > DEFAULT_KV_CAPACITY:
-                return DEFAULT_KV_CAPACITY, f"engine memory plan: {cap:,} tokens, capped at {DEFAULT_KV_CAPACITY:,}"
-            return cap, "engine memory plan"
-        return DEFAULT_KV_CAPACITY, "default (engine.json has no memory plan KV capacity)"
-    return DEFAULT_KV_CAPACITY, "default"
+    """``(KV capacity in tokens, where it came from)`` (:func:`~dflash_trt.checkpoints.engine.kv_capacity`)."""
+    return kv_capacity(cfg.engine, cfg.kv_capacity)
 
 
 def arrival_times(n: int, rate: float | None, seed: int) -> list[float]:

@@ -28,6 +28,31 @@ ENGINE_FORMAT = "dflash-trt-engine"
 ENGINE_VERSION = 1
 
 
+#: KV positions an engine gets when nothing says otherwise (bench, serve)
+DEFAULT_KV_CAPACITY = 65536
+
+
+def kv_capacity(engine_dir: str | Path | None, requested: int | None) -> tuple[int, str]:
+    """``(KV capacity in tokens, where it came from)``: ``requested`` when given, else the
+    engine directory's memory-plan capacity capped at :data:`DEFAULT_KV_CAPACITY`, else that
+    default.
+
+    Raises:
+        DFlashError: an unreadable engine manifest.
+    """
+    if requested is not None:
+        return requested, "--kv-capacity"
+    if engine_dir:
+        plan = read_manifest(engine_dir).get("memory_plan") or {}
+        cap = plan.get("kv_token_capacity")
+        if isinstance(cap, int) and cap > 0:
+            if cap > DEFAULT_KV_CAPACITY:
+                return DEFAULT_KV_CAPACITY, f"engine memory plan: {cap:,} tokens, capped at {DEFAULT_KV_CAPACITY:,}"
+            return cap, "engine memory plan"
+        return DEFAULT_KV_CAPACITY, "default (engine.json has no memory plan KV capacity)"
+    return DEFAULT_KV_CAPACITY, "default"
+
+
 def read_manifest(engine_dir: str | Path) -> dict:
     """``engine.json`` of an engine directory.
 

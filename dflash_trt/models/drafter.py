@@ -153,7 +153,7 @@ class DFlashDrafter(nn.Module):
             ``[B, K, hidden]`` final normed hidden states of the block.
         """
         ctx = self.hidden_norm(self.fc(ctx_features))
-        cos, sin = self.rope(meta.positions, block_embeds.dtype)
+        cos, sin = self.rope(meta.positions, block_embeds.dtype, meta.max_position)
         x = block_embeds
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, cos, sin, kv_cache[i], meta)

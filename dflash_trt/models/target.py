@@ -121,7 +121,7 @@ class TargetModel(nn.Module):
                 then needs only ``max(capture) + 1`` layers).
         """
         x = self.embed(input_ids)
-        cos, sin = self.rope(meta.positions, x.dtype)
+        cos, sin = self.rope(meta.positions, x.dtype, meta.max_position)
         captured = {}
         wanted = set(capture)
         last = len(self.layers) - 1

@@ -32,7 +32,7 @@ from .block_manager import BlockManager
 from .model_runner import ModelRunner, StepItem, StepPlan
 from .request import LoopStats, Request, RequestOutput
 from .sampling import accepted_lengths, choose_tokens
-from .scheduler import Schedule, Scheduler, Sequence, TokenCallback
+from .scheduler import Schedule, Scheduler, Sequence, TokenCallback, callback, log
 
 
 @dataclass
@@ -118,6 +118,7 @@ class LLMEngine:
         self._aborts: set[int] = set()
         self._release: list[int] = []
         self._lock = threading.RLock()  # step() holds it; add_request / abort may come from other threads
+        self._listeners: list[Callable[[RequestOutput, int], None]] = []
         if self.controller is not None:
             self.calibrate()
 
@@ -127,12 +128,13 @@ class LLMEngine:
         request: Request,
         on_tokens: TokenCallback | None = None,
         seq_id: int | None = None,
-        on_finish: Callable[[int], None] | None = None,
+        on_finish: Callable[[int, RequestOutput], None] | None = None,
     ) -> int:
         """Queue a request; returns its sequence id. ``on_tokens(seq_id, tokens)`` is called
-        with every batch of committed tokens, ``on_finish(seq_id)`` once when it ends (finished
-        or aborted; the engine then forgets it, otherwise :meth:`result` collects it). Both run
-        on the thread that steps the engine.
+        with every batch of committed tokens, ``on_finish(seq_id, output)`` once when it ends
+        (finished or aborted) with its :class:`RequestOutput` (the engine then forgets it;
+        without ``on_finish``, :meth:`result` collects it). Both run on the thread that steps
+        the engine.
 
         Raises:
             DFlashError: empty prompt, ``max_new_tokens < 1``, more KV than the whole cache.
@@ -156,9 +158,17 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting or self._aborts)
 
+    def add_finish_listener(self, fn: Callable[[RequestOutput, int], None]) -> None:
+        """Call ``fn(output, prompt_tokens)`` for every request that ends (aborted ones too), on
+        the thread that steps the engine (serving metrics)."""
+        self._listeners.append(fn)
+
     def result(self, seq_id: int) -> RequestOutput:
         """The output of a finished sequence (removes it from the engine)."""
-        s = self._seqs.pop(seq_id)
+        return self._output(self._seqs.pop(seq_id))
+
+    @staticmethod
+    def _output(s: Sequence) -> RequestOutput:
         end = s.finish_s or s.arrival_s
         first = s.first_token_s or end  # an abort before any token
         return RequestOutput(
@@ -168,6 +178,7 @@ class LLMEngine:
             first - s.arrival_s,
             end - s.arrival_s,
             s.draft_lengths,
+            s.accepted_lengths,
         )
 
     # ---- the iteration ----
@@ -175,9 +186,24 @@ class LLMEngine:
         self.scheduler.remove(seq)
         self._release.append(seq.seq_id)
         done.append(seq)
-        if seq.on_finish is not None:
-            seq.on_finish(seq.seq_id)
-            self._seqs.pop(seq.seq_id, None)  # streamed: nobody collects a result
+        if self._listeners:
+            out = self._output(seq)
+            for fn in self._listeners:
+                callback(fn, out, seq.prompt_len)
+        if seq.on_finish is not None:  # streamed: the callback gets the result, nobody collects it
+            callback(seq.on_finish, seq.seq_id, self.result(seq.seq_id))
+
+    def fail_all(self) -> int:
+        """End every queued and running request with finish reason ``error`` (after an
+        iteration failed: out of memory, a device error); their KV blocks are freed and their
+        callbacks run. Returns how many."""
+        with self._lock:
+            seqs = [s for s in self._seqs.values() if not s.finished]
+            now = time.perf_counter()
+            for s in seqs:
+                s.finish_reason, s.finish_s = "error", now
+                self._finish(s, [])
+            return len(seqs)
 
     def _run(self, plan: StepPlan):
         if self.tp is not None:
@@ -205,7 +231,9 @@ class LLMEngine:
         else:
             nd = self.block_size - 1
         sched = self.scheduler.schedule(1 if probe else 1 + nd)
-        plan = self._plan(sched, [nd] if probe else [nd] * len(sched.decode))
+        caps = [s.request.max_draft_tokens for s in sched.decode]
+        drafts = [nd if c is None else min(nd, c) for c in caps[: 1 if probe else len(caps)]]
+        plan = self._plan(sched, drafts)
         if not plan.items:
             if plan.release:
                 self._run(plan)  # let the other ranks drop released state
@@ -258,9 +286,14 @@ class LLMEngine:
                 ctl.draft_cost.observe(sum(1 for it in plan.items if it.num_draft), out.draft_s)
 
         def choice(i: int, s: Sequence) -> list[int]:  # the target's token after each logits row
-            if s.request.sampling.greedy and out.argmax:
+            early = s.request.min_new_tokens - len(s.output)  # rows before the minimum length
+            if s.request.sampling.greedy and out.argmax and (early <= 0 or not s.stops):
                 return out.argmax[i]
-            return choose_tokens(out.logits[i], s.request.sampling, s.generator).tolist()
+            logits = out.logits[i]
+            if early > 0 and s.stops:
+                logits = logits.clone()
+                logits[:early, list(s.stops)] = float("-inf")
+            return choose_tokens(logits, s.request.sampling, s.generator).tolist()
 
         n_prefill = len(sched.prefill)
         for i, (s, n) in enumerate(sched.prefill):
@@ -281,6 +314,7 @@ class LLMEngine:
             kept = s.commit(drafts[:acc] + [choice_l[acc]])
             s.commit_lengths.append(len(kept))
             s.draft_lengths.append(len(drafts))
+            s.accepted_lengths.append(acc)
             s.num_cached += acc + 1
             st.record_verify(len(drafts), acc, len(kept))
             if ctl is not None and drafts:
@@ -365,30 +399,59 @@ class AsyncLLM:
     def _loop(self) -> None:
         while not self._stop:
             if self.engine.has_unfinished():
-                self.engine.step()
+                try:
+                    self.engine.step()
+                except Exception:  # keep serving: the requests in flight end with an error
+                    log.exception("an engine iteration failed")
+                    self.engine.fail_all()
             else:
                 self._wake.wait(0.05)
                 self._wake.clear()
 
-    async def generate(self, request: Request) -> AsyncIterator[list[int]]:
+    async def stream(self, request: Request) -> AsyncIterator[list[int] | RequestOutput]:
+        """Each batch of committed tokens as a list, then the :class:`RequestOutput` (finish
+        reason, per-step draft / accepted lengths) last. Leaving early aborts the request.
+
+        Raises:
+            DFlashError: the request is invalid (empty prompt, more KV than the whole cache, ...).
+        """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        end = object()
         sid = self.engine.add_request(
             request,
             on_tokens=lambda _sid, toks: loop.call_soon_threadsafe(queue.put_nowait, list(toks)),
-            on_finish=lambda _sid: loop.call_soon_threadsafe(queue.put_nowait, end),
+            on_finish=lambda _sid, out: loop.call_soon_threadsafe(queue.put_nowait, out),
         )
         self._wake.set()
         finished = False
         try:
-            while (item := await queue.get()) is not end:
+            while not isinstance(item := await queue.get(), RequestOutput):
                 yield item
             finished = True
+            yield item
         finally:
             if not finished:
                 self.engine.abort(sid)
                 self._wake.set()
+
+    def submit(
+        self,
+        request: Request,
+        on_tokens: TokenCallback | None = None,
+        on_finish: Callable[[int, RequestOutput], None] | None = None,
+        seq_id: int | None = None,
+    ) -> int:
+        """Queue a request with callbacks (run on the engine thread) and wake the loop; returns
+        its sequence id (see :meth:`LLMEngine.add_request`)."""
+        sid = self.engine.add_request(request, on_tokens, seq_id=seq_id, on_finish=on_finish)
+        self._wake.set()
+        return sid
+
+    async def generate(self, request: Request) -> AsyncIterator[list[int]]:
+        """Each batch of committed tokens (see :meth:`stream`)."""
+        async for item in self.stream(request):
+            if isinstance(item, list):
+                yield item
 
     def close(self) -> None:
         self._stop = True

@@ -124,11 +124,13 @@ def _packed_meta(
     qpos = torch.zeros(S, tq, dtype=torch.long)
     qidx = torch.zeros(S, tq, dtype=torch.long)
     qvalid = torch.zeros(S, tq, dtype=torch.bool)
+    rows = []
     for i, (t, e, q0, m) in enumerate(zip(tables, ends, query_from, qlen)):
         read[i, :e] = slots_of(t, keys[:e], tpb)
         qpos[i, :m] = torch.arange(e - m, e)
         qidx[i, :m] = torch.arange(q0, q0 + m)
         qvalid[i, :m] = True
+        rows.append(torch.arange(i * tq, i * tq + m))
     n_queries = sum(qlen)
     qidx[~qvalid] = n_queries
     end_t = torch.tensor(ends).view(S, 1, 1)
@@ -147,6 +149,8 @@ def _packed_meta(
         read_slots=to(read),
         query_index=to(qidx),
         query_valid=to(qvalid),
+        query_rows=to(torch.cat(rows)),
+        max_position=kv_len - 1,
     )
 
 

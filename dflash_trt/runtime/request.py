@@ -17,12 +17,18 @@ class Request:
         sampling: temperature / top-p / top-k / seed.
         stop_token_ids: generation ends after any of these (included in the output); None uses
             the target's EOS ids.
+        max_draft_tokens: most draft tokens this request verifies per step (Triton's
+            ``num_draft_tokens``; 0 = plain decoding); None: as many as the engine chooses.
+        min_new_tokens: the stop tokens cannot be chosen before this many tokens (their logits
+            are masked at those positions, as ``min_tokens`` does in vLLM / TensorRT-LLM).
     """
 
     prompt_ids: list[int]
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: tuple[int, ...] | None = None
+    max_draft_tokens: int | None = None
+    min_new_tokens: int = 0
 
 
 @dataclass
@@ -31,11 +37,13 @@ class RequestOutput:
 
     Attributes:
         output_ids: generated token ids (stop token included when one ended it).
-        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` (cancelled).
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` (cancelled) or ``"error"`` (an
+            iteration failed; see :meth:`~dflash_trt.runtime.engine.LLMEngine.fail_all`).
         commit_lengths: tokens committed by each verify step (bonus token included).
         ttft_s: seconds from the request's arrival (``add_request``) to its first token.
         latency_s: seconds from its arrival to its last token.
         draft_lengths: draft tokens verified at each of its verify steps (0 = plain step).
+        accepted_lengths: draft tokens accepted at each of those steps.
     """
 
     output_ids: list[int]
@@ -44,6 +52,17 @@ class RequestOutput:
     ttft_s: float
     latency_s: float
     draft_lengths: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def spec_counts(self) -> tuple[int, int, int, list[int]]:
+        """``(drafting steps, draft tokens, accepted draft tokens, accepted per position)`` of
+        this request (vLLM's ``spec_decode_*`` counters; position ``i`` counts the steps that
+        accepted more than ``i`` drafts)."""
+        steps = [(d, a) for d, a in zip(self.draft_lengths, self.accepted_lengths) if d]
+        width = max((d for d, _ in steps), default=0)
+        per_pos = [sum(1 for _, a in steps if a > i) for i in range(width)]
+        return len(steps), sum(d for d, _ in steps), sum(a for _, a in steps), per_pos
 
 
 @dataclass
@@ -57,6 +76,7 @@ class LoopStats:
 
     block_size: int
     verify_steps: int = 0
+    drafting_steps: int = 0
     committed: int = 0
     draft_tokens: int = 0
     reached: list[int] = field(default_factory=list)
@@ -79,6 +99,7 @@ class LoopStats:
         """One verify step of one sequence: ``accepted`` of ``num_draft`` drafts taken,
         ``committed`` tokens kept (bonus included, after stop / length cuts)."""
         self.verify_steps += 1
+        self.drafting_steps += num_draft > 0
         self.committed += committed
         self.draft_tokens += num_draft
         for k in range(min(accepted + 1, num_draft)):
@@ -97,6 +118,7 @@ class LoopStats:
     def merge(self, other: LoopStats) -> None:
         for name in (
             "verify_steps",
+            "drafting_steps",
             "committed",
             "draft_tokens",
             "draft_s",

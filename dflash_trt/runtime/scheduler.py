@@ -11,6 +11,7 @@ Requests join (``add``) and leave (finish, ``abort``) between iterations. Each i
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -23,6 +24,16 @@ from .block_manager import BlockManager
 from .request import Request
 
 TokenCallback = Callable[[int, list[int]], None]
+log = logging.getLogger("dflash_trt.runtime")
+
+
+def callback(fn: Callable, *args) -> None:
+    """Call a caller's callback; an exception in it is logged, never raised into the engine
+    (a broken client must not stop the other requests)."""
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("a request callback failed")
 
 
 @dataclass
@@ -43,13 +54,14 @@ class Sequence:
     stops: frozenset[int]
     generator: torch.Generator | None
     on_tokens: TokenCallback | None = None
-    on_finish: Callable[[int], None] | None = None
+    on_finish: Callable[[int, object], None] | None = None
     arrival_s: float = field(default_factory=time.perf_counter)
     tokens: list[int] = field(default_factory=list)
     num_cached: int = 0
     output: list[int] = field(default_factory=list)
     commit_lengths: list[int] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     first_token_s: float | None = None
     finish_s: float | None = None
@@ -90,7 +102,7 @@ class Sequence:
         if self.finish_reason is not None:
             self.finish_s = now
         if self.on_tokens is not None and toks:
-            self.on_tokens(self.seq_id, toks)
+            callback(self.on_tokens, self.seq_id, toks)
         return toks
 
 

@@ -1,0 +1,316 @@
+"""The OpenAI-compatible HTTP API on FastAPI, in vLLM's wire format
+(``vllm/entrypoints/openai/``; ../shared/SERVING.md "OpenAI-compatible server").
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the target's chat template),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus, vLLM's metric names).
+
+- Streaming: ``data: <chunk>\\n\\n`` events then ``data: [DONE]``; the first chat chunk carries
+  ``delta: {"role": "assistant", "content": ""}``; ``stream_options.include_usage`` adds a last
+  chunk with ``choices: []`` and ``usage``, ``continuous_usage_stats`` puts the running usage on
+  every chunk.
+- Sampling: ``temperature`` (default 1.0, as OpenAI), ``top_p``, ``top_k`` (vLLM's), ``seed``,
+  ``max_tokens`` (chat: also ``max_completion_tokens``), ``stop`` (strings), ``stop_token_ids``,
+  ``ignore_eos``; ``n`` must be 1. Fields we do not know are logged and ignored.
+- Errors: ``{"error": {"message", "type", "param", "code"}}`` with 400 for a bad request (bad
+  JSON, bad values, a prompt the KV cache cannot hold), 404 for an unknown model; once a stream
+  has started an error is sent as a ``data: {"error": ...}`` event, then ``[DONE]``.
+- A client that disconnects aborts its request (its KV blocks are freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import DFlashError
+from ..runtime.sampling import SamplingParams
+from .service import Delta, EngineService, Finished
+
+log = logging.getLogger("dflash_trt.serving")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints take."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = 16
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, kind: str = "BadRequestError"):
+        super().__init__(message)
+        self.message, self.status, self.param, self.kind = message, status, param, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def build_app(service: EngineService) -> FastAPI:
+    """The FastAPI application serving ``service``'s model."""
+    app = FastAPI(title="dflash-trt", version="0.1.0")
+    name = service.model_name
+
+    @app.exception_handler(APIError)
+    async def _api_error(_req, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            return JSONResponse(APIError(f"malformed JSON: {first.get('msg', '')}", 400).body(), status_code=400)
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+        msg = first.get("msg", "invalid request")
+        return JSONResponse(APIError(f"{where}: {msg}" if where else msg, 400, where).body(), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "dflash-trt",
+                    "max_model_len": service.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(service.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def prepare(body: _Common, prompt_ids: list[int], max_tokens: int | None):
+        extra = sorted((body.model_extra or {}).keys())
+        if extra:
+            log.info("ignoring unsupported request fields: %s", ", ".join(extra))
+        if body.model is not None and body.model != name:
+            raise APIError(f"The model `{body.model}` does not exist.", 404, "model", "NotFoundError")
+        if body.n != 1:
+            raise APIError(f"n = {body.n} is not supported: dflash-trt returns one choice per request", 400, "n")
+        if max_tokens is None:
+            max_tokens = service.max_model_len - len(prompt_ids)
+        try:
+            sampling = SamplingParams(body.temperature, body.top_p, body.top_k, body.seed)
+            req = service.request(prompt_ids, max_tokens, sampling, body.ignore_eos, body.stop_token_ids)
+        except DFlashError as e:
+            raise APIError(str(e), 400) from None
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        return req, stop
+
+    async def run(http: Request, req, stop, chat: bool, body: _Common):
+        """Non-streaming: the whole answer (the request is aborted if the client leaves)."""
+        text, fin = [], None
+
+        async def collect():
+            nonlocal fin
+            async for ev in service.stream(req, stop):
+                if isinstance(ev, Delta):
+                    text.append(ev.text)
+                else:
+                    fin = ev
+
+        task = asyncio.ensure_future(collect())
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.1)
+            if not done and await http.is_disconnected():
+                task.cancel()  # leaving the stream aborts the request in the engine
+                break
+        await asyncio.gather(task, return_exceptions=True)
+        if fin is None:
+            return Response(status_code=499)
+        if fin.reason == "error":
+            raise APIError("the engine failed on this request; see the server log", 500, None, "InternalServerError")
+        return "".join(text), fin
+
+    def reason(fin: Finished) -> str:
+        return "length" if fin.reason == "length" else "stop"
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request):
+        p = body.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str):
+            if len(p) != 1:
+                raise APIError("a list of several prompts is not supported: send one prompt per request", 400, "prompt")
+            p = p[0]
+        prompt_ids = service.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        req, stop = prepare(body, prompt_ids, body.max_tokens)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = p if body.echo and isinstance(p, str) else ""
+
+        def chunk(text: str, finish: str | None, usage: dict | None = None) -> dict:
+            out = {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": name,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            }
+            if usage is not None:
+                out["usage"] = usage
+            return out
+
+        if body.stream:
+            return StreamingResponse(
+                _stream(service, req, stop, body, chunk, head, len(prompt_ids), None), media_type="text/event-stream"
+            )
+        got = await run(http, req, stop, False, body)
+        if isinstance(got, Response):
+            return got
+        text, fin = got
+        return chunk(head + text, reason(fin), _usage(len(prompt_ids), fin.completion_tokens))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, http: Request):
+        from ..prompts import chat_prompt_ids
+
+        messages = []
+        for m in body.messages:
+            content = m.content
+            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+                if any(part.get("type") != "text" for part in content):
+                    raise APIError("only text content parts are supported", 400, "messages")
+                content = "".join(part.get("text", "") for part in content)
+            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        try:
+            prompt_ids = chat_prompt_ids(service.tokenizer, messages)
+        except DFlashError as e:
+            raise APIError(str(e), 400, "messages") from None
+        req, stop = prepare(body, prompt_ids, body.max_completion_tokens or body.max_tokens)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(text: str, finish: str | None, usage: dict | None = None, first: bool = False) -> dict:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            out = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": name,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            }
+            if usage is not None:
+                out["usage"] = usage
+            return out
+
+        if body.stream:
+            first = chunk("", None, first=True)
+            return StreamingResponse(
+                _stream(service, req, stop, body, chunk, "", len(prompt_ids), first), media_type="text/event-stream"
+            )
+        got = await run(http, req, stop, True, body)
+        if isinstance(got, Response):
+            return got
+        text, fin = got
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": reason(fin),
+                }
+            ],
+            "usage": _usage(len(prompt_ids), fin.completion_tokens),
+        }
+
+    return app
+
+
+async def _stream(
+    service: EngineService, req, stop, body: _Common, chunk, head: str, prompt_tokens: int, first: dict | None
+):
+    """The SSE events of one streamed answer (see the module docstring)."""
+    opts = body.stream_options or StreamOptions()
+    cont = opts.continuous_usage_stats
+    done = 0
+    try:
+        if first is not None:
+            if cont:
+                first["usage"] = _usage(prompt_tokens, 0)
+            yield _sse(first)
+        if head:
+            yield _sse(chunk(head, None, _usage(prompt_tokens, 0) if cont else None))
+        async for ev in service.stream(req, stop):
+            if isinstance(ev, Delta):
+                done += ev.tokens
+                yield _sse(chunk(ev.text, None, _usage(prompt_tokens, done) if cont else None))
+            else:
+                if ev.reason == "error":
+                    raise RuntimeError("the engine failed on this request; see the server log")
+                done = ev.completion_tokens
+                finish = "length" if ev.reason == "length" else "stop"
+                yield _sse(chunk("", finish, _usage(prompt_tokens, done) if cont else None))
+        if opts.include_usage:
+            obj = chunk("", None)
+            obj["choices"] = []
+            obj["usage"] = _usage(prompt_tokens, done)
+            yield _sse(obj)
+    except Exception as e:  # an error after the stream started: tell the client inside the stream
+        log.exception("stream failed")
+        yield _sse(APIError(f"{type(e).__name__}: {e}", 500, None, "InternalServerError").body())
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,320 @@
+"""The OpenAI-compatible server on the real SmolLM2 target and real prompts, through the
+official ``openai`` client and raw HTTP (httpx), on 127.0.0.1:
+
+* completions and chat, streaming and not, give the same text as plain decoding of the same
+  prompt (greedy; the server runs DFlash with the adaptive draft length) and the right usage;
+* 32 concurrent streams are all right; a client that disconnects mid-stream frees its KV
+  blocks and the server keeps serving; a 200-request soak with random lengths and
+  cancellations loses and duplicates nothing and ends with every KV block free;
+* bad requests get a 4xx with ``{"error": {...}}`` and the server keeps serving;
+* the ``/metrics`` spec-decode counters equal the engine's own counts;
+* ``dflash-trt serve`` starts from the command line and answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+from helpers import CLI, TIE, error_line, run
+
+from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
+from dflash_trt.runtime.executor import DFlashEngine, Request, first_divergence, top2_margin
+
+openai = pytest.importorskip("openai", reason="pip install openai")
+MAX_NEW = 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(random_drafter, tmp_path_factory):
+    """An in-process uvicorn server (so the test sees the engine) on a free port."""
+    import torch
+    import uvicorn
+
+    from dflash_trt.checkpoints.zlab import save_drafter
+    from dflash_trt.serving.openai_api import build_app
+    from dflash_trt.serving.service import EngineService, ServeConfig
+
+    drafter_dir = save_drafter(copy.deepcopy(random_drafter).cpu(), tmp_path_factory.mktemp("d") / "drafter")
+    service = EngineService(
+        ServeConfig(
+            drafter=str(drafter_dir),
+            dtype="fp32",
+            device="cpu",
+            block_size=4,
+            max_batch_size=32,
+            tokens_per_block=16,
+            kv_capacity=16384,
+        )
+    )
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(service), host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    torch.set_num_threads(1)
+    yield service, f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    th.join(10)
+    service.close()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return mixed_prompts(8)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2, prompts):
+    """Plain decoding (block size 1) of each prompt as chat and as raw text."""
+    tok = smollm2.tokenizer
+    plain = DFlashEngine(smollm2.model, None, smollm2.stop_token_ids)
+    chat = [chat_prompt_ids(tok, p) for p in prompts]
+    raw = [tok.encode(p) for p in prompts]
+    return {
+        "chat": [(ids, plain.generate([Request(ids, MAX_NEW)], 1)[0].output_ids) for ids in chat],
+        "raw": [(ids, plain.generate([Request(ids, MAX_NEW)], 1)[0].output_ids) for ids in raw],
+    }
+
+
+def same_text(smollm2, prompt_ids, ref_ids, text) -> bool:
+    """The server's text is the reference's, or they part at a numerical tie (fp32 top-2 < 1e-4)."""
+    tok = smollm2.tokenizer
+    want = tok.decode(ref_ids, skip_special_tokens=True)
+    if text == want:
+        return True
+    got_ids = tok.encode(text)
+    k = first_divergence(ref_ids, got_ids)
+    return k is not None and top2_margin(smollm2.model, prompt_ids + ref_ids[:k]) < TIE
+
+
+def test_completions_and_chat_equal_plain_decoding(server, smollm2, prompts, reference):
+    _, url = server
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x")
+    model = c.models.list().data[0].id
+    for p, (ids, ref) in zip(prompts, reference["raw"]):
+        r = c.completions.create(model=model, prompt=p, max_tokens=MAX_NEW, temperature=0)
+        assert same_text(smollm2, ids, ref, r.choices[0].text)
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref)
+        assert r.choices[0].finish_reason == ("length" if len(ref) == MAX_NEW and ref[-1] not in (1, 2) else "stop")
+        stream = c.completions.create(
+            model=model,
+            prompt=p,
+            max_tokens=MAX_NEW,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref)
+        assert same_text(smollm2, ids, ref, "".join(ch.choices[0].text for ch in chunks if ch.choices))
+    for p, (ids, ref) in zip(prompts, reference["chat"]):
+        msgs = [{"role": "user", "content": p}]
+        r = c.chat.completions.create(model=model, messages=msgs, max_tokens=MAX_NEW, temperature=0)
+        assert same_text(smollm2, ids, ref, r.choices[0].message.content)
+        assert r.usage.prompt_tokens == len(ids) and r.usage.total_tokens == len(ids) + len(ref)
+        stream = c.chat.completions.create(
+            model=model,
+            messages=msgs,
+            max_tokens=MAX_NEW,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert same_text(smollm2, ids, ref, text)
+        assert chunks[-1].usage.completion_tokens == len(ref) and chunks[1].usage is not None
+
+
+async def _stream_chat(url: str, model: str, prompt: str, max_tokens: int, stop_after: int | None = None):
+    """Stream one chat answer with raw httpx; leave after ``stop_after`` chunks (a client that
+    goes away). Returns the text and whether it reached ``[DONE]``."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    parts, n = [], 0
+    async with (
+        httpx.AsyncClient(timeout=600) as client,
+        client.stream("POST", url + "/v1/chat/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return "".join(parts), True
+            ch = json.loads(line[6:])
+            parts.append(ch["choices"][0]["delta"].get("content") or "")
+            n += 1
+            if stop_after is not None and n >= stop_after:
+                return "".join(parts), False
+    return "".join(parts), False
+
+
+def _wait_idle(service, timeout=60.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        e = service.engine
+        if not e.scheduler.running and not e.scheduler.waiting and e.blocks.num_free_blocks == e.blocks.num_blocks:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_concurrent_streams_disconnects_and_soak(server, smollm2, prompts, reference):
+    service, url = server
+    model = service.model_name
+    refs = reference["chat"]
+
+    async def many():
+        jobs = [_stream_chat(url, model, prompts[i % 8], MAX_NEW) for i in range(32)]
+        jobs.append(_stream_chat(url, model, prompts[0], MAX_NEW, stop_after=3))  # leaves mid-stream
+        return await asyncio.gather(*jobs)
+
+    got = asyncio.run(many())
+    for i, (text, done) in enumerate(got[:32]):
+        ids, ref = refs[i % 8]
+        assert done and same_text(smollm2, ids, ref, text), i
+    assert not got[32][1]
+    assert _wait_idle(service), "the disconnected client's request still holds KV blocks"
+
+    # soak: 200 requests, random lengths, a random third of the clients leave early
+    rng = random.Random(7)
+    plan = [(rng.randrange(8), rng.randint(1, MAX_NEW), rng.random() < 0.33) for _ in range(200)]
+
+    async def soak():
+        sem = asyncio.Semaphore(24)
+
+        async def one(i, n, leave):
+            async with sem:
+                return await _stream_chat(url, model, prompts[i], n, stop_after=rng.randint(1, 4) if leave else None)
+
+        return await asyncio.gather(*(one(*p) for p in plan))
+
+    results = asyncio.run(soak())
+    tok = smollm2.tokenizer
+    for (i, n, leave), (text, done) in zip(plan, results):
+        ids, ref = refs[i]
+        if done:  # a prefix of the full answer: exactly the first n tokens
+            assert same_text(smollm2, ids, ref[:n], text) or tok.decode(ref[:n], skip_special_tokens=True) == text
+        else:
+            assert leave
+    assert _wait_idle(service), "KV blocks leaked after the soak"
+    # the server still answers
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x")
+    r = c.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompts[1]}], max_tokens=5, temperature=0
+    )
+    assert r.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize(
+    "path,body,status,needle",
+    [
+        ("/v1/completions", {"max_tokens": 5}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "five"}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "model": "gpt-5"}, 404, "does not exist"),
+        ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n = 2"),
+        ("/v1/completions", {"prompt": "word " * 9000, "max_tokens": 5}, 400, "limit"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+        ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ],
+)
+def test_bad_requests_get_4xx(server, path, body, status, needle):
+    _, url = server
+    r = httpx.post(url + path, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] or needle == err.get("param"), err
+    assert set(err) == {"message", "type", "param", "code"} and "\n" not in err["message"]
+
+
+def test_malformed_json_and_unknown_fields(server):
+    _, url = server
+    r = httpx.post(url + "/v1/completions", content=b"{bad json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"prompt": "Hello", "max_tokens": 3, "temperature": 0, "frobnicate": True, "user": "me"},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_metrics_equal_engine_counts(server):
+    service, url = server
+    assert _wait_idle(service)
+    text = httpx.get(url + "/metrics").text
+
+    def value(name, **labels):
+        sel = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        pat = rf"^{re.escape(name)}\{{[^}}]*{re.escape(sel)}[^}}]*\}} (\S+)$"
+        return sum(float(m) for m in re.findall(pat, text, re.M))
+
+    st = service.engine.stats
+    assert value("vllm:spec_decode_num_drafts_total") == st.drafting_steps > 0
+    assert value("vllm:spec_decode_num_draft_tokens_total") == st.draft_tokens
+    assert value("vllm:spec_decode_num_accepted_tokens_total") == sum(st.accepted)
+    for i, a in enumerate(st.accepted):
+        assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) == a
+    assert value("vllm:num_requests_running") == 0 and value("vllm:kv_cache_usage_perc") == 0
+    assert value("vllm:generation_tokens_total") >= st.committed > 0
+    assert "vllm:time_to_first_token_seconds_bucket" in text
+
+
+def test_serve_command(tmp_path):
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        CLI + ["serve", "--port", str(port), "--block-size", "1", "--threads", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"prompt": "One, two,", "max_tokens": 4, "temperature": 0},
+            timeout=120,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        # the port is taken now: a second server says so in one line
+        assert "cannot listen" in error_line(run("serve", "--port", str(port)))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)

@@ -1,0 +1,256 @@
+"""The Triton Inference Server model repository on the real tritonserver (2.51, from the
+nvidia-pytriton wheel), the real SmolLM2 target and real prompts, through real clients
+(HTTP ``generate`` / ``generate_stream`` and tritonclient's gRPC streams), on 127.0.0.1:
+
+* non-streaming ``generate``, HTTP ``generate_stream`` and gRPC streaming give the same text as
+  plain decoding (greedy; the model runs DFlash with the adaptive draft length);
+* 32 concurrent streams are all right; cancelled gRPC streams and disconnected HTTP clients
+  free their KV blocks; a 200-request soak with random lengths and cancellations loses and
+  duplicates nothing and ends with every KV block free;
+* bad requests get one-line error responses and the server keeps serving;
+* the spec-decode counters on the metrics port add up to what the responses report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import queue
+import random
+import re
+import socket
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from dflash_trt.prompts import mixed_prompts
+from dflash_trt.runtime.executor import DFlashEngine, Request, first_divergence, top2_margin
+
+grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install tritonclient[grpc]")
+pytest.importorskip("pytriton", reason="pip install nvidia-pytriton (ships tritonserver)")
+MAX_NEW = 20
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def triton(random_drafter, tmp_path_factory):
+    from dflash_trt.checkpoints.zlab import save_drafter
+    from dflash_trt.serving.service import ServeConfig
+    from dflash_trt.serving.triton_repo import start_server, write_repo
+
+    tmp = tmp_path_factory.mktemp("triton")
+    drafter_dir = save_drafter(copy.deepcopy(random_drafter).cpu(), tmp / "drafter")
+    repo = write_repo(
+        tmp / "repo",
+        ServeConfig(
+            drafter=str(drafter_dir),
+            dtype="fp32",
+            device="cpu",
+            block_size=4,
+            tokens_per_block=16,
+            kv_capacity=16384,
+            max_batch_size=64,
+        ),
+    )
+    http, grpc, metrics = free_ports(3)
+    proc = start_server(repo, http, grpc, metrics, log_path=tmp / "server.log")
+    yield {"http": f"http://127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}", "metrics": f"http://127.0.0.1:{metrics}"}
+    proc.terminate()
+    proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return mixed_prompts(8)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2, prompts):
+    tok = smollm2.tokenizer
+    plain = DFlashEngine(smollm2.model, None, smollm2.stop_token_ids)
+    return [(ids, plain.generate([Request(ids, MAX_NEW)], 1)[0].output_ids) for ids in (tok.encode(p) for p in prompts)]
+
+
+def same_text(smollm2, prompt_ids, ref_ids, text) -> bool:
+    tok = smollm2.tokenizer
+    if text == tok.decode(ref_ids, skip_special_tokens=True):
+        return True
+    k = first_divergence(ref_ids, tok.encode(text))
+    return k is not None and top2_margin(smollm2.model, prompt_ids + ref_ids[:k]) < 1e-4
+
+
+def generate(url: str, body: dict) -> dict:
+    r = httpx.post(url + "/v2/models/dflash/generate", json=body, timeout=600)
+    return r.json() | {"_status": r.status_code}
+
+
+async def stream_http(url: str, body: dict, stop_after: int | None = None) -> tuple[str, dict | None]:
+    """``generate_stream``: the concatenated text and the final event (None if we left early)."""
+    parts, n = [], 0
+    async with (
+        httpx.AsyncClient(timeout=600) as client,
+        client.stream("POST", url + "/v2/models/dflash/generate_stream", json=body) as resp,
+    ):
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            ev = json.loads(line[6:])
+            assert "error" not in ev, ev
+            parts.append(ev["text_output"])
+            n += 1
+            if ev["finish_reason"]:
+                return "".join(parts), ev
+            if stop_after is not None and n >= stop_after:
+                return "".join(parts), None
+    return "".join(parts), None
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M))
+
+
+def wait_idle(url: str, timeout: float = 60.0) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if metric(url, "vllm:kv_cache_usage_perc") == 0 and metric(url, "vllm:num_requests_running") == 0:
+            return True
+        time.sleep(0.3)
+    return False
+
+
+def test_http_generate_and_stream_equal_plain_decoding(triton, smollm2, prompts, reference):
+    url = triton["http"]
+    for p, (ids, ref) in zip(prompts, reference):
+        full = generate(url, {"text_input": p, "max_tokens": MAX_NEW, "temperature": 0.0})
+        assert full["_status"] == 200 and full["text_output"].startswith(p)  # TRT-LLM default: input echoed
+        assert same_text(smollm2, ids, ref, full["text_output"][len(p) :])
+        assert full["num_input_tokens"] == len(ids) and full["num_output_tokens"] == len(ref)
+        assert full["finish_reason"] in ("stop", "length") and full["total_draft_tokens"] >= 0
+        only = generate(url, {"text_input": p, "max_tokens": MAX_NEW, "exclude_input_in_output": True})
+        assert only["text_output"] == full["text_output"][len(p) :]
+        text, final = asyncio.run(stream_http(url, {"text_input": p, "max_tokens": MAX_NEW, "stream": True}))
+        assert final is not None and same_text(smollm2, ids, ref, text)
+
+
+def _grpc_inputs(prompt: str, max_tokens: int, stream: bool = True):
+    vals = [
+        ("text_input", np.array([[prompt.encode()]], dtype=np.object_), "BYTES"),
+        ("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
+        ("stream", np.array([[stream]], dtype=bool), "BOOL"),
+    ]
+    out = []
+    for name, arr, dtype in vals:
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        out.append(t)
+    return out
+
+
+def test_grpc_streaming_and_cancellation(triton, smollm2, prompts, reference):
+    client = grpcclient.InferenceServerClient(triton["grpc"])
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    for i, p in enumerate(prompts):
+        client.async_stream_infer("dflash", _grpc_inputs(p, MAX_NEW), request_id=str(i))
+    texts, finals = {i: [] for i in range(len(prompts))}, set()
+    while len(finals) < len(prompts):
+        result, error = got.get(timeout=600)
+        assert error is None, error
+        rid = int(result.get_response().id)
+        texts[rid].append(result.as_numpy("text_output").reshape(-1)[0].decode())
+        if result.as_numpy("finish_reason").reshape(-1)[0]:
+            finals.add(rid)
+    client.stop_stream()
+    for i, (ids, ref) in enumerate(reference):
+        assert same_text(smollm2, ids, ref, "".join(texts[i])), i
+    # cancel long requests mid-stream: their KV blocks are freed
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    for i in range(4):
+        client.async_stream_infer("dflash", _grpc_inputs(prompts[i], 200), request_id=f"c{i}")
+    time.sleep(1.0)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    assert wait_idle(triton["metrics"]), "cancelled requests still hold KV blocks"
+
+
+def test_concurrency_disconnects_and_soak(triton, smollm2, prompts, reference):
+    url = triton["http"]
+
+    async def many():
+        jobs = [
+            stream_http(url, {"text_input": prompts[i % 8], "max_tokens": MAX_NEW, "stream": True}) for i in range(32)
+        ]
+        jobs.append(stream_http(url, {"text_input": prompts[0], "max_tokens": 200, "stream": True}, stop_after=2))
+        return await asyncio.gather(*jobs)
+
+    results = asyncio.run(many())
+    for i, (text, final) in enumerate(results[:32]):
+        ids, ref = reference[i % 8]
+        assert final is not None and same_text(smollm2, ids, ref, text), i
+    assert wait_idle(triton["metrics"]), "the disconnected client's request still holds KV blocks"
+
+    rng = random.Random(11)
+    plan = [(rng.randrange(8), rng.randint(1, MAX_NEW), rng.random() < 0.33) for _ in range(200)]
+
+    async def soak():
+        sem = asyncio.Semaphore(24)
+
+        async def one(i, n, leave):
+            async with sem:
+                body = {"text_input": prompts[i], "max_tokens": n, "stream": True}
+                return await stream_http(url, body, stop_after=rng.randint(1, 3) if leave else None)
+
+        return await asyncio.gather(*(one(*p) for p in plan))
+
+    tok = smollm2.tokenizer
+    for (i, n, leave), (text, final) in zip(plan, asyncio.run(soak())):
+        ids, ref = reference[i]
+        if final is not None:
+            assert final["finish_reason"] in ("stop", "length")
+            assert same_text(smollm2, ids, ref[:n], text) or text == tok.decode(ref[:n], skip_special_tokens=True)
+        else:
+            assert leave
+    assert wait_idle(triton["metrics"]), "KV blocks leaked after the soak"
+
+
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ({"max_tokens": 5}, "text_input"),
+        ({"text_input": "hi", "max_tokens": -1}, "max_tokens"),
+        ({"text_input": "hi", "max_tokens": 5, "temperature": -1.0}, "temperature"),
+        ({"text_input": "hi", "max_tokens": 5, "bad_words": "x"}, "bad_words"),
+        ({"text_input": "word " * 20000, "max_tokens": 5}, "limit"),
+    ],
+)
+def test_bad_requests(triton, body, needle):
+    r = generate(triton["http"], body)
+    assert "error" in r and needle in r["error"] and "\n" not in r["error"], r
+    ok = generate(triton["http"], {"text_input": "Hello", "max_tokens": 2})
+    assert ok["num_output_tokens"] == 2
+
+
+def test_spec_decode_metrics_add_up(triton, prompts):
+    url, murl = triton["http"], triton["metrics"]
+    assert wait_idle(murl)
+    before = [metric(murl, n) for n in ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")]
+    drafts = accepted = 0
+    for p in prompts:
+        r = generate(url, {"text_input": p, "max_tokens": MAX_NEW, "num_draft_tokens": 2})
+        drafts += r["total_draft_tokens"]
+        accepted += r["total_accepted_draft_tokens"]
+    after = [metric(murl, n) for n in ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")]
+    assert after[0] - before[0] == drafts and after[1] - before[1] == accepted
