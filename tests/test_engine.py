@@ -234,13 +234,13 @@ def test_controller_prefers_drafting_when_verify_is_flat_and_accepted():
 
 
 def test_cost_model_interpolates_and_learns():
-    m = CostModel(alpha=0.5)
+    m = CostModel()
     m.observe(1, 1.0)
     m.observe(16, 2.0)
     assert m(1) == 1.0 and abs(m(8.5) - 1.5) < 1e-9 and m(32) > 2.0
-    for _ in range(20):
+    for _ in range(3):  # a lasting change: the median of recent measurements follows it
         m.observe(16, 4.0)
-    assert abs(m(16) - 4.0) < 0.05
+    assert m(16) == 4.0
 
 
 def test_adaptive_engine_falls_back_and_stays_lossless(smollm2, random_drafter, reqs16, refs16):

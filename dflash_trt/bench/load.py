@@ -210,13 +210,8 @@ def summarize(records: list[_Record], stats: LoopStats) -> dict:
 
 
 def controller_state(ctl) -> dict:
-    """The adaptive controller's model after a run: measured forward costs (ms, by target tokens
-    and by drafting sequences) and the current acceptance estimates per draft position."""
-    return {
-        "target_cost_ms": [[x, y * 1e3] for x, y in zip(ctl.target_cost.xs, ctl.target_cost.ys)],
-        "draft_cost_ms": [[x, y * 1e3] for x, y in zip(ctl.draft_cost.xs, ctl.draft_cost.ys)],
-        "acceptance": ctl.acceptance(),
-    }
+    """The adaptive controller's model after a run (:meth:`DraftLengthController.state`)."""
+    return ctl.state()
 
 
 def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:

@@ -65,7 +65,12 @@ def plot_load(result: dict, out: str | Path) -> Path:
             (4, -13),
         ),
     }
-    fig, ax = plt.subplots(figsize=(7, 5))
+    ctl_rows = [r for r in result["load"] if r.get("controller", {}).get("history")]
+    if ctl_rows:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1.1, 1]})
+        _plot_controller(ax2, ctl_rows)
+    else:
+        fig, ax = plt.subplots(figsize=(7, 5))
     for mode in dict.fromkeys(r["mode"] for r in result["load"]):
         rows = sorted((r for r in result["load"] if r["mode"] == mode), key=lambda r: r["concurrency"])
         xs = [r["per_user_tokens_per_s"] for r in rows]
@@ -93,3 +98,27 @@ def plot_load(result: dict, out: str | Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _plot_controller(ax, rows: list[dict]) -> None:
+    """The adaptive controller's choice per iteration (draft tokens; exploration marked), one
+    line per concurrency, with its guard overrides and final acceptance estimate in the legend."""
+    for r in rows:
+        c = r["controller"]
+        hist = c["history"]
+        its = [h[0] for h in hist]
+        ax.step(
+            its,
+            [h[2] for h in hist],
+            where="post",
+            lw=1.0,
+            label=f"C={r['concurrency']}: q1 {c['acceptance'][0]:.2f}, guard overrides {c['guard_overrides']}",
+        )
+        extra = [(h[0], h[2]) for h in hist if h[3] in ("explore", "probe", "probe-batch")]
+        if extra:
+            ax.plot(*zip(*extra), "x", ms=3, color="black", alpha=0.5)
+    ax.set_xlabel("engine iteration (x: exploration)")
+    ax.set_ylabel("draft tokens chosen (0 = plain decoding)")
+    ax.set_title("adaptive draft length: what the controller chose", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)

@@ -1,64 +1,153 @@
 """Adaptive draft length: pick each iteration's number of draft tokens (0 = plain decoding) to
-maximise expected committed tokens per second.
+maximise expected committed tokens per second, and stay right while the machine is noisy.
 
 Model (measured, not assumed):
-- ``target_cost(n)``: seconds of one target forward over ``n`` tokens, measured at start-up on
-  powers of two and updated with every real iteration (exponential moving average per point,
-  linear interpolation between points);
-- ``draft_cost(s)``: seconds of one drafter forward for ``s`` sequences, likewise;
-- ``q_k``: P(draft slot k accepted | slot k reached), counts that decay with every new
-  observation (recent verify steps dominate; without new drafts the estimate stays put).
+- ``target_cost(n)``: seconds of one target forward over ``n`` tokens; ``draft_cost(s)``:
+  seconds of one drafter forward for ``s`` sequences (:class:`CostModel`: per size the median of
+  its recent measurements, fitted non-decreasing in the size with weights that fade for sizes
+  not measured lately, so one slow period cannot lock in a wrong choice);
+- ``q_k``: P(draft slot k accepted | slot k reached), counts that decay with every observation.
 
 With ``S`` sequences decoding, ``k`` drafts each give ``E(k) = 1 + sum_{j<=k} prod_{i<=j} q_i``
-expected committed tokens per sequence, so the rate is
-``S * E(k) / (target_cost(S * (k + 1)) + draft_cost(S) [k > 0])``; the controller takes the
-best ``k``. When the batch grows, ``target_cost`` stops being flat in ``n`` and the best ``k``
-falls toward 0: DFlash turns into plain decoding instead of losing to it. While plain decoding
-wins, every ``probe`` iterations (doubling up to ``max_probe`` while drafting keeps losing) ONE
-sequence of the batch drafts the full block to keep ``q_k`` current; the probe adds one drafter
-forward and ``max_draft`` target tokens to that iteration, whatever the batch size.
+committed tokens per sequence, so the predicted rate is
+``S * E(k) / (target_cost(S * (k + 1)) + draft_cost(S) [k > 0])``; the best ``k`` is taken.
+
+Exploration keeps both options measured, at a bounded cost:
+- while plain decoding wins, every ``probe`` iterations (doubling up to ``max_probe`` while
+  drafting keeps losing) a drafting iteration runs, alternately ONE sequence drafting the full
+  block (the acceptance of every draft position stays current) and EVERY sequence drafting one
+  token (the drafter's and the verify's costs at this batch size stay current);
+- while drafting wins, every ``explore`` iterations (doubling up to ``max_explore`` while the
+  choice holds) one iteration decodes plainly (the plain cost stays current). At batch 1 with
+  acceptance length ``tau`` this costs about ``(1 - 1/tau) / explore`` of the throughput.
+
+Guard on what was achieved: the committed tokens per second of recent drafting and plain
+iterations (no prompt chunks in them) are tracked per batch size; when the predicted choice
+achieved ``guard_margin`` less than the other option did, recently, at the same batch size, the
+other option is taken instead (the model may be wrong; the clock is not).
 """
 
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
+
+
+def _isotonic(values: list[float], weights: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in weighted least squares (pool
+    adjacent violators)."""
+    blocks: list[list[float]] = []  # [value, weight, count]
+    for v, w in zip(values, weights):
+        blocks.append([v, max(w, 1e-12), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, c2 = blocks.pop()
+            v1, w1, c1 = blocks.pop()
+            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
+    out: list[float] = []
+    for v, _, c in blocks:
+        out += [v] * c
+    return out
 
 
 class CostModel:
-    """Piecewise-linear seconds as a function of a size, from measured points.
+    """Seconds as a non-decreasing, piecewise-linear function of a size, from measurements.
 
-    ``observe(n, s)`` folds a measurement into the nearest point (EMA with weight ``alpha``)
-    or adds the point when none is within a factor of 1.5.
+    A measurement at ``n`` joins the size point within a factor ``snap`` of it (or starts a new
+    point). A point's value is the median of its measurements of the last ``horizon`` ticks (or,
+    when it has none that recent, of its last ``window``): one outlier does not move it, and
+    it follows a lasting change within a few measurements. A point not measured for ``age``
+    ticks ages toward what fresher points imply: its value is pulled down, with half-life
+    ``half_life``, toward the highest value measured lately at a smaller size (a slow period
+    that is over must not keep an option looking expensive; if it is not over, the next
+    measurement says so). The curve is the isotonic (non-decreasing) fit of the point values,
+    weighted by their recent measurement counts times ``0.5 ** (age / half_life)``.
+
+    Ticks are the controller's iterations when it sets :attr:`now`, else measurements.
+
+    Args:
+        window: measurements kept per point.
+        horizon: ticks within which a measurement counts as recent.
+        half_life: ticks after which an unmeasured point weighs half and has aged halfway.
+        snap: largest ratio between a measurement's size and the point it joins.
     """
 
-    def __init__(self, alpha: float = 0.2):
+    def __init__(self, window: int = 5, horizon: int = 32, half_life: float = 32.0, snap: float = 1.25):
+        self.window, self.horizon, self.half_life, self.snap = window, horizon, half_life, snap
         self.xs: list[float] = []
-        self.ys: list[float] = []
-        self.alpha = alpha
+        self.obs: list[deque] = []  # (tick, seconds)
+        self.now = 0
+        self._own_clock = True
+        self._fit: tuple[int, list[float]] | None = None
+
+    def set_time(self, tick: int) -> None:
+        """Use an external clock (the controller's iteration count) from now on."""
+        self.now, self._own_clock = tick, False
 
     def observe(self, n: float, seconds: float) -> None:
-        if n <= 0:
+        if n <= 0 or not seconds > 0:
             return
+        if self._own_clock:
+            self.now += 1
+        self._fit = None
         i = bisect.bisect_left(self.xs, n)
-        near = [j for j in (i - 1, i) if 0 <= j < len(self.xs) and max(n, self.xs[j]) / min(n, self.xs[j]) < 1.5]
+        near = [j for j in (i - 1, i) if 0 <= j < len(self.xs) and max(n, self.xs[j]) / min(n, self.xs[j]) <= self.snap]
         if near:
             j = min(near, key=lambda j: abs(self.xs[j] - n))
-            predicted = self(n)  # move the point by the relative error of its prediction at n
-            self.ys[j] *= 1 + self.alpha * (seconds / predicted - 1) if predicted > 0 else 1
-            return
-        self.xs.insert(i, float(n))
-        self.ys.insert(i, seconds)
+        else:
+            j = i
+            self.xs.insert(j, float(n))
+            self.obs.insert(j, deque(maxlen=self.window))
+        self.obs[j].append((self.now, seconds))
+
+    @property
+    def ys(self) -> list[float]:
+        """The fitted seconds at each point (non-decreasing)."""
+        if self._fit is not None and self._fit[0] == self.now:
+            return self._fit[1]
+        values, weights, ages = [], [], []
+        for o in self.obs:
+            recent = [s for t, s in o if self.now - t <= self.horizon]
+            values.append(statistics.median(recent or [s for _, s in o]))
+            ages.append(self.now - o[-1][0])
+            weights.append(max(len(recent), 1) * 0.5 ** (ages[-1] / self.half_life))
+        for i in range(len(values)):  # a stale point ages down toward fresher smaller sizes
+            fresher = [values[j] for j in range(i) if ages[j] < ages[i]]
+            if ages[i] > self.horizon and fresher and max(fresher) < values[i]:
+                f = 0.5 ** ((ages[i] - self.horizon) / self.half_life)
+                values[i] = f * values[i] + (1 - f) * max(fresher)
+        fit = _isotonic(values, weights)
+        self._fit = (self.now, fit)
+        return fit
 
     def __call__(self, n: float) -> float:
+        ys = self.ys
         if not self.xs:
             return 0.0
         if len(self.xs) == 1:
-            return self.ys[0] * max(n / self.xs[0], 1.0) if n > self.xs[0] else self.ys[0]
+            return ys[0] * max(n / self.xs[0], 1.0)
         i = min(max(bisect.bisect_left(self.xs, n), 1), len(self.xs) - 1)
-        x0, x1, y0, y1 = self.xs[i - 1], self.xs[i], self.ys[i - 1], self.ys[i]
+        x0, x1, y0, y1 = self.xs[i - 1], self.xs[i], ys[i - 1], ys[i]
         if n <= x0:
             return y0
         return y0 + (y1 - y0) * (n - x0) / (x1 - x0)  # extrapolates linearly past the last point
+
+
+class _Realised:
+    """Committed tokens per second actually achieved, per batch size and mode (EMA)."""
+
+    def __init__(self, alpha: float = 0.3, fresh: int = 256):
+        self.alpha, self.fresh = alpha, fresh
+        self.rates: dict[tuple[int, bool], tuple[float, int]] = {}  # (seqs, drafting) -> (rate, iteration)
+
+    def observe(self, seqs: int, drafting: bool, rate: float, now: int) -> None:
+        old = self.rates.get((seqs, drafting))
+        value = rate if old is None else old[0] + self.alpha * (rate - old[0])
+        self.rates[(seqs, drafting)] = (value, now)
+
+    def get(self, seqs: int, drafting: bool, now: int) -> float | None:
+        r = self.rates.get((seqs, drafting))
+        return r[0] if r is not None and now - r[1] <= self.fresh else None
 
 
 class DraftLengthController:
@@ -68,10 +157,23 @@ class DraftLengthController:
         max_draft: most draft tokens (drafter block size - 1).
         decay: decay of the acceptance counts per observed verify step.
         prior: acceptance assumed before any evidence (pseudo-count 1).
-        probe, max_probe: exploration interval bounds, in iterations.
+        probe, max_probe: while plain decoding wins, iterations between one-sequence drafting probes.
+        explore, max_explore: while drafting wins, iterations between plain-decoding iterations.
+        guard_margin: the achieved-rate guard overrides the model when the predicted choice
+            achieved this much less (relative) than the other option at the same batch size.
     """
 
-    def __init__(self, max_draft: int, decay: float = 0.98, prior: float = 0.5, probe: int = 8, max_probe: int = 256):
+    def __init__(
+        self,
+        max_draft: int,
+        decay: float = 0.98,
+        prior: float = 0.5,
+        probe: int = 8,
+        max_probe: int = 256,
+        explore: int = 16,
+        max_explore: int = 256,
+        guard_margin: float = 0.1,
+    ):
         self.max_draft = max_draft
         self.decay = decay
         self.prior = prior
@@ -81,7 +183,16 @@ class DraftLengthController:
         self.draft_cost = CostModel()
         self.min_probe, self.max_probe = probe, max_probe
         self.probe_every = probe
+        self.min_explore, self.max_explore = explore, max_explore
+        self.explore_every = explore
         self.since_draft = 0
+        self.since_plain = 0
+        self.guard_margin = guard_margin
+        self.realised = _Realised()
+        self.iteration = 0
+        self.overrides = 0
+        self.probes = 0
+        self.history: deque = deque(maxlen=4096)  # (iteration, seqs, draft tokens, why)
 
     def acceptance(self) -> list[float]:
         """Current ``q_k`` estimates, k = 1..max_draft (the prior weighs one observation)."""
@@ -96,7 +207,7 @@ class DraftLengthController:
         return e
 
     def rate(self, k: int, seqs: int) -> float:
-        """Expected committed tokens per second of an iteration with ``k`` drafts."""
+        """Predicted committed tokens per second of an iteration with ``k`` drafts."""
         cost = self.target_cost(seqs * (k + 1)) + (self.draft_cost(seqs) if k else 0.0)
         return seqs * self.expected_committed(k) / max(cost, 1e-9)
 
@@ -104,21 +215,50 @@ class DraftLengthController:
         """``(draft tokens per sequence, probe)`` for this iteration; ``seqs`` sequences are
         decoding. ``probe`` true means plain decoding wins but one sequence should draft the
         returned number of tokens to refresh the acceptance estimates."""
+        self.iteration += 1
+        self.target_cost.set_time(self.iteration)
+        self.draft_cost.set_time(self.iteration)
         if seqs == 0 or self.max_draft == 0:
             return 0, False
         top = self.max_draft
         if token_budget is not None:
             top = max(0, min(top, token_budget // seqs - 1))
         best = max(range(top + 1), key=lambda k: (self.rate(k, seqs), -k))
+        why = "model"
+        # the guard: what each option achieved lately at this batch size beats what was predicted
+        got_draft = self.realised.get(seqs, True, self.iteration)
+        got_plain = self.realised.get(seqs, False, self.iteration)
+        if got_draft is not None and got_plain is not None and top > 0:
+            if best > 0 and got_draft < (1 - self.guard_margin) * got_plain:
+                best, why = 0, "guard"
+            elif best == 0 and got_plain < (1 - self.guard_margin) * got_draft:
+                best = max(range(1, top + 1), key=lambda k: (self.rate(k, seqs), -k))
+                why = "guard"
+            self.overrides += why == "guard"
         if best > 0:
             self.since_draft = 0
             self.probe_every = self.min_probe
+            self.since_plain += 1
+            if self.since_plain >= self.explore_every:  # re-measure the option not taken
+                self.since_plain = 0
+                self.explore_every = min(2 * self.explore_every, self.max_explore)
+                self.history.append((self.iteration, seqs, 0, "explore"))
+                return 0, False
+            self.history.append((self.iteration, seqs, best, why))
             return best, False
+        self.since_plain = 0
+        self.explore_every = self.min_explore
         self.since_draft += 1
         if self.since_draft >= self.probe_every and top > 0:
             self.since_draft = 0
             self.probe_every = min(2 * self.probe_every, self.max_probe)
-            return top, True
+            self.probes += 1
+            if self.probes % 2 or seqs == 1:
+                self.history.append((self.iteration, seqs, top, "probe"))
+                return top, True
+            self.history.append((self.iteration, seqs, 1, "probe-batch"))
+            return 1, False
+        self.history.append((self.iteration, seqs, 0, why))
         return 0, False
 
     def observe_acceptance(self, num_draft: int, accepted: int) -> None:
@@ -130,3 +270,21 @@ class DraftLengthController:
                 break
             self.reached[k] += 1
             self.accepted[k] += k < accepted
+
+    def observe_iteration(self, seqs: int, drafted: bool, seconds: float, committed: int) -> None:
+        """A decode-only iteration (no prompt chunks) of ``seqs`` sequences, all drafting or
+        all plain (not a probe), that committed ``committed`` tokens in ``seconds``: feeds the
+        achieved-rate guard."""
+        if seqs > 0 and seconds > 0:
+            self.realised.observe(seqs, drafted, committed / seconds, self.iteration)
+
+    def state(self) -> dict:
+        """The model as plain data: fitted costs (ms) per size, acceptance per position, the
+        draft length chosen per iteration (with why: model, guard, explore, probe), overrides."""
+        return {
+            "target_cost_ms": [[x, y * 1e3] for x, y in zip(self.target_cost.xs, self.target_cost.ys)],
+            "draft_cost_ms": [[x, y * 1e3] for x, y in zip(self.draft_cost.xs, self.draft_cost.ys)],
+            "acceptance": self.acceptance(),
+            "guard_overrides": self.overrides,
+            "history": [list(h) for h in self.history],
+        }

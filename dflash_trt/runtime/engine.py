@@ -296,6 +296,7 @@ class LLMEngine:
             return choose_tokens(logits, s.request.sampling, s.generator).tolist()
 
         n_prefill = len(sched.prefill)
+        committed_before = st.committed
         for i, (s, n) in enumerate(sched.prefill):
             s.num_cached += n
             if plan.items[i].num_logits:
@@ -323,6 +324,12 @@ class LLMEngine:
                 self._finish(s, done)
             else:
                 self.blocks.truncate(s.seq_id, s.num_cached)  # roll back rejected positions
+        if ctl is not None and sched.decode and not sched.prefill:
+            drafting = [it.num_draft > 0 for it in plan.items]
+            if all(drafting) or not any(drafting):  # (not a probe, not capped per request)
+                ctl.observe_iteration(
+                    len(sched.decode), drafted, out.target_s + out.draft_s, st.committed - committed_before
+                )
 
     def run(self) -> None:
         """Step until every queued request has finished, then hand the runner (every TP rank)

@@ -1,0 +1,161 @@
+"""The adaptive draft-length controller against a scripted clock: every iteration's costs come
+from a script (no real timing), acceptance from a seeded generator, so each scenario is
+deterministic. In each scenario the controller must return to the better option within a
+stated number of iterations after the disturbance ends:
+
+* the plain-decoding cost spikes while plain decoding is chosen (a useless drafter);
+* the drafting cost spikes while drafting is chosen (a good drafter);
+* the start-up calibration was taken under contention (small sizes measured far too slow);
+* the drafter's acceptance collapses mid-run;
+
+plus the cost model's own rules (median per size, non-decreasing fit, fading stale sizes).
+"""
+
+from __future__ import annotations
+
+import random
+
+from dflash_trt.runtime.adaptive import CostModel, DraftLengthController, _isotonic
+
+BOUND = 120  # iterations to return to the better option once a disturbance is over
+
+
+def run(ctl: DraftLengthController, iters: range, seqs: int, target_s, draft_s, accept_q, rng, picks: list) -> None:
+    """Drive ``ctl`` like the engine does: choose, "run" the iteration at the scripted costs,
+    feed back costs, acceptance and the achieved rate."""
+    for it in iters:
+        k, probe = ctl.choose(seqs)
+        drafting = 1 if probe else (seqs if k else 0)
+        tokens = seqs + (k if probe else seqs * k)
+        t = target_s(tokens, it) + (draft_s(drafting, it) if k else 0.0)
+        ctl.target_cost.observe(tokens, target_s(tokens, it))
+        if k:
+            ctl.draft_cost.observe(drafting, draft_s(drafting, it))
+        committed = seqs - drafting
+        for _ in range(drafting):
+            acc = 0
+            while acc < k and rng.random() < accept_q(it):
+                acc += 1
+            ctl.observe_acceptance(k, acc)
+            committed += acc + 1
+        if not probe:
+            ctl.observe_iteration(seqs, k > 0, t, committed)
+        picks.append((it, 0 if probe else k))
+
+
+def calibrated(max_draft: int, target_s, draft_s, seqs: int) -> DraftLengthController:
+    """A controller after the engine's start-up calibration at the scripted costs."""
+    ctl = DraftLengthController(max_draft)
+    for n in (1, 2, 4, 8, 16, 32, 64, 128):
+        for _ in range(2):
+            ctl.target_cost.observe(n, target_s(n, -1))
+    for s in (1, 2, 4, 8, 16):
+        if s <= seqs:
+            ctl.draft_cost.observe(s, draft_s(s, -1))
+    return ctl
+
+
+def settled(picks, start: int, want_draft: bool, end: int | None = None) -> int | None:
+    """First iteration from ``start`` after which every pick up to ``end`` is on the wanted
+    side, apart from the controller's own exploration (isolated steps of the other kind, at
+    most a tenth of them)."""
+    seq = [(it, (k > 0) == want_draft) for it, k in picks if it >= start and (end is None or it < end)]
+    for i, (it, _) in enumerate(seq):
+        rest = [ok for _, ok in seq[i:]]
+        if rest and sum(rest) >= 0.9 * len(rest) and all(rest[j] or rest[j + 1] for j in range(len(rest) - 1)):
+            return it
+    return None
+
+
+def cpu_target(n, it, spike=None):
+    """A CPU-like target: 20 ms per forward plus 4 ms per token past the first two."""
+    s = 0.020 + 0.004 * max(n - 2, 0)
+    return s * spike(n, it) if spike else s
+
+
+def gpu_target(n, it, spike=None):
+    """A GPU-like target: flat 10 ms up to 64 tokens."""
+    s = 0.010 + 0.0001 * max(n - 64, 0)
+    return s * spike(n, it) if spike else s
+
+
+def test_plain_cost_spike_while_plain_is_chosen():
+    rng = random.Random(0)
+    seqs = 4
+    spike = lambda n, it: 4.0 if 100 <= it < 160 and n == seqs else 1.0  # noqa: E731 (plain-sized forwards only)
+    target = lambda n, it: cpu_target(n, it, spike)  # noqa: E731
+    draft = lambda s, it: 0.008  # noqa: E731
+    ctl = calibrated(7, target, draft, seqs)
+    picks: list = []
+    run(ctl, range(0, 400), seqs, target, draft, lambda it: 0.0, rng, picks)  # a drafter never accepted
+    assert settled(picks, 0, want_draft=False, end=100) is not None
+    back = settled(picks, 160, want_draft=False)
+    assert back is not None and back - 160 <= BOUND, (back, picks[150:260])
+
+
+def test_draft_cost_spike_while_drafting_is_chosen():
+    rng = random.Random(1)
+    seqs = 8
+    target = gpu_target
+    draft = lambda s, it: 0.040 if 100 <= it < 160 else 0.002  # noqa: E731
+    ctl = calibrated(7, target, draft, seqs)
+    picks: list = []
+    run(ctl, range(0, 420), seqs, target, draft, lambda it: 0.8, rng, picks)
+    first = settled(picks, 0, want_draft=True, end=100)
+    assert first is not None and first < 60
+    during = [k for it, k in picks if 120 <= it < 160]
+    assert during.count(0) > len(during) // 2, "drafting at 4x its worth during the spike"
+    back = settled(picks, 160, want_draft=True)
+    assert back is not None and back - 160 <= BOUND, (back, picks[150:300])
+
+
+def test_calibration_under_contention_is_corrected():
+    rng = random.Random(2)
+    seqs = 1
+    # calibration saw 2-8 token forwards 5-30x too slow (another job had the cores): a
+    # non-monotone curve that makes plain decoding look expensive
+    noisy = {2: 0.630, 4: 0.333, 8: 0.268}
+    ctl = DraftLengthController(7)
+    for n in (1, 2, 4, 8, 16, 32):
+        ctl.target_cost.observe(n, noisy.get(n, cpu_target(n, -1)))
+    ctl.draft_cost.observe(1, 0.008)
+    assert ctl.target_cost.ys == sorted(ctl.target_cost.ys), "the fit is non-decreasing"
+    picks: list = []
+    run(ctl, range(0, 300), seqs, cpu_target, lambda s, it: 0.008, lambda it: 0.0, rng, picks)  # useless drafter
+    back = settled(picks, 0, want_draft=False)
+    assert back is not None and back <= BOUND, picks[:80]
+
+
+def test_acceptance_collapse_mid_run():
+    rng = random.Random(3)
+    seqs = 4
+    target = gpu_target
+    draft = lambda s, it: 0.003  # noqa: E731
+    ctl = calibrated(7, target, draft, seqs)
+    picks: list = []
+    q = lambda it: 0.85 if it < 150 else 0.0  # noqa: E731 (the drafter stops matching the target)
+    run(ctl, range(0, 400), seqs, target, draft, q, rng, picks)
+    assert settled(picks, 0, want_draft=True, end=150) == 0
+    back = settled(picks, 150, want_draft=False)
+    assert back is not None and back - 150 <= BOUND, picks[140:220]
+    kinds = {h[3] for h in ctl.history}
+    assert {"model", "explore", "probe"} <= kinds, kinds
+    state = ctl.state()
+    assert len(state["history"]) == len(picks) and state["acceptance"][0] < 0.5
+
+
+def test_cost_model_rules():
+    m = CostModel(window=5, half_life=8)
+    for s in (1.0, 1.0, 9.0, 1.0, 1.0):  # one outlier does not move a size's value
+        m.observe(10, s)
+    assert m(10) == 1.0
+    m.observe(100, 0.5)  # faster at a larger size: the fit stays non-decreasing
+    assert m(100) >= m(10) and m.ys == sorted(m.ys)
+    assert m(12) == m.ys[0] + (m.ys[1] - m.ys[0]) * 2 / 90
+    m.observe(11, 2.0)  # within the snap factor: joins size 10
+    assert m.xs == [10.0, 100.0]
+    for _ in range(40):  # size 100 measured often since: stale size 10 weighs little in the pooling
+        m.observe(100, 0.5)
+    assert abs(m(10) - 0.5) < 0.05 and abs(m(100) - 0.5) < 0.05
+    assert _isotonic([3.0, 1.0, 2.0], [1.0, 1.0, 1.0]) == [2.0, 2.0, 2.0]
+    assert _isotonic([1.0, 5.0, 2.0], [1.0, 3.0, 1.0]) == [1.0, 4.25, 4.25]
