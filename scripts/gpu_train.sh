@@ -15,6 +15,7 @@
 #            MAX_NUM_TOKENS [16384]
 #   train:   TRAIN_MINUTES [10]  STEPS [100000]  LAYERS [2]  BLOCK [8]  TARGET_LAYERS [1,7,14,21,27]
 #            TRAIN_BATCH [16]  ANCHORS [512]  CE_CHUNK [8192]  FEATURE_CACHE_GB [40]  SAVE_EVERY [200]
+#            DRAFT_VOCAB [8192]  HOLDOUT [0.02]  EXTRA_DATA [none: more data dirs, e.g. text-data output]
 #            INIT_DRAFTER [none: start from this drafter]
 #   bench:   BENCH_PROMPTS [20]  BENCH_TOKENS [128]  BENCH_SETS [gsm8k humaneval mtbench]  CONCURRENCY [none: e.g. 1,8,32]
 set -euo pipefail
@@ -45,10 +46,11 @@ step distill cli distill --target "$MODEL" --prompts-file "$PACK/prompts/sharegp
   ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} --out "$WORK/data" --batch "${BATCH:-384}" \
   --max-new-tokens "${MAX_NEW_TOKENS:-256}" --shard-size "${SHARD_SIZE:-512}" \
   --max-num-tokens "${MAX_NUM_TOKENS:-16384}" --max-minutes "${DISTILL_MINUTES:-4}" --device "$DEVICE" --dtype "$DTYPE"
-step train cli train --target "$MODEL" --data "$WORK/data" --out "$WORK/run" --steps "${STEPS:-100000}" \
+step train cli train --target "$MODEL" --data "$WORK/data" ${EXTRA_DATA:-} --out "$WORK/run" --steps "${STEPS:-100000}" \
   --max-minutes "${TRAIN_MINUTES:-10}" --layers "${LAYERS:-2}" --block-size "${BLOCK:-8}" \
   --target-layers "${TARGET_LAYERS:-1,7,14,21,27}" --batch "${TRAIN_BATCH:-16}" --anchors "${ANCHORS:-512}" \
   --ce-chunk "${CE_CHUNK:-8192}" --feature-cache-gb "${FEATURE_CACHE_GB:-40}" --save-every "${SAVE_EVERY:-200}" \
+  --draft-vocab "${DRAFT_VOCAB:-8192}" --holdout "${HOLDOUT:-0.02}" \
   ${INIT_DRAFTER:+--init-drafter "$INIT_DRAFTER"} --device "$DEVICE" --dtype "$DTYPE"
 mkdir -p "$WORK/bench"
 for set in ${BENCH_SETS:-gsm8k humaneval mtbench}; do

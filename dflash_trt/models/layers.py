@@ -123,6 +123,11 @@ class AttentionMetadata:
             boolean mask (which makes a CUDA device wait for the host once per layer).
         max_position: the largest position in ``positions`` when the host knows it (spares
             RoPE a device-to-host read per forward); None: read from ``positions``.
+        groups: paged only, optional: the sequences split into groups attended separately
+            (each its own ``read_slots`` / ``mask`` / ``query_index`` / ``query_valid`` /
+            ``query_rows``, and ``query_out``: int64 ``[n_g]`` rows of the packed output its
+            queries fill), so short verify blocks are not padded to a long prompt chunk.
+        query_out: in a group, the packed output rows of its queries.
     """
 
     positions: torch.Tensor
@@ -134,6 +139,8 @@ class AttentionMetadata:
     query_valid: torch.Tensor | None = None
     query_rows: torch.Tensor | None = None
     max_position: int | None = None
+    groups: list[AttentionMetadata] | None = None
+    query_out: torch.Tensor | None = None
 
     @classmethod
     def causal(cls, positions: torch.Tensor, kv_len: int, write_slots: torch.Tensor | None = None) -> AttentionMetadata:
@@ -163,7 +170,7 @@ def cached_attention(
     Returns:
         ``[B, T, H * D]`` attention output.
     """
-    if meta.read_slots is not None:
+    if meta.read_slots is not None or meta.groups:
         return _paged_attention(q, k, v, kv, meta)
     k_buf, v_buf = kv
     rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
@@ -200,16 +207,27 @@ def _paged_attention(q, k, v, kv, meta: AttentionMetadata) -> torch.Tensor:
     k_pool[slots] = k[0].to(k_pool.dtype)
     v_pool[slots] = v[0].to(v_pool.dtype)
     _, h, n, d = q.shape
-    qs = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, h, d)])[meta.query_index].transpose(1, 2)  # [S, H, Tq, D]
-    keys = k_pool[meta.read_slots].transpose(1, 2).to(q.dtype)  # [S, Hkv, kv_len, D]
-    values = v_pool[meta.read_slots].transpose(1, 2).to(q.dtype)
+    qpad = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, h, d)])  # [N + 1, H, D]; row N pads
+    if meta.groups:
+        out = q.new_empty(n, h, d)
+        for g in meta.groups:
+            out[g.query_out] = _attend(qpad, k_pool, v_pool, g)
+    else:
+        out = _attend(qpad, k_pool, v_pool, meta)
+    return out.reshape(1, n, h * d)
+
+
+def _attend(qpad: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """One padded SDPA over the sequences of ``meta``: ``[n_valid, H, D]`` in packed order."""
+    h, d = qpad.shape[1], qpad.shape[2]
+    qs = qpad[meta.query_index].transpose(1, 2)  # [S, H, Tq, D]
+    keys = k_pool[meta.read_slots].transpose(1, 2).to(qpad.dtype)  # [S, Hkv, kv_len, D]
+    values = v_pool[meta.read_slots].transpose(1, 2).to(qpad.dtype)
     mask = meta.mask | ~meta.query_valid[:, None, :, None]  # padding queries see everything (no NaN rows)
     out = _sdpa(qs, keys, values, mask).transpose(1, 2)  # [S, Tq, H, D]
     if meta.query_rows is not None:
-        out = out.reshape(-1, h, d)[meta.query_rows]  # [N, H, D], a gather: no host sync
-    else:
-        out = out[meta.query_valid]
-    return out.reshape(1, n, h * d)
+        return out.reshape(-1, h, d)[meta.query_rows]  # a gather: no host sync
+    return out[meta.query_valid]
 
 
 class GatedMLP(nn.Module):

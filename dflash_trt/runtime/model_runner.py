@@ -93,6 +93,11 @@ def _written(
     return torch.cat(pos + empty), torch.cat([slots_of(t, p, tpb) for t, p in zip(tables, pos)] + empty)
 
 
+#: queries per sequence up to which a sequence counts as a verify block (grouped apart from
+#: prompt chunks, so that short blocks are not padded to a long chunk in attention)
+SHORT_QUERIES = 16
+
+
 def _packed_meta(
     starts: list[int],
     lengths: list[int],
@@ -111,46 +116,66 @@ def _packed_meta(
     (all written to its slots); its queries are its last ``query_len`` tokens, whose index in the
     query tensor starts at ``query_from[i]``. Keys are positions ``0 .. starts[i] + lengths[i] - 1``
     of the sequence; causal: a query at ``p`` sees keys ``<= p``; non-causal: all of them
-    (minus the sliding ``window`` rule when set).
+    (minus the sliding ``window`` rule when set). When short (verify) and long (prompt-chunk)
+    query runs are mixed, they become two attention groups (``AttentionMetadata.groups``).
     """
     S = len(starts)
     qlen = query_len if isinstance(query_len, list) else [query_len] * S
     ends = [s + n for s, n in zip(starts, lengths)]
-    kv_len = max(ends)
-    tq = max(qlen)
     positions, write = _written(tables, starts, lengths, tpb)
+    to = lambda x: x.to(device)  # noqa: E731
+    short = [i for i in range(S) if qlen[i] <= SHORT_QUERIES]
+    groups = None
+    if 0 < len(short) < S:
+        long = [i for i in range(S) if qlen[i] > SHORT_QUERIES]
+        groups = [
+            _group_meta(idx, ends, query_from, qlen, tables, tpb, spare_slot, to, window, causal)
+            for idx in (short, long)
+        ]
+        base = AttentionMetadata(None, None, None, max(ends))
+    else:
+        base = _group_meta(list(range(S)), ends, query_from, qlen, tables, tpb, spare_slot, to, window, causal)
+    base.positions, base.write_slots = to(positions).unsqueeze(0), to(write).unsqueeze(0)
+    base.max_position, base.groups = max(ends) - 1, groups
+    return base
+
+
+def _group_meta(idx: list[int], ends, query_from, qlen, tables, tpb, spare_slot, to, window, causal):
+    """Paged attention metadata (read slots, mask, query gathers) of the sequences ``idx``."""
+    S = len(idx)
+    kv_len = max(ends[i] for i in idx)
+    tq = max(qlen[i] for i in idx)
     keys = torch.arange(kv_len)
     read = torch.full((S, kv_len), spare_slot, dtype=torch.long)
     qpos = torch.zeros(S, tq, dtype=torch.long)
     qidx = torch.zeros(S, tq, dtype=torch.long)
     qvalid = torch.zeros(S, tq, dtype=torch.bool)
-    rows = []
-    for i, (t, e, q0, m) in enumerate(zip(tables, ends, query_from, qlen)):
-        read[i, :e] = slots_of(t, keys[:e], tpb)
-        qpos[i, :m] = torch.arange(e - m, e)
-        qidx[i, :m] = torch.arange(q0, q0 + m)
-        qvalid[i, :m] = True
-        rows.append(torch.arange(i * tq, i * tq + m))
-    n_queries = sum(qlen)
-    qidx[~qvalid] = n_queries
-    end_t = torch.tensor(ends).view(S, 1, 1)
+    rows, out = [], []
+    for r, i in enumerate(idx):
+        e, q0, m = ends[i], query_from[i], qlen[i]
+        read[r, :e] = slots_of(tables[i], keys[:e], tpb)
+        qpos[r, :m] = torch.arange(e - m, e)
+        qidx[r, :m] = torch.arange(q0, q0 + m)
+        qvalid[r, :m] = True
+        rows.append(torch.arange(r * tq, r * tq + m))
+        out.append(torch.arange(q0, q0 + m))
+    qidx[~qvalid] = sum(qlen)  # the padding row
     if causal:
         mask = keys.view(1, 1, -1) <= qpos.unsqueeze(-1)
     else:
-        mask = keys.view(1, 1, -1) < end_t
+        mask = keys.view(1, 1, -1) < torch.tensor([ends[i] for i in idx]).view(S, 1, 1)
         if window is not None:
             mask = mask & sliding_visible(qpos.unsqueeze(-1), keys.view(1, 1, -1), window)
-    to = lambda x: x.to(device)  # noqa: E731
     return AttentionMetadata(
-        to(positions).unsqueeze(0),
-        to(write).unsqueeze(0),
+        None,
+        None,
         to(mask.unsqueeze(1)),
         kv_len,
         read_slots=to(read),
         query_index=to(qidx),
         query_valid=to(qvalid),
         query_rows=to(torch.cat(rows)),
-        max_position=kv_len - 1,
+        query_out=to(torch.cat(out)),
     )
 
 
