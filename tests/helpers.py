@@ -30,6 +30,24 @@ def error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def plain_outputs(target, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Plain decoding (block size 1, no drafter) of each prompt, one request at a time."""
+    from dflash_trt.runtime.executor import DFlashEngine, Request
+
+    plain = DFlashEngine(target.model, None, target.stop_token_ids)
+    return [plain.generate([Request(p, max_new)], 1)[0].output_ids for p in prompts]
+
+
+def same_text(target, prompt_ids: list[int], ref_ids: list[int], text: str) -> bool:
+    """A server's text is the decoded reference, or they part where the target's top-2 logits
+    tie (fp32 margin < TIE)."""
+    tok = target.tokenizer
+    if text == tok.decode(ref_ids, skip_special_tokens=True):
+        return True
+    k = first_divergence(ref_ids, tok.encode(text))
+    return k is not None and top2_margin(target.model, prompt_ids + ref_ids[:k]) < TIE
+
+
 def check_same(model, prompt, ref, got) -> int:
     """0 if identical; 1 if they first differ at a numerical tie; fails otherwise."""
     i = first_divergence(ref, got)

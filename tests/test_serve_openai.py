@@ -27,10 +27,9 @@ import time
 
 import httpx
 import pytest
-from helpers import CLI, TIE, error_line, run
+from helpers import CLI, error_line, plain_outputs, run, same_text
 
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
-from dflash_trt.runtime.executor import DFlashEngine, Request, first_divergence, top2_margin
 
 openai = pytest.importorskip("openai", reason="pip install openai")
 MAX_NEW = 24
@@ -88,24 +87,12 @@ def prompts():
 def reference(smollm2, prompts):
     """Plain decoding (block size 1) of each prompt as chat and as raw text."""
     tok = smollm2.tokenizer
-    plain = DFlashEngine(smollm2.model, None, smollm2.stop_token_ids)
     chat = [chat_prompt_ids(tok, p) for p in prompts]
     raw = [tok.encode(p) for p in prompts]
     return {
-        "chat": [(ids, plain.generate([Request(ids, MAX_NEW)], 1)[0].output_ids) for ids in chat],
-        "raw": [(ids, plain.generate([Request(ids, MAX_NEW)], 1)[0].output_ids) for ids in raw],
+        "chat": list(zip(chat, plain_outputs(smollm2, chat, MAX_NEW))),
+        "raw": list(zip(raw, plain_outputs(smollm2, raw, MAX_NEW))),
     }
-
-
-def same_text(smollm2, prompt_ids, ref_ids, text) -> bool:
-    """The server's text is the reference's, or they part at a numerical tie (fp32 top-2 < 1e-4)."""
-    tok = smollm2.tokenizer
-    want = tok.decode(ref_ids, skip_special_tokens=True)
-    if text == want:
-        return True
-    got_ids = tok.encode(text)
-    k = first_divergence(ref_ids, got_ids)
-    return k is not None and top2_margin(smollm2.model, prompt_ids + ref_ids[:k]) < TIE
 
 
 def test_completions_and_chat_equal_plain_decoding(server, smollm2, prompts, reference):

@@ -25,9 +25,9 @@ import time
 import httpx
 import numpy as np
 import pytest
+from helpers import plain_outputs, same_text
 
 from dflash_trt.prompts import mixed_prompts
-from dflash_trt.runtime.executor import DFlashEngine, Request, first_divergence, top2_margin
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install tritonclient[grpc]")
 pytest.importorskip("pytriton", reason="pip install nvidia-pytriton (ships tritonserver)")
@@ -78,17 +78,8 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def reference(smollm2, prompts):
-    tok = smollm2.tokenizer
-    plain = DFlashEngine(smollm2.model, None, smollm2.stop_token_ids)
-    return [(ids, plain.generate([Request(ids, MAX_NEW)], 1)[0].output_ids) for ids in (tok.encode(p) for p in prompts)]
-
-
-def same_text(smollm2, prompt_ids, ref_ids, text) -> bool:
-    tok = smollm2.tokenizer
-    if text == tok.decode(ref_ids, skip_special_tokens=True):
-        return True
-    k = first_divergence(ref_ids, tok.encode(text))
-    return k is not None and top2_margin(smollm2.model, prompt_ids + ref_ids[:k]) < 1e-4
+    ids = [smollm2.tokenizer.encode(p) for p in prompts]
+    return list(zip(ids, plain_outputs(smollm2, ids, MAX_NEW)))
 
 
 def generate(url: str, body: dict) -> dict:

@@ -91,6 +91,14 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
 
 
+def _envelope(rid: str, obj: str, created: int, model: str, choice: dict, usage: dict | None) -> dict:
+    """A response object / stream chunk with one choice (and ``usage`` when given)."""
+    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
 def _usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -200,16 +208,8 @@ def build_app(service: EngineService) -> FastAPI:
         head = p if body.echo and isinstance(p, str) else ""
 
         def chunk(text: str, finish: str | None, usage: dict | None = None) -> dict:
-            out = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": name,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-            }
-            if usage is not None:
-                out["usage"] = usage
-            return out
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return _envelope(rid, "text_completion", created, name, choice, usage)
 
         if body.stream:
             return StreamingResponse(
@@ -242,16 +242,8 @@ def build_app(service: EngineService) -> FastAPI:
 
         def chunk(text: str, finish: str | None, usage: dict | None = None, first: bool = False) -> dict:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            out = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-            }
-            if usage is not None:
-                out["usage"] = usage
-            return out
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return _envelope(rid, "chat.completion.chunk", created, name, choice, usage)
 
         if body.stream:
             first = chunk("", None, first=True)
