@@ -199,30 +199,41 @@ class DFlashDrafter(nn.Module):
         dtype = block_embeds.dtype
         cos_c, sin_c = self.rope(ctx_positions, dtype) if S else (None, None)
         cos_b, sin_b = self.rope(block_pos, dtype)
-        visible = ctx_positions.unsqueeze(1) < anchors.unsqueeze(-1)  # [N, nb, S]
-        if ctx_valid is not None:
-            visible = visible & ctx_valid.unsqueeze(1)
         W = self.cfg.sliding_window
-        if W is not None:  # slot k sits at position anchor + k
-            query = anchors[..., None, None] + torch.arange(B, device=anchors.device)[:, None]  # [N, nb, B, 1]
-            visible = visible.unsqueeze(2) & sliding_visible(query, ctx_positions[:, None, None, :], W)  # [N, nb, B, S]
+        index = None
+        if W is not None and S:
+            # a block anchored at a sees context positions a - W + 1 .. a - 1 only: gather those
+            # W - 1 per block instead of scoring all S (contexts are positions 0 .. S - 1 here)
+            dev = anchors.device
+            index = anchors.unsqueeze(-1) - (W - 1) + torch.arange(W - 1, device=dev)  # [N, nb, W-1]
+            inside = index >= 0
+            index = index.clamp(min=0)
+            if ctx_valid is not None:
+                inside = inside & torch.gather(ctx_valid, 1, index.flatten(1)).view_as(index)
+            query = anchors[..., None, None] + torch.arange(B, device=dev)[:, None]  # [N, nb, B, 1]
+            visible = inside.unsqueeze(2) & sliding_visible(query, index.unsqueeze(2), W)  # [N, nb, B, W-1]
         else:
+            visible = ctx_positions.unsqueeze(1) < anchors.unsqueeze(-1)  # [N, nb, S]
+            if ctx_valid is not None:
+                visible = visible & ctx_valid.unsqueeze(1)
             visible = visible.unsqueeze(2)  # [N, nb, 1, S]
         ctx = self.hidden_norm(self.fc(ctx_features))
         x = block_embeds.reshape(N, nb * B, H)
         for layer in self.layers:
             h = layer.input_layernorm(x)
-            x = x + _train_attention(layer.self_attn, h, ctx, cos_c, sin_c, cos_b, sin_b, visible, nb, B)
+            x = x + _train_attention(layer.self_attn, h, ctx, cos_c, sin_c, cos_b, sin_b, visible, nb, B, index)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         out = self.norm(x).view(N, nb, B, H)
         return out[0] if single else out
 
 
-def _train_attention(attn: DrafterAttention, h, ctx, cos_c, sin_c, cos_b, sin_b, visible, nb: int, B: int):
+def _train_attention(attn: DrafterAttention, h, ctx, cos_c, sin_c, cos_b, sin_b, visible, nb: int, B: int, index=None):
     """Attention of ``nb`` blocks of ``B`` queries over ``[shared context ; own block]``.
 
     Scores against the context are one GEMM for all blocks (masked by ``visible``
     ``[N, nb, 1 or B, S]``), scores within each block a batched ``B x B`` GEMM; one softmax over both.
+    With ``index`` (int64 ``[N, nb, L]``, a sliding window's context positions per block) each
+    block scores only its ``L`` gathered context keys (``visible`` is then ``[N, nb, B, L]``).
     Grouped-query heads are handled by viewing the queries as ``[N, Hkv, group, T, D]``
     (query head ``i`` reads KV head ``i // group``, like SDPA's ``enable_gqa``).
     """
@@ -241,6 +252,17 @@ def _train_attention(attn: DrafterAttention, h, ctx, cos_c, sin_c, cos_b, sin_b,
         kc = attn.k_norm(attn.k_proj(ctx).view(N, S, hkv, d)).transpose(1, 2)
         kc = apply_rope(kc, cos_c, sin_c).unsqueeze(2)  # [N, hkv, 1, S, d]
         vc = attn.v_proj(ctx).view(N, S, hkv, d).transpose(1, 2).unsqueeze(2)
+        if index is not None:
+            L = index.shape[-1]
+            rows = torch.arange(N, device=index.device).view(N, 1, 1)
+            kw = kc[:, :, 0].transpose(1, 2)[rows, index].permute(0, 3, 1, 2, 4).unsqueeze(2)  # [N, hkv, 1, nb, L, d]
+            vw = vc[:, :, 0].transpose(1, 2)[rows, index].permute(0, 3, 1, 2, 4).unsqueeze(2)
+            s_ctx = (q @ kw.transpose(-1, -2)) * scale  # [N, hkv, g, nb, B, L]
+            s_ctx = s_ctx.masked_fill(~visible.view(N, 1, 1, nb, B, L), float("-inf"))
+            p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1).float(), dim=-1).to(vb.dtype)
+            out = p[..., :L] @ vw + p[..., L:] @ vb
+            out = out.reshape(N, hq, T, d).transpose(1, 2).reshape(N, T, hq * d)
+            return attn.o_proj(out)
         s_ctx = (q.reshape(N, hkv, g, T, d) @ kc.transpose(-1, -2)).view(N, hkv, g, nb, B, S) * scale
         s_ctx = s_ctx.masked_fill(~visible.view(N, 1, 1, nb, visible.shape[2], S), float("-inf"))
         p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1).float(), dim=-1).to(vb.dtype)

@@ -1,0 +1,249 @@
+"""Load against ``dflash-trt serve`` with aiperf (PyPI), beside the in-process engine on the same
+requests, in one run: output tokens/s, TTFT and inter-token latency at each concurrency, and the
+server's throughput as a share of the engine's. Writes JSON and a PNG.
+
+    python bench/serve_load.py --aiperf /path/to/venv/bin/aiperf --concurrency 1,4,16 \
+        --requests 32 --input-tokens 128 --output-tokens 64 --json out/serve-load.json --plot out/serve-load.png
+
+The requests are aiperf's synthetic prompts (``--input-tokens`` long, fixed seed), chat
+completions streamed with ``ignore_eos`` so each answer is exactly ``--output-tokens`` long; the
+in-process side replays the same prompt token counts (random text of that many tokens through
+the chat template) at the same concurrency through :class:`~dflash_trt.runtime.engine.LLMEngine`
+with the same engine settings. Nothing else should run meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_health(url: str, proc, timeout: float = 600) -> None:
+    import urllib.request
+
+    end = time.time() + timeout
+    while time.time() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit("the server did not come up")
+
+
+def run_aiperf(aiperf: str, url: str, model: str, tokenizer: str, c: int, args, out_dir: Path) -> dict:
+    """One aiperf profile at concurrency ``c``; returns its summary metrics (aiperf's JSON)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        aiperf,
+        "profile",
+        "--model",
+        model,
+        "--url",
+        url,
+        "--endpoint-type",
+        "chat",
+        "--streaming",
+        "--tokenizer",
+        tokenizer,
+        "--concurrency",
+        str(c),
+        "--request-count",
+        str(args.requests),
+        "--synthetic-input-tokens-mean",
+        str(args.input_tokens),
+        "--synthetic-input-tokens-stddev",
+        "0",
+        "--output-tokens-mean",
+        str(args.output_tokens),
+        "--output-tokens-stddev",
+        "0",
+        "--extra-inputs",
+        "ignore_eos:true",
+        "--extra-inputs",
+        "temperature:0",
+        "--random-seed",
+        "7",
+        "--warmup-request-count",
+        "1",
+        "--output-artifact-dir",
+        str(out_dir),
+        "--no-auto-plot",
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    found = sorted(out_dir.rglob("*aiperf*.json"))
+    data = json.loads(found[-1].read_text())
+
+    def metric(name, key="avg"):
+        m = data.get(name) or data.get("records", {}).get(name) or {}
+        return m.get(key)
+
+    return {
+        "output_tokens_per_s": metric("output_token_throughput"),
+        "ttft_ms_p50": metric("time_to_first_token", "p50"),
+        "itl_ms_p50": metric("inter_token_latency", "p50"),
+        "requests_per_s": metric("request_throughput"),
+    }
+
+
+def engine_baseline(args, c: int) -> float:
+    """Output tokens/s of the in-process engine: ``args.requests`` prompts of the same lengths,
+    at most ``c`` in flight, fixed-length answers (no stop tokens)."""
+    import random
+
+    import torch
+
+    from dflash_trt.checkpoints.engine import load_models
+    from dflash_trt.checkpoints.loader import parse_device, parse_dtype
+    from dflash_trt.prompts import chat_prompt_ids
+    from dflash_trt.runtime.engine import EngineConfig, LLMEngine
+    from dflash_trt.runtime.request import Request
+
+    target, drafter = load_models(None, args.drafter, None, parse_dtype(args.dtype), device=parse_device("cpu"))
+    engine = LLMEngine(
+        target.model,
+        drafter,
+        target.stop_token_ids,
+        EngineConfig(block_size=args.block_size, adaptive=True, max_batch_size=64),
+    )
+    tok = target.tokenizer
+    rng = random.Random(7)
+    vocab = list(tok.get_vocab().values())
+    prompts = [
+        chat_prompt_ids(tok, tok.decode([rng.choice(vocab) for _ in range(args.input_tokens)]))
+        for _ in range(args.requests)
+    ]
+    torch.set_num_threads(args.threads)
+    warm = engine.add_request(Request(prompts[0], 4, stop_token_ids=()))
+    engine.run()
+    engine.result(warm)
+    pending, done, t0 = list(prompts), 0, time.perf_counter()
+    inflight = 0
+    while pending or engine.has_unfinished():
+        while pending and inflight < c:
+            engine.add_request(Request(pending.pop(), args.output_tokens, stop_token_ids=()))
+            inflight += 1
+        for s in engine.step():
+            inflight -= 1
+            done += len(engine.result(s.seq_id).output_ids)
+    return done / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--aiperf", required=True, help="the aiperf executable (its own venv)")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--input-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--drafter", default=None)
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", dest="json_out")
+    ap.add_argument("--plot")
+    args = ap.parse_args()
+    from dflash_trt.checkpoints.sources import resolve_target
+
+    conc = [int(x) for x in args.concurrency.split(",")]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_trt.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--dtype",
+        args.dtype,
+        "--threads",
+        str(args.threads),
+        "--model-name",
+        "dflash",
+    ]
+    if args.drafter:
+        cmd += ["--drafter", args.drafter]
+    if args.block_size:
+        cmd += ["--block-size", str(args.block_size)]
+    work = Path(args.json_out or "out/serve-load.json").parent / "aiperf"
+    server = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    rows = []
+    try:
+        wait_health(url, server)
+        for c in conc:
+            print(f"aiperf at concurrency {c} ...", file=sys.stderr, flush=True)
+            rows.append(
+                {
+                    "concurrency": c,
+                    **run_aiperf(args.aiperf, url, "dflash", str(resolve_target(None)), c, args, work / f"c{c}"),
+                }
+            )
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(60)
+    for r in rows:
+        print(f"in-process engine at concurrency {r['concurrency']} ...", file=sys.stderr, flush=True)
+        r["engine_output_tokens_per_s"] = engine_baseline(args, r["concurrency"])
+        r["server_vs_engine"] = (r["output_tokens_per_s"] or 0) / r["engine_output_tokens_per_s"]
+    print(f"{'C':>3} {'server tok/s':>13} {'engine tok/s':>13} {'ratio':>6} {'TTFT p50 ms':>12} {'ITL p50 ms':>11}")
+    for r in rows:
+        print(
+            f"{r['concurrency']:>3} {r['output_tokens_per_s']:>13.1f} {r['engine_output_tokens_per_s']:>13.1f} "
+            f"{r['server_vs_engine']:>6.2f} {r['ttft_ms_p50']:>12.1f} {r['itl_ms_p50']:>11.1f}"
+        )
+    if args.json_out:
+        from dflash_trt.atomic import write_json
+
+        write_json(args.json_out, {"settings": vars(args), "rows": rows})
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+        cs = [r["concurrency"] for r in rows]
+        axes[0].plot(cs, [r["output_tokens_per_s"] for r in rows], "o-", label="dflash-trt serve (aiperf)")
+        axes[0].plot(cs, [r["engine_output_tokens_per_s"] for r in rows], "s--", label="in-process engine")
+        axes[0].set_ylabel("output tokens / s")
+        axes[0].legend(fontsize=8)
+        axes[1].plot(cs, [r["ttft_ms_p50"] for r in rows], "o-")
+        axes[1].set_ylabel("TTFT p50 (ms)")
+        axes[2].plot(cs, [r["itl_ms_p50"] for r in rows], "o-")
+        axes[2].set_ylabel("inter-token latency p50 (ms)")
+        for a in axes:
+            a.set_xlabel("concurrency")
+            a.set_xscale("log", base=2)
+            a.grid(alpha=0.3)
+        fig.suptitle(
+            f"{args.input_tokens} in / {args.output_tokens} out tokens, {args.requests} requests, "
+            f"{args.dtype}, CPU {args.threads} threads",
+            fontsize=9,
+        )
+        fig.tight_layout()
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.plot, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
