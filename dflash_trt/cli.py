@@ -208,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     ts.add_argument("--grpc-port", type=int, default=8002)
     ts.add_argument("--metrics-port", type=int, default=8003)
 
+    ka = sub.add_parser(
+        "kernels-aot", help="compile the drafter kernels to cubins for Hopper and Blackwell (no GPU needed)"
+    )
+    ka.add_argument("--out", required=True, help="directory to create: <arch>/<variant>.cubin + manifest.json")
+    ka.add_argument("--arch", default="sm_90a,sm_100a,sm_103a", help="comma list of sm_90a, sm_100a, sm_103a")
+
     pk = sub.add_parser("pack", help="pack the model (in parts) and the prompt sets for an offline GPU training run")
     pk.add_argument("--out", required=True, help="pack folder to create (see scripts/gpu_train.sh)")
     pk.add_argument("--model-file", help="the target as one file, e.g. a .gguf (default: the SmolLM2 GGUF)")
@@ -707,6 +713,19 @@ def cmd_triton_serve(args) -> None:
         raise DFlashError(f"tritonserver exited with status {proc.returncode}")
 
 
+def cmd_kernels_aot(args) -> None:
+    from .kernels.aot import compile_all
+
+    m = compile_all(args.out, [a for a in args.arch.split(",") if a])
+    print(f"{'variant':<32} {'arch':<8} {'ptx target':<11} {'bytes':>8} {'warps':>5} {'smem':>6}")
+    for e in m["cubins"]:
+        print(
+            f"{e['variant']:<32} {e['arch']:<8} {e['ptx_target']:<11} {e['bytes']:>8} {e['num_warps']:>5} "
+            f"{e['shared_bytes']:>6}"
+        )
+    print(f"wrote {len(m['cubins'])} cubins to {args.out} (triton {m['triton']})")
+
+
 def cmd_text_data(args) -> None:
     from .checkpoints.loader import load_target
     from .prompts import sharegpt_conversations
@@ -785,6 +804,7 @@ COMMANDS = {
     "train": cmd_train,
     "text-data": cmd_text_data,
     "serve": cmd_serve,
+    "kernels-aot": cmd_kernels_aot,
     "triton-repo": cmd_triton_repo,
     "triton-serve": cmd_triton_serve,
     "pack": cmd_pack,

@@ -17,6 +17,12 @@ import torch
 # descheduled thread). CLI tests run the command in subprocesses with the default threads.
 torch.set_num_threads(1)
 
+# Without a GPU the drafter kernels (Triton language) run through Triton's interpreter; Triton
+# picks interpreter or compiler when a kernel is defined, so this must precede any import of
+# dflash_trt.kernels. Subprocesses inherit it; `kernels-aot` is run with it removed.
+if os.environ.get("DFLASH_TRT_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def smollm2():

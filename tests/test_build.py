@@ -245,6 +245,11 @@ def test_engine_directory_layout(built, smollm2):
     y = (out / "trtllm" / "llm_api.yaml").read_text()
     assert "decoding_type: DFlash" in y and "max_draft_len: 15" in y
     assert "trtllm-build --checkpoint_dir target" in (out / "trtllm" / "build.sh").read_text()
+    # the drafter plugins: every kernel variant named is one that `kernels-aot` compiles
+    plugins = json.loads((out / "trtllm" / "plugins.json").read_text())
+    assert plugins["plugins"] == ["dflash::context_kv", "dflash::block_attention", "dflash::accept"]
+    abi = pytest.importorskip("dflash_trt.kernels.plugin_abi")
+    assert set(plugins["kernels"]) <= {s.name for s in abi.specs()}
 
 
 def test_tp_shards_reassemble_to_modelopt_quantization(built, smollm2):

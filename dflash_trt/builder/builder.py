@@ -15,6 +15,8 @@ build leaves nothing at the output path)::
     trtllm/llm_api.yaml         ``speculative_config: {decoding_type: DFlash, ...}`` for
                                 ``trtllm-serve`` / ``LLM(...)`` on TensorRT-LLM releases with DFlash
     trtllm/build.sh             the ``trtllm-build`` command line for the target (1.2.x)
+    trtllm/plugins.json         the drafter plugins (``plugins/dflash_plugins.py``) and the AOT
+                                kernel variants this drafter launches
 """
 
 from __future__ import annotations
@@ -310,6 +312,20 @@ def llm_api_yaml(bc: BuildConfig, dcfg: DrafterConfig) -> str:
     return head + yaml.safe_dump(options, sort_keys=False)
 
 
+def plugins_json(bc: BuildConfig, dcfg: DrafterConfig) -> dict:
+    """``trtllm/plugins.json``: the TensorRT plugins of the drafter and the kernel variants
+    (:mod:`dflash_trt.kernels.plugin_abi` names) this drafter's shapes launch."""
+    d, hkv, g = dcfg.head_dim, dcfg.num_kv_heads, dcfg.num_heads // dcfg.num_kv_heads
+    return {
+        "library": "plugins/dflash_plugins.py",
+        "plugins": ["dflash::context_kv", "dflash::block_attention", "dflash::accept"],
+        "kernels": [f"context_kv_d{d}_h{hkv}", f"block_attention_d{d}_g{g}_b{bc.block_size}", "accept_k16"],
+        "kernels_dir": "DFLASH_TRT_KERNELS_DIR (from: dflash-trt kernels-aot --out DIR)",
+        "tokens_per_block": bc.tokens_per_block,
+        "sliding_window": dcfg.sliding_window or 0,
+    }
+
+
 # --------------------------------------------------------------------------------------------
 # the build
 # --------------------------------------------------------------------------------------------
@@ -486,6 +502,7 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
 
     (tmp / "trtllm").mkdir()
     (tmp / "trtllm" / "llm_api.yaml").write_text(llm_api_yaml(bc, dcfg))
+    write_json(tmp / "trtllm" / "plugins.json", plugins_json(bc, dcfg))
     (tmp / "trtllm" / "build.sh").write_text(
         "#!/bin/sh\n# TensorRT-LLM 1.2.x engine build of the target (run from the engine directory).\n"
         "# DFlash itself runs in TensorRT-LLM's PyTorch backend (>= 1.3): see llm_api.yaml.\nset -e\n"

@@ -97,6 +97,89 @@ class DFlashDrafter(nn.Module):
             self.d2t = None
         self._head_cache: tuple | None = None
 
+    def forward_paged(
+        self,
+        block_embeds: torch.Tensor,
+        ctx_features: torch.Tensor,
+        ctx_positions: torch.Tensor,
+        ctx_slots: torch.Tensor,
+        block_positions: torch.Tensor,
+        block_slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        kv_lens: torch.Tensor,
+        block: int,
+        tokens_per_block: int,
+        k_pools: torch.Tensor,
+        v_pools: torch.Tensor,
+    ) -> torch.Tensor:
+        """Draft the blocks of ``S`` sequences over paged pools with the drafter kernels
+        (:mod:`dflash_trt.kernels`): the same result as :meth:`forward` with paged metadata.
+
+        Args:
+            block_embeds: ``[S * B, hidden]`` embeddings of every block, sequence after sequence.
+            ctx_features: ``[N, len(target_layer_ids) * hidden]`` features of the context positions
+                not yet in the pools (any sequences), at ``ctx_positions`` / ``ctx_slots`` (int64 ``[N]``).
+            block_positions, block_slots: int64 ``[S * B]`` where each block token sits.
+            block_tables: int32 ``[S, max_blocks]``; kv_lens: int32 ``[S]`` (each block's last position + 1).
+            k_pools, v_pools: ``[L, P, Hkv, D]`` every drafter layer's pool (written in place).
+
+        Returns:
+            ``[S * B, hidden]`` final normed hidden states.
+        """
+        from ..kernels import ops
+
+        cfg = self.cfg
+        if ctx_features.shape[0]:
+            ctx = self.hidden_norm(self.fc(ctx_features))
+            w, b = self._stacked_kv()
+            kv = torch.nn.functional.linear(ctx, w, b)
+            knorm = torch.stack([layer.self_attn.k_norm.weight for layer in self.layers])
+            ops.context_kv(
+                kv,
+                knorm,
+                cfg.rms_norm_eps,
+                self.rope.inv_freq.to(kv.device),
+                ctx_positions,
+                ctx_slots,
+                k_pools,
+                v_pools,
+            )
+        M = block_embeds.shape[0]
+        cos, sin = self.rope(block_positions.view(1, M), block_embeds.dtype, int(kv_lens.max()) - 1)
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = apply_rope(a.q_norm(a.q_proj(h).view(1, M, a.h, a.d)).transpose(1, 2), cos, sin)[0].transpose(0, 1)
+            k = apply_rope(a.k_norm(a.k_proj(h).view(1, M, a.hkv, a.d)).transpose(1, 2), cos, sin)[0].transpose(0, 1)
+            k_pools[i][block_slots] = k.to(k_pools.dtype)
+            v_pools[i][block_slots] = a.v_proj(h).view(M, a.hkv, a.d).to(v_pools.dtype)
+            o = ops.block_attention(
+                q.contiguous(),
+                k_pools[i],
+                v_pools[i],
+                block_tables,
+                kv_lens,
+                block,
+                tokens_per_block,
+                cfg.sliding_window or 0,
+                a.d**-0.5,
+            )
+            x = x + a.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def _stacked_kv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every layer's ``[k_proj; v_proj]`` weights stacked (one GEMM for all layers' context
+        K/V), and biases when the drafter has them; cached per weight version."""
+        ws = [p for layer in self.layers for p in (layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight)]
+        key = tuple((w.data_ptr(), w._version, w.dtype) for w in ws)
+        if getattr(self, "_kv_cache_key", None) != key:
+            bs = [p for layer in self.layers for p in (layer.self_attn.k_proj.bias, layer.self_attn.v_proj.bias)]
+            self._kv_stack = (torch.cat(ws), torch.cat(bs) if bs[0] is not None else None)
+            self._kv_cache_key = key
+        return self._kv_stack
+
     def draft_token_ids(self) -> torch.Tensor | None:
         """int64 ``[N]`` sorted target ids of the draft vocabulary (``arange(N) + d2t``), or None
         when the drafter drafts over the whole target vocabulary."""

@@ -50,7 +50,8 @@ class KVCache:
 
 class PagedKVCache:
     """Slot pools of a paged KV cache: per layer ``(k, v)``, each
-    ``[num_blocks * tokens_per_block + 1, num_kv_heads, head_dim]``.
+    ``[num_blocks * tokens_per_block + 1, num_kv_heads, head_dim]`` (views of :attr:`k` and
+    :attr:`v`, ``[num_layers, ...]``).
 
     Slot ``block * tokens_per_block + offset`` holds the K/V of the token at
     ``offset`` within ``block``; which blocks belong to which sequence is the
@@ -72,9 +73,9 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ):
-        shape = (num_blocks * tokens_per_block + 1, num_kv_heads, head_dim)
+        shape = (num_layers, num_blocks * tokens_per_block + 1, num_kv_heads, head_dim)
         self.tokens_per_block = tokens_per_block
-        self.layers = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
+        # every layer's pool in one tensor (the drafter kernels write all layers in one launch)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = [(self.k[i], self.v[i]) for i in range(num_layers)]

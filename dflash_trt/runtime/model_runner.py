@@ -93,6 +93,15 @@ def _written(
     return torch.cat(pos + empty), torch.cat([slots_of(t, p, tpb) for t, p in zip(tables, pos)] + empty)
 
 
+def _kernels_wanted(device: torch.device) -> bool:
+    """Whether drafting runs the drafter kernels on ``device`` (:func:`dflash_trt.kernels.ops.use_triton`)."""
+    try:
+        from ..kernels.ops import use_triton
+    except ImportError:  # pragma: no cover - torch too old for torch.library.custom_op
+        return False
+    return use_triton(torch.empty(0, device=device))
+
+
 #: queries per sequence up to which a sequence counts as a verify block (grouped apart from
 #: prompt chunks, so that short blocks are not padded to a long chunk in attention)
 SHORT_QUERIES = 16
@@ -215,6 +224,9 @@ class ModelRunner:
             self.capture = tuple(dc.target_layer_ids)
         # per sequence: (first position, target features [n, F]) not yet in the drafter's cache
         self._features: dict[int, tuple[int, torch.Tensor]] = {}
+        # draft with the drafter kernels (dflash_trt.kernels) on CUDA, or when forced by
+        # DFLASH_TRT_KERNELS=triton (interpreted on the CPU); else the torch modules
+        self.kernels = drafter is not None and _kernels_wanted(self.device)
 
     # ---- target features waiting for the drafter (public so a test can seed a context) ----
     def store_features(self, seq_id: int, start: int, feats: torch.Tensor) -> None:
@@ -256,6 +268,8 @@ class ModelRunner:
         tables = [it.table for it in items]
         # packed order: every item's context tokens, then every item's block tokens
         ctx_pos, ctx_slots = _written(tables, [first for first, _ in ctx], [len(f) for _, f in ctx], self.tpb)
+        if self.kernels:
+            return self._draft_kernels(items, block, ctx, tables, ctx_pos, ctx_slots)
         blk = _packed_meta(
             [it.start for it in items],
             [block] * len(items),
@@ -277,6 +291,37 @@ class ModelRunner:
         ids[:, 0] = torch.tensor([it.tokens[0] for it in items])
         feats = torch.cat([f for _, f in ctx]).unsqueeze(0)  # [1, N_ctx, F]; N_ctx may be 0
         hidden = d(self.target.embed(ids.to(self.device).view(1, -1)), feats, meta, self.dcache.layers)
+        drafts = d.propose(hidden.view(len(items), block, -1)[:, 1:], self.target.lm_head, self.tp is not None)
+        if self.tp is not None:
+            drafts = self.tp.broadcast(drafts)
+        rows = drafts.tolist()
+        return [r[: it.num_draft] for r, it in zip(rows, items)]
+
+    def _draft_kernels(self, items, block, ctx, tables, ctx_pos, ctx_slots) -> list[list[int]]:
+        """:meth:`draft` through :meth:`DFlashDrafter.forward_paged` (the drafter kernels)."""
+        d, dev = self.drafter, self.device
+        starts = [it.start for it in items]
+        bpos, bslots = _written(tables, starts, [block] * len(items), self.tpb)
+        width = max(len(t) for t in tables)
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        lens = torch.tensor([s + block for s in starts], dtype=torch.int32)
+        ids = torch.full((len(items), block), d.cfg.mask_token_id, dtype=torch.long)
+        ids[:, 0] = torch.tensor([it.tokens[0] for it in items])
+        feats = torch.cat([f for _, f in ctx])  # [N_ctx, F]
+        hidden = d.forward_paged(
+            self.target.embed(ids.to(dev).view(-1)),
+            feats,
+            ctx_pos.to(dev),
+            ctx_slots.to(dev),
+            bpos.to(dev),
+            bslots.to(dev),
+            bt.to(dev),
+            lens.to(dev),
+            block,
+            self.tpb,
+            self.dcache.k,
+            self.dcache.v,
+        )
         drafts = d.propose(hidden.view(len(items), block, -1)[:, 1:], self.target.lm_head, self.tp is not None)
         if self.tp is not None:
             drafts = self.tp.broadcast(drafts)

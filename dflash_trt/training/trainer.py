@@ -829,6 +829,9 @@ def train(
         "num_layers": dcfg.num_layers,
         "mask_token_id": dcfg.mask_token_id,
         "target_layer_ids": list(dcfg.target_layer_ids),
+        # what the drafter has (with --init-drafter it comes from the drafter, not the flags)
+        "sliding_window": dcfg.sliding_window,
+        "draft_vocab": dcfg.draft_vocab_size,
         "target": str(target.path),
         "sequences": len(seqs),
         "gamma": cfg.gamma or default_gamma(B),

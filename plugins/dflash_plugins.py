@@ -1,0 +1,170 @@
+"""The DFlash drafter kernels as TensorRT plugins (quickly deployable plugins, ``tensorrt.plugin``,
+TensorRT >= 10.9; API as in NVIDIA/TensorRT ``samples/python/quickly_deployable_plugins``).
+
+Plugins (namespace ``dflash``), one per kernel of ``dflash_trt.kernels``:
+
+- ``dflash::context_kv``: fused target features' stacked K/V GEMM output ``[T, L*2*Hkv*D]``,
+  k_norm ``[L, D]``, RoPE inverse frequencies ``[D/2]`` fp32, positions / slots ``[T]`` int64 and
+  the drafter's K / V pools ``[L, P, Hkv, D]`` -> the same pools, written in place (aliased);
+- ``dflash::block_attention``: queries ``[S*B, Hq, D]``, one layer's K / V pool ``[P, Hkv, D]``,
+  block tables ``[S, max_blocks]`` int32, kv lengths ``[S]`` int32 -> ``[S*B, Hq*D]``;
+- ``dflash::accept``: drafts ``[S, K]`` int64, target tokens ``[S, K+1]`` int64, draft counts
+  ``[S]`` int32 -> accepted drafts ``[S]`` int32.
+
+The AOT implementations return the PTX that ``dflash-trt kernels-aot --out DIR`` wrote for the
+GPU's architecture (``DIR`` from ``DFLASH_TRT_KERNELS_DIR``; kernels in plugin argument order,
+``dflash_trt.kernels.plugin_abi``), so an engine built with these plugins runs without Triton
+installed. The builder names the plugins and the variants a drafter needs in
+``trtllm/plugins.json``.
+
+Status: TensorRT cannot be installed on the machines this project is developed on, so this file
+has never been imported under TensorRT; what is tested is the kernels themselves (Triton
+interpreter vs torch references) and their AOT compile to cubins and PTX for sm_90a, sm_100a
+and sm_103a. Loading it without TensorRT raises ImportError with that message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+try:
+    import tensorrt as trt
+    import tensorrt.plugin as trtp
+except ImportError as e:  # pragma: no cover - TensorRT is not installable in development
+    raise ImportError(
+        "plugins/dflash_plugins.py needs TensorRT >= 10.9 with tensorrt.plugin (pip install tensorrt on a GPU machine)"
+    ) from e
+
+
+def _kernels_dir() -> Path:
+    d = os.environ.get("DFLASH_TRT_KERNELS_DIR")
+    if not d or not (Path(d) / "manifest.json").is_file():
+        raise RuntimeError("set DFLASH_TRT_KERNELS_DIR to a `dflash-trt kernels-aot --out DIR` directory")
+    return Path(d)
+
+
+def _arch() -> str:
+    """The PTX target of the GPU this process builds for (sm_90a, sm_100a, sm_103a)."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}a"
+
+
+def _variant(name: str) -> tuple[str, str, int, int]:
+    """``(entry, ptx, threads per block, shared bytes)`` of a compiled variant for this GPU."""
+    root = _kernels_dir()
+    arch = _arch()
+    for e in json.loads((root / "manifest.json").read_text())["cubins"]:
+        if e["variant"] == name and e["arch"] == arch:
+            return e["entry"], (root / e["ptx"]).read_text(), 32 * e["num_warps"], e["shared_bytes"]
+    raise RuntimeError(f"no AOT kernel {name} for {arch} in {root}; rerun dflash-trt kernels-aot")
+
+
+# ------------------------------------------------------------------------ dflash::block_attention
+@trtp.register("dflash::block_attention")
+def block_attention_desc(
+    q: trtp.TensorDesc,
+    k_pool: trtp.TensorDesc,
+    v_pool: trtp.TensorDesc,
+    block_tables: trtp.TensorDesc,
+    kv_lens: trtp.TensorDesc,
+    block: int,
+    tokens_per_block: int,
+    window: int,
+) -> trtp.TensorDesc:
+    """Output ``[S*B, Hq*D]`` in the queries' dtype."""
+    return trtp.from_shape_expr((q.shape_expr[0], q.shape_expr[1] * q.shape_expr[2]), dtype=q.dtype)
+
+
+@trtp.autotune("dflash::block_attention")
+def block_attention_autotune(q, k_pool, v_pool, block_tables, kv_lens, block, tokens_per_block, window, outputs):
+    return [trtp.AutoTuneCombination("BF16, BF16, BF16, INT32, INT32, BF16", "LINEAR")]
+
+
+@trtp.aot_impl("dflash::block_attention")
+def block_attention_aot(q, k_pool, v_pool, block_tables, kv_lens, block, tokens_per_block, window, outputs, tactic):
+    hq, d = q.shape_expr[1].constant_value, q.shape_expr[2].constant_value
+    hkv = k_pool.shape_expr[1].constant_value
+    if tokens_per_block != 32:
+        raise RuntimeError(f"the AOT block attention is compiled for 32 tokens per KV block, not {tokens_per_block}")
+    entry, ptx, threads, smem = _variant(f"block_attention_d{d}_g{hq // hkv}_b{block}")
+    launch = trtp.KernelLaunchParams()
+    launch.grid_x = kv_lens.shape_expr[0]
+    launch.grid_y = k_pool.shape_expr[1]
+    launch.block_x = threads
+    launch.shared_mem = smem
+    extra = trtp.SymIntExprs(6)
+    extra[0] = trtp.SymInt32(hq * d)  # stride_q_row
+    extra[1] = trtp.SymInt32(d)  # stride_q_head
+    extra[2] = trtp.SymInt32(hkv * d)  # stride_k_slot
+    extra[3] = trtp.SymInt32(d)  # stride_k_head
+    extra[4] = trtp.SymInt32(block_tables.shape_expr[1])  # stride_t
+    extra[5] = trtp.SymInt32(window)
+    return entry, ptx, launch, extra
+
+
+# ------------------------------------------------------------------------ dflash::context_kv
+@trtp.register("dflash::context_kv")
+def context_kv_desc(
+    kv: trtp.TensorDesc,
+    k_norm: trtp.TensorDesc,
+    inv_freq: trtp.TensorDesc,
+    positions: trtp.TensorDesc,
+    slots: trtp.TensorDesc,
+    k_pools: trtp.TensorDesc,
+    v_pools: trtp.TensorDesc,
+) -> tuple[trtp.TensorDesc, trtp.TensorDesc]:
+    """The pools, written in place (outputs alias inputs 5 and 6)."""
+    return k_pools.aliased(), v_pools.aliased()
+
+
+@trtp.autotune("dflash::context_kv")
+def context_kv_autotune(kv, k_norm, inv_freq, positions, slots, k_pools, v_pools, outputs):
+    return [trtp.AutoTuneCombination("BF16, BF16, FP32, INT64, INT64, BF16, BF16, BF16, BF16", "LINEAR")]
+
+
+@trtp.aot_impl("dflash::context_kv")
+def context_kv_aot(kv, k_norm, inv_freq, positions, slots, k_pools, v_pools, outputs, tactic):
+    num_layers, _, hkv, d = (x.constant_value for x in k_pools.shape_expr)
+    entry, ptx, threads, smem = _variant(f"context_kv_d{d}_h{hkv}")
+    launch = trtp.KernelLaunchParams()
+    launch.grid_x = kv.shape_expr[0]
+    launch.grid_y = k_pools.shape_expr[0]
+    launch.block_x = threads
+    launch.shared_mem = smem
+    extra = trtp.SymIntExprs(4)
+    extra[0] = trtp.SymInt32(kv.shape_expr[1])  # stride_kv_row
+    extra[1] = trtp.SymInt32(k_pools.shape_expr[1] * hkv * d)  # stride_pool_layer
+    extra[2] = trtp.SymInt32(hkv * d)  # stride_pool_slot
+    extra[3] = trtp.SymInt32(d)  # stride_pool_head
+    return entry, ptx, launch, extra
+
+
+# ------------------------------------------------------------------------ dflash::accept
+@trtp.register("dflash::accept")
+def accept_desc(drafts: trtp.TensorDesc, target: trtp.TensorDesc, n_draft: trtp.TensorDesc) -> trtp.TensorDesc:
+    """Accepted drafts per sequence, int32 ``[S]``."""
+    return trtp.from_shape_expr((drafts.shape_expr[0],), dtype=trt.int32)
+
+
+@trtp.autotune("dflash::accept")
+def accept_autotune(drafts, target, n_draft, outputs):
+    return [trtp.AutoTuneCombination("INT64, INT64, INT32, INT32", "LINEAR")]
+
+
+@trtp.aot_impl("dflash::accept")
+def accept_aot(drafts, target, n_draft, outputs, tactic):
+    if drafts.shape_expr[1].constant_value > 16:
+        raise RuntimeError("the AOT acceptance kernel handles up to 16 draft tokens")
+    entry, ptx, threads, smem = _variant("accept_k16")
+    launch = trtp.KernelLaunchParams()
+    launch.grid_x = drafts.shape_expr[0]
+    launch.block_x = threads
+    launch.shared_mem = smem
+    extra = trtp.SymIntExprs(2)
+    extra[0] = trtp.SymInt32(drafts.shape_expr[1])
+    extra[1] = trtp.SymInt32(target.shape_expr[1])
+    return entry, ptx, launch, extra
