@@ -634,6 +634,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-tokens", type=int, default=2048, help="most target tokens per iteration")
     p.add_argument("--tokens-per-block", type=int, default=32, help="KV-cache block size in positions")
     p.add_argument("--kv-capacity", type=int, default=None, help="KV positions (default: engine plan or 65536)")
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel ranks the server starts itself (under mpiexec: the job size)"
+    )
 
 
 def _serve_config(args):
@@ -653,6 +656,7 @@ def _serve_config(args):
         kv_capacity=args.kv_capacity,
         model_name=args.model_name,
         fp8_gemm=args.fp8_gemm,
+        tp_size=args.tp,
     )
 
 
@@ -675,6 +679,8 @@ def cmd_serve(args) -> None:
             raise DFlashError(f"cannot listen on {args.host}:{args.port} ({e.strerror})") from None
     _setup_threads(args.threads)
     service = EngineService(_serve_config(args))
+    if service.worker:  # a TP worker rank under mpiexec: rank 0 served and has stopped
+        return
     print(
         f"serving {service.model_name} ({service.dtype}, {service.device}) on http://{args.host}:{args.port}/v1",
         file=sys.stderr,

@@ -305,3 +305,58 @@ def test_serve_command(tmp_path):
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
+
+
+def test_serve_tp2_equals_tp1(smollm2, random_drafter, tmp_path):
+    """``mpiexec -n 2 dflash-trt serve``: the target tensor-parallel over two ranks, DFlash
+    drafting replicated; 8 concurrent chat requests give plain decoding's (TP=1) text."""
+    import shutil
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    from dflash_trt.checkpoints.zlab import save_drafter
+
+    local = Path(sys.executable).parent / "mpiexec"  # the mpich wheel's, in the venv
+    mpiexec = str(local) if local.exists() else shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("no mpiexec (pip install mpich mpi4py)")
+    drafter_dir = save_drafter(copy.deepcopy(random_drafter).cpu(), tmp_path / "drafter")
+    port = free_port()
+    cmd = [mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "dflash_trt.cli", "serve", "--port", str(port)]
+    cmd += ["--drafter", str(drafter_dir), "--block-size", "4", "--threads", "1", "--dtype", "fp32"]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
+    )
+    texts = mixed_prompts(8)
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert proc.poll() is None, proc.stdout.read()[-3000:]
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        model = client.models.list().data[0].id
+
+        def ask(text):
+            r = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": text}], max_tokens=MAX_NEW, temperature=0
+            )
+            return r.choices[0].message.content
+
+        with ThreadPoolExecutor(8) as ex:
+            got = list(ex.map(ask, texts))
+        prompts = [chat_prompt_ids(smollm2.tokenizer, t) for t in texts]
+        refs = plain_outputs(smollm2, prompts, MAX_NEW)
+        assert all(same_text(smollm2, p, r, g) for p, r, g in zip(prompts, refs, got))
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert re.search(r"vllm:spec_decode_num_drafts_total\{[^}]*\} [1-9]", metrics)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise

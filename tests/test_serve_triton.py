@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import queue
 import random
 import re
 import socket
+import subprocess
 import time
 
 import httpx
@@ -245,3 +247,44 @@ def test_spec_decode_metrics_add_up(triton, prompts):
         accepted += r["total_accepted_draft_tokens"]
     after = [metric(murl, n) for n in ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")]
     assert after[0] - before[0] == drafts and after[1] - before[1] == accepted
+
+
+def test_tp2_model_equals_tp1(random_drafter, tmp_path, smollm2, prompts, reference):
+    """The ``dflash`` model with ``tp_size 2``: the model instance (rank 0) starts its second
+    rank itself (no MPI inside tritonserver); HTTP streaming gives plain decoding's (TP=1)
+    tokens on the 8 prompts, 4 at a time, and the worker rank exits with the server."""
+    from dflash_trt.checkpoints.zlab import save_drafter
+    from dflash_trt.serving.service import ServeConfig
+    from dflash_trt.serving.triton_repo import start_server, write_repo
+
+    drafter_dir = save_drafter(copy.deepcopy(random_drafter).cpu(), tmp_path / "drafter")
+    cfg = ServeConfig(drafter=str(drafter_dir), dtype="fp32", device="cpu", block_size=4, tokens_per_block=16)
+    repo = write_repo(tmp_path / "repo", dataclasses.replace(cfg, kv_capacity=8192, tp_size=2))
+    http, grpc, metrics = free_ports(3)
+    proc = start_server(repo, http, grpc, metrics, log_path=tmp_path / "server.log")
+    url = f"http://127.0.0.1:{http}"
+    try:
+
+        async def all_streams():
+            sem = asyncio.Semaphore(4)
+
+            async def one(p):
+                async with sem:
+                    return await stream_http(url, {"text_input": p, "max_tokens": MAX_NEW, "stream": True})
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+        got = asyncio.run(all_streams())
+        for p, (ids, ref), (text, final) in zip(prompts, reference, got):
+            assert final is not None and same_text(smollm2, ids, ref, text[len(p) :] if text.startswith(p) else text)
+        workers = subprocess.run(["pgrep", "-f", "dflash_trt.serving.tp_worker"], capture_output=True, text=True)
+        assert workers.stdout.split(), "the second TP rank is not running"
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    for _ in range(60):  # the worker follows rank 0 out
+        if not subprocess.run(["pgrep", "-f", "dflash_trt.serving.tp_worker"], capture_output=True).stdout:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("a TP worker outlived the server")

@@ -57,8 +57,11 @@ logits of magnitude ~20); greedy outputs can differ only where the target's top-
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import socket
+import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -75,8 +78,10 @@ __all__ = [
     "TPGroup",
     "attach_engine_shard",
     "init_tp",
+    "join_tp",
     "run_worker",
     "shard_target",
+    "spawn_tp",
     "split_sizes",
     "tp_engine",
 ]
@@ -102,9 +107,10 @@ class TPGroup:
         comm: the mpi4py communicator.
     """
 
-    def __init__(self, comm, rank: int, size: int, device: torch.device):
+    def __init__(self, comm, rank: int, size: int, device: torch.device, procs: list | None = None):
         self.comm, self.rank, self.size, self.device = comm, rank, size, device
         self._workers_looping = False  # rank 0: the other ranks are in run_worker
+        self.procs = procs or []  # rank 0 of a spawned group: the worker processes it started
 
     # ---- tensor collectives ----
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,12 +178,27 @@ class TPGroup:
         self.stop_workers()
         if dist.is_initialized():
             dist.destroy_process_group()
+        for p in self.procs:  # spawned workers leave by themselves once stopped
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    def abort(self) -> None:
+        """Rank 0 of a spawned group after an error: kill the workers (they may be waiting in
+        a collective that will never come)."""
+        for p in self.procs:
+            p.kill()
 
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+#: set by MPI launchers in every rank's environment (MPICH / Hydra: PMI_*; Open MPI; PMIx)
+MPI_LAUNCHER_VARS = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 
 
 def init_tp(backend: str | None = None) -> TPGroup | None:
@@ -199,6 +220,8 @@ def init_tp(backend: str | None = None) -> TPGroup | None:
         DFlashError: mpi4py (or an MPI library) is not installed; NCCL with more ranks on a
             node than GPUs.
     """
+    if not any(v in os.environ for v in MPI_LAUNCHER_VARS):
+        return None  # not started by mpiexec: no MPI initialisation at all (e.g. a Triton model)
     try:
         from mpi4py import MPI
     except ImportError as e:  # pragma: no cover - mpi4py is a dependency
@@ -225,6 +248,79 @@ def init_tp(backend: str | None = None) -> TPGroup | None:
     port = comm.bcast(_free_port() if rank == 0 else None, root=0)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     return TPGroup(comm, rank, size, device)
+
+
+class ObjectComm:
+    """``bcast`` of picklable objects over a torch.distributed gloo group: the stand-in for the
+    MPI communicator in a group whose ranks rank 0 started itself (:func:`spawn_tp`)."""
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo")
+
+    def bcast(self, obj, root: int = 0):
+        box = [obj]
+        dist.broadcast_object_list(box, src=root, group=self.group)
+        return box[0]
+
+
+def _join(rank: int, size: int, port: int, backend: str | None, procs: list | None = None) -> TPGroup:
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        if size > torch.cuda.device_count():
+            raise DFlashError(f"tp {size} needs {size} GPUs, {torch.cuda.device_count()} visible")
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=600),
+    )
+    return TPGroup(ObjectComm(), rank, size, device, procs)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def spawn_tp(size: int, worker_args: list[str], backend: str | None = None) -> TPGroup:
+    """Rank 0 of a TP group of ``size`` ranks whose other ranks this process starts itself,
+    without MPI (e.g. inside a Triton Inference Server python-backend model): rank ``r``
+    runs ``python WORKER_ARGS --tp-rank r --tp-size N --tp-port P`` and calls
+    :func:`join_tp`; plans travel by ``torch.distributed`` object broadcast instead of MPI.
+    The workers are killed if this process dies (``PR_SET_PDEATHSIG``).
+
+    Raises:
+        DFlashError: ``size < 2``; NCCL with fewer GPUs than ranks.
+    """
+    if size < 2:
+        raise DFlashError(f"a spawned TP group needs tp >= 2, got {size}")
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *worker_args, "--tp-rank", str(r), "--tp-size", str(size), "--tp-port", str(port)],
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+        for r in range(1, size)
+    ]
+    try:
+        return _join(0, size, port, backend, procs)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+
+
+def join_tp(rank: int, size: int, port: int, backend: str | None = None) -> TPGroup:
+    """Ranks > 0 of a group started by :func:`spawn_tp`."""
+    return _join(rank, size, port, backend)
 
 
 def _param(t: torch.Tensor, like: nn.Parameter) -> nn.Parameter:

@@ -5,9 +5,13 @@ OpenAI-compatible server and the Triton python-backend model drive it.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+
+import torch
 
 from ..errors import DFlashError
 from ..runtime.engine import AsyncLLM, EngineConfig, LLMEngine
@@ -33,6 +37,9 @@ class ServeConfig:
         kv_capacity: KV positions (None: the engine's memory plan, capped, or 65536).
         model_name: the name clients ask for (None: the target directory's name).
         fp8_gemm: with an FP8 engine, run its linears as FP8 GEMMs.
+        tp_size: tensor-parallel ranks the service starts itself (no MPI: the other ranks are
+            child processes, :func:`~dflash_trt.runtime.distributed.spawn_tp`); under
+            ``mpiexec -n N`` the job's N ranks are used instead.
     """
 
     target: str | None = None
@@ -48,6 +55,7 @@ class ServeConfig:
     kv_capacity: int | None = None
     model_name: str | None = None
     fp8_gemm: bool = False
+    tp_size: int = 1
 
 
 @dataclass
@@ -71,13 +79,44 @@ class Finished:
 class EngineService:
     """Loads the models, builds the engine and steps it on a background thread.
 
+    Tensor parallelism: under ``mpiexec -n N``, or with ``cfg.tp_size = N`` (the service then
+    starts ranks 1..N-1 itself: ``python -m dflash_trt.serving.tp_worker``), the target is split
+    over N ranks (with a tp_size N engine each rank reads only its own rank file). Rank 0
+    serves; the other ranks mirror every iteration inside the constructor and leave it (with
+    :attr:`worker` True) once rank 0's :meth:`close` stops them.
+
+    Args:
+        cfg: what to serve.
+        tp: this rank's group when it is a spawned worker (:func:`~dflash_trt.runtime.distributed.join_tp`).
+
     Raises:
-        DFlashError: bad checkpoints, engine or settings (from the loaders and the engine).
+        DFlashError: bad checkpoints, engine or settings (from the loaders and the engine); a
+            ``tp_size`` that differs from the mpiexec job's size.
     """
 
-    def __init__(self, cfg: ServeConfig):
+    def __init__(self, cfg: ServeConfig, tp=None):
+        from ..runtime.distributed import init_tp, spawn_tp
+
+        if cfg.tp_size < 1:
+            raise DFlashError(f"tp_size must be >= 1, got {cfg.tp_size}")
+        self.tp = tp if tp is not None else init_tp()
+        if self.tp is not None and cfg.tp_size not in (1, self.tp.size):
+            raise DFlashError(f"tp_size {cfg.tp_size} but this mpiexec job has {self.tp.size} ranks")
+        if self.tp is None and cfg.tp_size > 1:
+            torch.set_num_threads(max(1, torch.get_num_threads() // cfg.tp_size))
+            args = ["-m", "dflash_trt.serving.tp_worker", json.dumps(dataclasses.asdict(cfg))]
+            self.tp = spawn_tp(cfg.tp_size, args)
+        try:
+            self._start(cfg)
+        except BaseException:
+            if self.tp is not None and self.tp.rank == 0:
+                self.tp.abort()
+            raise
+
+    def _start(self, cfg: ServeConfig) -> None:
         from ..checkpoints.engine import kv_capacity, load_models, read_manifest
         from ..checkpoints.loader import parse_device, parse_dtype
+        from ..runtime.distributed import tp_engine
 
         dtype = cfg.dtype or (read_manifest(cfg.engine).get("dtype", "fp32") if cfg.engine else "fp32")
         device = parse_device(cfg.device)
@@ -89,22 +128,30 @@ class EngineService:
             parse_dtype(dtype),
             need_drafter=need_drafter,
             fp8_gemm=cfg.fp8_gemm,
-            device=device,
+            rank=self.tp.rank if self.tp else 0,
+            world_size=self.tp.size if self.tp else 1,
+            device=device if self.tp is None else "cpu",
         )
         cap, _ = kv_capacity(cfg.engine, cfg.kv_capacity)
-        self.engine = LLMEngine(
-            target.model,
-            drafter,
-            target.stop_token_ids,
-            EngineConfig(
-                block_size=cfg.block_size,
-                adaptive=cfg.adaptive,
-                max_batch_size=cfg.max_batch_size,
-                max_num_tokens=cfg.max_num_tokens,
-                tokens_per_block=cfg.tokens_per_block,
-                kv_capacity_tokens=cap,
-            ),
+        ecfg = EngineConfig(
+            block_size=cfg.block_size,
+            adaptive=cfg.adaptive,
+            max_batch_size=cfg.max_batch_size,
+            max_num_tokens=cfg.max_num_tokens,
+            tokens_per_block=cfg.tokens_per_block,
+            kv_capacity_tokens=cap,
         )
+        self.worker = False
+        if self.tp is None:
+            self.engine = LLMEngine(target.model, drafter, target.stop_token_ids, ecfg)
+        else:
+            engine = tp_engine(target.model, drafter, tuple(target.stop_token_ids), ecfg, self.tp)
+            if engine is None:  # a worker rank: rank 0 has closed the service
+                self.tp.shutdown()
+                self.worker = True
+                return
+            self.engine = engine
+            device = f"{self.tp.device} x TP {self.tp.size}"
         self.tokenizer = target.tokenizer
         self.stop_token_ids = tuple(target.stop_token_ids)
         self.model_name = cfg.model_name or target.path.name
@@ -115,7 +162,12 @@ class EngineService:
         self.dtype, self.device = dtype, device
 
     def close(self) -> None:
+        """Stop the engine loop (rank 0 of a TP group: and the worker ranks)."""
+        if self.worker:
+            return
         self.llm.close()
+        if self.tp is not None:
+            self.tp.shutdown()
 
     def request(
         self,
