@@ -29,7 +29,8 @@ def accept_reference(drafts, target, n_draft) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _accept_kernel(Drafts, Target, N, Out, stride_d, stride_t, K_P: tl.constexpr):
+    def _accept_kernel(Drafts, Target, N, stride_d, stride_t, Out, K_P: tl.constexpr):
+        """One program per sequence; arguments in TensorRT plugin order (:mod:`.plugin_abi`)."""
         i = tl.program_id(0)
         n = tl.load(N + i)
         k = tl.arange(0, K_P)
@@ -45,6 +46,6 @@ def accept_triton(drafts, target, n_draft) -> torch.Tensor:
     out = torch.empty(S, dtype=torch.int32, device=drafts.device)
     if S:
         _accept_kernel[(S,)](
-            drafts, target, n_draft, out, drafts.stride(0), target.stride(0), K_P=triton.next_power_of_2(max(K, 1))
+            drafts, target, n_draft, drafts.stride(0), target.stride(0), out, K_P=triton.next_power_of_2(max(K, 1))
         )
     return out

@@ -8,8 +8,8 @@ from (``<variant>.ptx``: what a TensorRT quick-deployable plugin's ``aot_impl`` 
 the argument signature and the compile-time constants; the TensorRT plugins
 (``plugins/dflash_plugins.py``) load them from there.
 
-The kernels compiled are the plugin-ordered wrappers of :mod:`.plugin_abi` (its
-:func:`~.plugin_abi.specs` lists the variants: the shapes deployments use).
+The kernels take TensorRT plugin argument order (:mod:`.plugin_abi`, whose
+:func:`~.plugin_abi.specs` lists the variants compiled: the shapes deployments use).
 """
 
 from __future__ import annotations

@@ -59,17 +59,16 @@ if triton is not None:
         Q,
         K,
         V,
-        Out,
         Tables,
         Lens,
         stride_q_row,
         stride_q_head,
         stride_k_slot,
         stride_k_head,
-        stride_o_row,
         stride_t,
-        scale,
         window,
+        Out,
+        SCALE: tl.constexpr,
         B: tl.constexpr,
         G: tl.constexpr,
         D: tl.constexpr,
@@ -79,7 +78,9 @@ if triton is not None:
         PREC: tl.constexpr,
     ):
         """One program per (sequence, KV head): its ``G`` query heads x ``B`` block queries
-        (``ROWS`` >= G*B rows) against the sequence's paged keys, ``BLOCK_N`` keys at a time."""
+        (``ROWS`` >= G*B rows) against the sequence's paged keys, ``BLOCK_N`` keys at a time.
+        Arguments in TensorRT plugin order (inputs, int32 scalars, outputs, then constants:
+        :mod:`.plugin_abi`); ``Out`` has ``Q``'s row stride (``Q`` contiguous)."""
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
         kv_len = tl.load(Lens + seq)
@@ -108,7 +109,7 @@ if triton is not None:
             v = tl.load(
                 V + slot[:, None] * stride_k_slot + kvh * stride_k_head + offs_d[None, :], mask=ok[:, None], other=0.0
             ).to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [ROWS, BLOCK_N], fp32
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * SCALE  # [ROWS, BLOCK_N], fp32
             vis = ok[None, :] & row_ok[:, None]
             if window > 0:
                 vis = vis & (qpos[:, None] - p[None, :] < window)
@@ -121,7 +122,7 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(pr, v, input_precision=PREC)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_ptr = Out + (seq * B + j)[:, None] * stride_o_row + ((kvh * G + g) * D)[:, None] + offs_d[None, :]
+        o_ptr = Out + (seq * B + j)[:, None] * stride_q_row + ((kvh * G + g) * D)[:, None] + offs_d[None, :]
         tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -139,17 +140,16 @@ def block_attention_triton(
         q,
         k_pool,
         v_pool,
-        out,
         block_tables,
         kv_lens,
         q.stride(0),
         q.stride(1),
         k_pool.stride(0),
         k_pool.stride(1),
-        out.stride(0),
         block_tables.stride(0),
-        scale,
         window,
+        out,
+        SCALE=scale,
         B=block,
         G=g,
         D=d,

@@ -55,19 +55,23 @@ if triton is not None:
         InvFreq,
         Pos,
         Slots,
-        KP,
-        VP,
+        KPin,
+        VPin,
         stride_kv_row,
         stride_pool_layer,
         stride_pool_slot,
         stride_pool_head,
-        eps,
+        KP,
+        VP,
+        EPS: tl.constexpr,
         L: tl.constexpr,
         HKV: tl.constexpr,
         HKV_P: tl.constexpr,
         D: tl.constexpr,
     ):
-        """One program per (token, layer): that layer's K heads normed, rotated and stored, V stored."""
+        """One program per (token, layer): that layer's K heads normed, rotated and stored, V stored.
+        Arguments in TensorRT plugin order (:mod:`.plugin_abi`): the pools come in as inputs
+        (``KPin``, ``VPin``) and, aliased, as the outputs written (``KP``, ``VP``)."""
         t = tl.program_id(0)
         layer = tl.program_id(1)
         half: tl.constexpr = D // 2
@@ -77,7 +81,7 @@ if triton is not None:
         base = KV + t * stride_kv_row + layer * 2 * HKV * D
         k1 = tl.load(base + h * D + i, mask=hm, other=0.0).to(tl.float32)  # [HKV_P, D/2] first halves
         k2 = tl.load(base + h * D + half + i, mask=hm, other=0.0).to(tl.float32)
-        rms = tl.rsqrt((tl.sum(k1 * k1, 1) + tl.sum(k2 * k2, 1)) / D + eps)[:, None]
+        rms = tl.rsqrt((tl.sum(k1 * k1, 1) + tl.sum(k2 * k2, 1)) / D + EPS)[:, None]
         w1 = tl.load(KNorm + layer * D + i).to(tl.float32)
         w2 = tl.load(KNorm + layer * D + half + i).to(tl.float32)
         k1 = k1 * rms * w1
@@ -113,7 +117,9 @@ def context_kv_triton(kv, k_norm, eps: float, inv_freq, positions, slots, k_pool
         k_pools.stride(0),
         k_pools.stride(1),
         k_pools.stride(2),
-        eps,
+        k_pools,
+        v_pools,
+        EPS=eps,
         L=L,
         HKV=hkv,
         HKV_P=triton.next_power_of_2(hkv),
