@@ -202,16 +202,18 @@ class DFlashDrafter(nn.Module):
             vocabulary without ``d2t``). With a draft vocabulary only its rows of the head are
             multiplied, so tokens never trained as negatives cannot win the argmax.
         """
+        # 2-D rows: a 3-D strided slice would make linear a bmm over an expanded (copied) head
+        lead, rows = hidden.shape[:-1], hidden.reshape(-1, hidden.shape[-1])
         if self.d2t is None:
-            return lm_head(hidden).argmax(-1)
+            return lm_head(rows).argmax(-1).view(lead)
         if sharded_head:
-            return self.draft_token_ids()[lm_head(hidden)[..., self.draft_token_ids()].argmax(-1)]
+            return self.draft_token_ids()[lm_head(rows)[..., self.draft_token_ids()].argmax(-1)].view(lead)
         w = lm_head.weight
         key = (w.data_ptr(), w._version, w.dtype, w.device)
         if self._head_cache is None or self._head_cache[0] != key:  # slice the head once per weight
             self._head_cache = (key, w[self.draft_token_ids()].contiguous())
-        ids = torch.nn.functional.linear(hidden.to(w.dtype), self._head_cache[1]).argmax(-1)
-        return ids + self.d2t[ids]
+        ids = torch.nn.functional.linear(rows.to(w.dtype), self._head_cache[1]).argmax(-1)
+        return (ids + self.d2t[ids]).view(lead)
 
     def forward(
         self,
