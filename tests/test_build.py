@@ -243,7 +243,7 @@ def test_engine_directory_layout(built, smollm2):
         == "modelopt"
     )
     y = (out / "trtllm" / "llm_api.yaml").read_text()
-    assert "decoding_type: DFlash" in y and "max_draft_len: 15" in y
+    assert "decoding_type: DFlash" in y and f"max_draft_len: {bc.block_size - 1}" in y
     assert "trtllm-build --checkpoint_dir target" in (out / "trtllm" / "build.sh").read_text()
     # the drafter plugins: every kernel variant named is one that `kernels-aot` compiles
     plugins = json.loads((out / "trtllm" / "plugins.json").read_text())
