@@ -462,6 +462,8 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
     write_json(tmp / "target" / "config.json", target_trtllm_config(tcfg, bc))
     write_json(tmp / "drafter" / "config.json", drafter_trtllm_config(dcfg, bc))
     kv_scale = bc.kv_cache_dtype == "fp8"
+    # the draft vocabulary (int64 [N], replicated, never quantized) travels as it is
+    d2t = {"d2t": c.dsd["d2t"].contiguous()} if "d2t" in c.dsd else {}
     for r in tqdm(range(bc.tp_size), desc="write ranks", unit="rank", disable=not progress, file=sys.stderr):
         tt = rank_tensors(c.tspecs, c.tsd, c.tq, dtype, bc.tp_size, r, t_qkv)
         dt = rank_tensors(c.dspecs, c.dsd, c.dq, dtype, bc.tp_size, r, d_qkv)
@@ -471,7 +473,7 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
             for i in range(dcfg.num_layers):
                 dt[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"] = torch.ones(1)
         _save(tt, tmp / "target" / f"rank{r}.safetensors")
-        _save(dt, tmp / "drafter" / f"rank{r}.safetensors")
+        _save(dt | d2t, tmp / "drafter" / f"rank{r}.safetensors")
 
     # unified HF checkpoints
     from ..checkpoints.sources import read_json
@@ -494,7 +496,7 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
     _write_hf(
         tmp / "hf" / "drafter",
         drafter_config_to_json(dcfg),
-        hf_tensors(L.hf_drafter_specs(dcfg), c.dsd, c.dq, dtype),
+        hf_tensors(L.hf_drafter_specs(dcfg), c.dsd, c.dq, dtype) | d2t,
         bc.drafter_quant,
         bc.kv_cache_dtype,
         [],

@@ -242,13 +242,19 @@ def load_engine(
     dcfg = drafter_config_from_json(dj)
     dspecs = L.drafter_specs(dcfg)
     dt = [load_safetensors_file(d / "drafter" / f"rank{r}.safetensors", "engine drafter") for r in range(tp)]
+    d2t = dt[0].get("d2t")  # replicated in every rank file
     dt = (
         dt[0]
         if tp == 1
         else unshard_rank_files(dspecs, dt, L.qkv_sizes(dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim))
     )
     drafter = DFlashDrafter(dcfg)
-    drafter.load_state_dict(state_dict_from_rank(dspecs, dt, drafter.state_dict(), cdt), strict=True)
+    dsd = state_dict_from_rank(dspecs, dt, drafter.state_dict(), cdt)
+    if dcfg.draft_vocab_size is not None:  # the draft vocabulary, int64, beside the weights
+        if d2t is None:
+            raise DFlashError(f"engine drafter declares draft_vocab_size {dcfg.draft_vocab_size} but has no d2t")
+        dsd["d2t"] = d2t
+    drafter.load_state_dict(dsd, strict=True)
     drafter = drafter.to(cdt).eval()
     if fp8_gemm:
         fp8_modules(drafter, dspecs, dt)
