@@ -73,7 +73,7 @@ def test_load_bench_cli_json_table_plot(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "KV capacity: 8,192 tokens (--kv-capacity)" in proc.stderr
     r = json.loads(out.read_text())
-    assert r["benchmark"] == "load" and r["request_rate"] is None and r["block_size"] == 16 and r["adaptive"] is True
+    assert r["benchmark"] == "load" and r["request_rate"] is None and r["block_size"] == 8 and r["adaptive"] is True
     assert r["engine_config"]["kv_capacity_tokens"] == 8192 and r["engine_config"]["max_batch_size"] == 8
     rows = r["load"]
     assert sorted((x["concurrency"], x["mode"]) for x in rows) == [(1, "ar"), (1, "dflash"), (4, "ar"), (4, "dflash")]
@@ -224,9 +224,9 @@ def test_engine_settings_rejected_before_running():
             "--max-new-tokens",
             "2",
             "--max-num-tokens",
-            "8",
+            "4",
             "--threads",
             "1",
         )
     )
-    assert "max_num_tokens (8) must be >= the block size (16)" in line
+    assert "max_num_tokens (4) must be >= the block size (8)" in line  # the shipped drafter's block
