@@ -245,6 +245,14 @@ def test_engine_directory_layout(built, smollm2):
     y = (out / "trtllm" / "llm_api.yaml").read_text()
     assert "decoding_type: DFlash" in y and f"max_draft_len: {bc.block_size - 1}" in y
     assert "trtllm-build --checkpoint_dir target" in (out / "trtllm" / "build.sh").read_text()
+    # the draft vocabulary travels with the drafter (int64, every rank file and hf/drafter)
+    from dflash_trt.checkpoints.loader import default_drafter_path
+
+    d2t = load_file(str(default_drafter_path(smollm2, True) / "model.safetensors"))["d2t"]
+    files = [out / "drafter" / f"rank{r}.safetensors" for r in range(3)]
+    files.append(out / "hf" / "drafter" / "model.safetensors")
+    for f in files:
+        assert torch.equal(load_file(str(f))["d2t"], d2t)
     # the drafter plugins: every kernel variant named is one that `kernels-aot` compiles
     plugins = json.loads((out / "trtllm" / "plugins.json").read_text())
     assert plugins["plugins"] == ["dflash::context_kv", "dflash::block_attention", "dflash::accept"]
