@@ -41,6 +41,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_health(port: int, proc: subprocess.Popen, tries: int = 600) -> None:
+    """Until ``GET /health`` answers 200 (fails early if the server process died)."""
+    for _ in range(tries):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.5)
+    raise AssertionError("the server never became healthy")
+
+
 @pytest.fixture(scope="module")
 def server(random_drafter, tmp_path_factory):
     """An in-process uvicorn server (so the test sees the engine) on a free port."""
@@ -288,12 +300,7 @@ def test_serve_command(tmp_path):
         env=env,
     )
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_health(port, proc)
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"prompt": "One, two,", "max_tokens": 4, "temperature": 0},
@@ -330,13 +337,7 @@ def test_serve_tp2_equals_tp1(smollm2, random_drafter, tmp_path):
     )
     texts = mixed_prompts(8)
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert proc.poll() is None, proc.stdout.read()[-3000:]
-                time.sleep(0.5)
+        wait_health(port, proc)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         model = client.models.list().data[0].id
 
