@@ -242,7 +242,8 @@ def load_engine(
     dcfg = drafter_config_from_json(dj)
     dspecs = L.drafter_specs(dcfg)
     dt = [load_safetensors_file(d / "drafter" / f"rank{r}.safetensors", "engine drafter") for r in range(tp)]
-    d2t = dt[0].get("d2t")  # replicated in every rank file
+    d2t = dt[0].get("d2t")  # replicated in every rank file, not sharded: set apart
+    dt = [{k: v for k, v in r.items() if k != "d2t"} for r in dt]
     dt = (
         dt[0]
         if tp == 1
