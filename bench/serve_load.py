@@ -105,9 +105,10 @@ def run_aiperf(aiperf: str, url: str, model: str, tokenizer: str, c: int, args, 
     }
 
 
-def engine_baseline(args, c: int) -> float:
-    """Output tokens/s of the in-process engine: ``args.requests`` prompts of the same lengths,
-    at most ``c`` in flight, fixed-length answers (no stop tokens)."""
+def engine_baseline(args, concurrencies: list[int]) -> dict[int, float]:
+    """Output tokens/s of the in-process engine (one engine, loaded once) at each concurrency:
+    ``args.requests`` prompts of the same lengths, at most ``c`` in flight, fixed-length answers
+    (no stop tokens)."""
     import random
 
     import torch
@@ -136,16 +137,19 @@ def engine_baseline(args, c: int) -> float:
     warm = engine.add_request(Request(prompts[0], 4, stop_token_ids=()))
     engine.run()
     engine.result(warm)
-    pending, done, t0 = list(prompts), 0, time.perf_counter()
-    inflight = 0
-    while pending or engine.has_unfinished():
-        while pending and inflight < c:
-            engine.add_request(Request(pending.pop(), args.output_tokens, stop_token_ids=()))
-            inflight += 1
-        for s in engine.step():
-            inflight -= 1
-            done += len(engine.result(s.seq_id).output_ids)
-    return done / (time.perf_counter() - t0)
+    rates = {}
+    for c in concurrencies:
+        print(f"in-process engine at concurrency {c} ...", file=sys.stderr, flush=True)
+        pending, done, inflight, t0 = list(prompts), 0, 0, time.perf_counter()
+        while pending or engine.has_unfinished():
+            while pending and inflight < c:
+                engine.add_request(Request(pending.pop(), args.output_tokens, stop_token_ids=()))
+                inflight += 1
+            for s in engine.step():
+                inflight -= 1
+                done += len(engine.result(s.seq_id).output_ids)
+        rates[c] = done / (time.perf_counter() - t0)
+    return rates
 
 
 def main() -> None:
@@ -201,9 +205,9 @@ def main() -> None:
     finally:
         server.send_signal(signal.SIGINT)
         server.wait(60)
+    engine_rates = engine_baseline(args, conc)
     for r in rows:
-        print(f"in-process engine at concurrency {r['concurrency']} ...", file=sys.stderr, flush=True)
-        r["engine_output_tokens_per_s"] = engine_baseline(args, r["concurrency"])
+        r["engine_output_tokens_per_s"] = engine_rates[r["concurrency"]]
         r["server_vs_engine"] = (r["output_tokens_per_s"] or 0) / r["engine_output_tokens_per_s"]
     print(f"{'C':>3} {'server tok/s':>13} {'engine tok/s':>13} {'ratio':>6} {'TTFT p50 ms':>12} {'ITL p50 ms':>11}")
     for r in rows:

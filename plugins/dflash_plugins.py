@@ -29,6 +29,8 @@ import json
 import os
 from pathlib import Path
 
+from dflash_trt.kernels.plugin_abi import ACCEPT_VARIANT, block_attention_variant, context_kv_variant
+
 try:
     import tensorrt as trt
     import tensorrt.plugin as trtp
@@ -63,6 +65,21 @@ def _variant(name: str) -> tuple[str, str, int, int]:
     raise RuntimeError(f"no AOT kernel {name} for {arch} in {root}; rerun dflash-trt kernels-aot")
 
 
+def _aot(variant: str, grid: tuple, extras: list):
+    """What an ``aot_impl`` returns: the variant's entry and PTX, launch parameters over
+    ``grid`` (1 to 3 symbolic sizes) and the int32 extra arguments (kernel order)."""
+    entry, ptx, threads, smem = _variant(variant)
+    launch = trtp.KernelLaunchParams()
+    for axis, size in zip(("grid_x", "grid_y", "grid_z"), grid):
+        setattr(launch, axis, size)
+    launch.block_x = threads
+    launch.shared_mem = smem
+    extra = trtp.SymIntExprs(len(extras))
+    for j, e in enumerate(extras):
+        extra[j] = trtp.SymInt32(e)
+    return entry, ptx, launch, extra
+
+
 # ------------------------------------------------------------------------ dflash::block_attention
 @trtp.register("dflash::block_attention")
 def block_attention_desc(
@@ -90,20 +107,9 @@ def block_attention_aot(q, k_pool, v_pool, block_tables, kv_lens, block, tokens_
     hkv = k_pool.shape_expr[1].constant_value
     if tokens_per_block != 32:
         raise RuntimeError(f"the AOT block attention is compiled for 32 tokens per KV block, not {tokens_per_block}")
-    entry, ptx, threads, smem = _variant(f"block_attention_d{d}_g{hq // hkv}_b{block}")
-    launch = trtp.KernelLaunchParams()
-    launch.grid_x = kv_lens.shape_expr[0]
-    launch.grid_y = k_pool.shape_expr[1]
-    launch.block_x = threads
-    launch.shared_mem = smem
-    extra = trtp.SymIntExprs(6)
-    extra[0] = trtp.SymInt32(hq * d)  # stride_q_row
-    extra[1] = trtp.SymInt32(d)  # stride_q_head
-    extra[2] = trtp.SymInt32(hkv * d)  # stride_k_slot
-    extra[3] = trtp.SymInt32(d)  # stride_k_head
-    extra[4] = trtp.SymInt32(block_tables.shape_expr[1])  # stride_t
-    extra[5] = trtp.SymInt32(window)
-    return entry, ptx, launch, extra
+    strides = [hq * d, d, hkv * d, d, block_tables.shape_expr[1]]  # q row, q head, k slot, k head, table
+    grid = (kv_lens.shape_expr[0], k_pool.shape_expr[1])
+    return _aot(block_attention_variant(d, hq // hkv, block), grid, strides + [window])
 
 
 # ------------------------------------------------------------------------ dflash::context_kv
@@ -129,18 +135,9 @@ def context_kv_autotune(kv, k_norm, inv_freq, positions, slots, k_pools, v_pools
 @trtp.aot_impl("dflash::context_kv")
 def context_kv_aot(kv, k_norm, inv_freq, positions, slots, k_pools, v_pools, outputs, tactic):
     num_layers, _, hkv, d = (x.constant_value for x in k_pools.shape_expr)
-    entry, ptx, threads, smem = _variant(f"context_kv_d{d}_h{hkv}")
-    launch = trtp.KernelLaunchParams()
-    launch.grid_x = kv.shape_expr[0]
-    launch.grid_y = k_pools.shape_expr[0]
-    launch.block_x = threads
-    launch.shared_mem = smem
-    extra = trtp.SymIntExprs(4)
-    extra[0] = trtp.SymInt32(kv.shape_expr[1])  # stride_kv_row
-    extra[1] = trtp.SymInt32(k_pools.shape_expr[1] * hkv * d)  # stride_pool_layer
-    extra[2] = trtp.SymInt32(hkv * d)  # stride_pool_slot
-    extra[3] = trtp.SymInt32(d)  # stride_pool_head
-    return entry, ptx, launch, extra
+    # strides: kv row, pool layer, pool slot, pool head
+    strides = [kv.shape_expr[1], k_pools.shape_expr[1] * hkv * d, hkv * d, d]
+    return _aot(context_kv_variant(d, hkv), (kv.shape_expr[0], k_pools.shape_expr[0]), strides)
 
 
 # ------------------------------------------------------------------------ dflash::accept
@@ -159,12 +156,4 @@ def accept_autotune(drafts, target, n_draft, outputs):
 def accept_aot(drafts, target, n_draft, outputs, tactic):
     if drafts.shape_expr[1].constant_value > 16:
         raise RuntimeError("the AOT acceptance kernel handles up to 16 draft tokens")
-    entry, ptx, threads, smem = _variant("accept_k16")
-    launch = trtp.KernelLaunchParams()
-    launch.grid_x = drafts.shape_expr[0]
-    launch.block_x = threads
-    launch.shared_mem = smem
-    extra = trtp.SymIntExprs(2)
-    extra[0] = trtp.SymInt32(drafts.shape_expr[1])
-    extra[1] = trtp.SymInt32(target.shape_expr[1])
-    return entry, ptx, launch, extra
+    return _aot(ACCEPT_VARIANT, (drafts.shape_expr[0],), [drafts.shape_expr[1], target.shape_expr[1]])

@@ -30,12 +30,14 @@ def error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def plain_outputs(target, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    """Plain decoding (block size 1, no drafter) of each prompt, one request at a time."""
+def plain_outputs(target, prompts: list[list[int]], max_new: int | list[int]) -> list[list[int]]:
+    """Plain decoding (block size 1, no drafter, greedy) of each prompt, one request at a time;
+    ``max_new`` for all prompts or one per prompt."""
     from dflash_trt.runtime.executor import DFlashEngine, Request
 
     plain = DFlashEngine(target.model, None, target.stop_token_ids)
-    return [plain.generate([Request(p, max_new)], 1)[0].output_ids for p in prompts]
+    lens = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
+    return [plain.generate([Request(p, n)], 1)[0].output_ids for p, n in zip(prompts, lens)]
 
 
 def same_text(target, prompt_ids: list[int], ref_ids: list[int], text: str) -> bool:

@@ -13,20 +13,19 @@ import asyncio
 import random
 
 import pytest
-from helpers import OracleRunner, check_same
+from helpers import OracleRunner, check_same, plain_outputs
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
 from dflash_trt.runtime.adaptive import CostModel, DraftLengthController
 from dflash_trt.runtime.block_manager import BlockManager
 from dflash_trt.runtime.engine import AsyncLLM, EngineConfig, LLMEngine
-from dflash_trt.runtime.executor import DFlashEngine, Request
+from dflash_trt.runtime.executor import Request
 
 
 def reference_outputs(smollm2, reqs: list[Request]) -> list[list[int]]:
-    """Plain decoding, one request at a time, no drafter."""
-    plain = DFlashEngine(smollm2.model, None, smollm2.stop_token_ids)
-    return [plain.generate([r], 1)[0].output_ids for r in reqs]
+    """Plain decoding, one request at a time, no drafter (greedy requests)."""
+    return plain_outputs(smollm2, [r.prompt_ids for r in reqs], [r.max_new_tokens for r in reqs])
 
 
 def ties_or_fail(model, reqs, refs, outs) -> int:

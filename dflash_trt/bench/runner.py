@@ -80,14 +80,16 @@ def _run_modes(
     entry of ``sizes``: the outputs, the wall seconds of its generate calls, its loop statistics."""
     from tqdm import tqdm
 
-    runs = [([], 0.0, LoopStats(k)) for k in sizes]
+    outputs = [[] for _ in sizes]
+    walls = [0.0 for _ in sizes]
+    stats = [LoopStats(k) for k in sizes]
     for ids in tqdm(prompts, desc="prompts (plain + DFlash)", unit="prompt", leave=False, disable=None):
         for i, k in enumerate(sizes):
-            outputs, wall, stats = runs[i]
             t = time.perf_counter()
-            out = engine.generate([Request(ids, cfg.max_new_tokens, sampling)], k, stats=stats)[0]
-            runs[i] = (outputs + [out.output_ids], wall + time.perf_counter() - t, stats)
-    return runs
+            out = engine.generate([Request(ids, cfg.max_new_tokens, sampling)], k, stats=stats[i])[0]
+            walls[i] += time.perf_counter() - t
+            outputs[i].append(out.output_ids)
+    return list(zip(outputs, walls, stats))
 
 
 def run_bench(cfg: BenchConfig, progress=print) -> dict:

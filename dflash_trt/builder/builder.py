@@ -315,11 +315,13 @@ def llm_api_yaml(bc: BuildConfig, dcfg: DrafterConfig) -> str:
 def plugins_json(bc: BuildConfig, dcfg: DrafterConfig) -> dict:
     """``trtllm/plugins.json``: the TensorRT plugins of the drafter and the kernel variants
     (:mod:`dflash_trt.kernels.plugin_abi` names) this drafter's shapes launch."""
+    from ..kernels.plugin_abi import ACCEPT_VARIANT, block_attention_variant, context_kv_variant
+
     d, hkv, g = dcfg.head_dim, dcfg.num_kv_heads, dcfg.num_heads // dcfg.num_kv_heads
     return {
         "library": "plugins/dflash_plugins.py",
         "plugins": ["dflash::context_kv", "dflash::block_attention", "dflash::accept"],
-        "kernels": [f"context_kv_d{d}_h{hkv}", f"block_attention_d{d}_g{g}_b{bc.block_size}", "accept_k16"],
+        "kernels": [context_kv_variant(d, hkv), block_attention_variant(d, g, bc.block_size), ACCEPT_VARIANT],
         "kernels_dir": "DFLASH_TRT_KERNELS_DIR (from: dflash-trt kernels-aot --out DIR)",
         "tokens_per_block": bc.tokens_per_block,
         "sliding_window": dcfg.sliding_window or 0,

@@ -26,14 +26,14 @@ except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    """Whether ops on tensors like ``t`` run the Triton kernels (see the module docstring)."""
+def use_triton(device: torch.device) -> bool:
+    """Whether ops on tensors on ``device`` run the Triton kernels (see the module docstring)."""
     mode = os.environ.get("DFLASH_TRT_KERNELS", "")
     if mode == "torch":
         return False
     if mode == "triton":
         return HAVE_TRITON
-    return HAVE_TRITON and t.device.type == "cuda"
+    return HAVE_TRITON and device.type == "cuda"
 
 
 @torch.library.custom_op("dflash::block_attention", mutates_args=())
@@ -49,7 +49,7 @@ def block_attention(
     scale: float,
 ) -> torch.Tensor:
     """KV-injected block attention (:mod:`.block_attention`): ``[S * B, Hq * D]``."""
-    fn = block_attention_triton if use_triton(q) else block_attention_reference
+    fn = block_attention_triton if use_triton(q.device) else block_attention_reference
     return fn(q, k_pool, v_pool, block_tables, kv_lens, block, tokens_per_block, window, scale)
 
 
@@ -70,14 +70,14 @@ def context_kv(
     v_pools: torch.Tensor,
 ) -> None:
     """Context-K/V materialisation (:mod:`.context_kv`) into every layer's pool."""
-    fn = context_kv_triton if use_triton(kv) else context_kv_reference
+    fn = context_kv_triton if use_triton(kv.device) else context_kv_reference
     fn(kv, k_norm, eps, inv_freq, positions, slots, k_pools, v_pools)
 
 
 @torch.library.custom_op("dflash::accept", mutates_args=())
 def accept(drafts: torch.Tensor, target: torch.Tensor, n_draft: torch.Tensor) -> torch.Tensor:
     """Accepted drafts per sequence (:mod:`.acceptance`): int32 ``[S]``."""
-    return (accept_triton if use_triton(drafts) else accept_reference)(drafts, target, n_draft)
+    return (accept_triton if use_triton(drafts.device) else accept_reference)(drafts, target, n_draft)
 
 
 @accept.register_fake

@@ -44,6 +44,20 @@ class KernelSpec:
         return self.inputs | self.extras | self.outputs | dict.fromkeys(self.constexprs, "constexpr")
 
 
+def block_attention_variant(head_dim: int, group: int, block: int) -> str:
+    """Name of the block-attention variant for ``head_dim``, ``group`` query heads per KV head and block size."""
+    return f"block_attention_d{head_dim}_g{group}_b{block}"
+
+
+def context_kv_variant(head_dim: int, kv_heads: int) -> str:
+    """Name of the context-K/V variant for ``head_dim`` and ``kv_heads``."""
+    return f"context_kv_d{head_dim}_h{kv_heads}"
+
+
+#: the acceptance variant (up to 16 draft tokens)
+ACCEPT_VARIANT = "accept_k16"
+
+
 def specs() -> list[KernelSpec]:
     """Every variant compiled ahead of time: head dim 64 with 3 KV heads and 9 query heads
     (SmolLM2-135M) and head dim 128 with 8 KV heads and 32 query heads (Llama-3.1-8B, Qwen3-8B);
@@ -70,7 +84,7 @@ def specs() -> list[KernelSpec]:
             }
             out.append(
                 KernelSpec(
-                    f"block_attention_d{d}_g{g}_b{b}",
+                    block_attention_variant(d, g, b),
                     _block_attention_kernel,
                     {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Tables": "*i32", "Lens": "*i32"},
                     dict.fromkeys(
@@ -84,7 +98,7 @@ def specs() -> list[KernelSpec]:
         const = {"EPS": 1e-6, "L": 1, "HKV": hkv, "HKV_P": 1 << (hkv - 1).bit_length(), "D": d}
         out.append(
             KernelSpec(
-                f"context_kv_d{d}_h{hkv}",
+                context_kv_variant(d, hkv),
                 _context_kv_kernel,
                 {
                     "KV": "*bf16",
@@ -103,7 +117,7 @@ def specs() -> list[KernelSpec]:
         )
     out.append(
         KernelSpec(
-            "accept_k16",
+            ACCEPT_VARIANT,
             _accept_kernel,
             {"Drafts": "*i64", "Target": "*i64", "N": "*i32"},
             {"stride_d": "i32", "stride_t": "i32"},

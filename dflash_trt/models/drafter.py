@@ -12,6 +12,8 @@ K/V of each layer is cached by the runtime and only grows by the positions the t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,25 @@ def sliding_visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int)
     position ``q`` sees key position ``p`` iff ``q - p < window`` (keys after ``q`` are block
     slots, always within the window because ``window >= block_size``). Broadcasts."""
     return query_pos - key_pos < window
+
+
+@dataclass
+class PagedBlocks:
+    """Where ``S`` sequences' draft blocks sit in the paged drafter pools (the drafter kernels'
+    metadata, :mod:`dflash_trt.kernels.block_attention`).
+
+    Attributes:
+        slots: int64 ``[S * B]`` pool slot of every block token, sequence after sequence.
+        tables: int32 ``[S, max_blocks]`` block tables; kv_lens: int32 ``[S]`` keys per sequence
+            (each block's last position + 1).
+        block: B; tokens_per_block: the KV block size.
+    """
+
+    slots: torch.Tensor
+    tables: torch.Tensor
+    kv_lens: torch.Tensor
+    block: int
+    tokens_per_block: int
 
 
 class DrafterAttention(nn.Module):
@@ -50,6 +71,22 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(kv_in).view(b, n, self.hkv, self.d)
         return self.o_proj(cached_attention(q, k, v, kv, meta))
 
+    def forward_paged(self, block, cos, sin, k_pool, v_pool, paged: PagedBlocks, window: int) -> torch.Tensor:
+        """:meth:`forward` over paged pools with the drafter kernels: ``block`` ``[M, hidden]``
+        (M = S * B), its K/V written at ``paged.slots``; the context K/V is already in the pools."""
+        from ..kernels import ops
+
+        m = block.shape[0]
+        q = apply_rope(self.q_norm(self.q_proj(block).view(1, m, self.h, self.d)).transpose(1, 2), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(block).view(1, m, self.hkv, self.d)).transpose(1, 2), cos, sin)
+        k_pool[paged.slots] = k[0].transpose(0, 1).to(k_pool.dtype)
+        v_pool[paged.slots] = self.v_proj(block).view(m, self.hkv, self.d).to(v_pool.dtype)
+        q = q[0].transpose(0, 1).contiguous()  # [M, H, D]
+        o = ops.block_attention(
+            q, k_pool, v_pool, paged.tables, paged.kv_lens, paged.block, paged.tokens_per_block, window, self.d**-0.5
+        )
+        return self.o_proj(o)
+
 
 class DrafterMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
@@ -71,7 +108,13 @@ class DrafterLayer(nn.Module):
         self.mlp = DrafterMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, ctx, cos, sin, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, kv, meta)
+        return self._residual(x, lambda h: self.self_attn(h, ctx, cos, sin, kv, meta))
+
+    def forward_paged(self, x, cos, sin, k_pool, v_pool, paged: PagedBlocks, window: int):
+        return self._residual(x, lambda h: self.self_attn.forward_paged(h, cos, sin, k_pool, v_pool, paged, window))
+
+    def _residual(self, x, attend):
+        x = x + attend(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -95,7 +138,8 @@ class DFlashDrafter(nn.Module):
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         else:
             self.d2t = None
-        self._head_cache: tuple | None = None
+        self._head_cache: tuple | None = None  # (weight key, the head's draft-vocabulary rows)
+        self._kv_stack: tuple | None = None  # (weights key, stacked k/v weights, biases, k_norms)
 
     def forward_paged(
         self,
@@ -104,11 +148,8 @@ class DFlashDrafter(nn.Module):
         ctx_positions: torch.Tensor,
         ctx_slots: torch.Tensor,
         block_positions: torch.Tensor,
-        block_slots: torch.Tensor,
-        block_tables: torch.Tensor,
-        kv_lens: torch.Tensor,
-        block: int,
-        tokens_per_block: int,
+        max_position: int,
+        paged: PagedBlocks,
         k_pools: torch.Tensor,
         v_pools: torch.Tensor,
     ) -> torch.Tensor:
@@ -119,8 +160,9 @@ class DFlashDrafter(nn.Module):
             block_embeds: ``[S * B, hidden]`` embeddings of every block, sequence after sequence.
             ctx_features: ``[N, len(target_layer_ids) * hidden]`` features of the context positions
                 not yet in the pools (any sequences), at ``ctx_positions`` / ``ctx_slots`` (int64 ``[N]``).
-            block_positions, block_slots: int64 ``[S * B]`` where each block token sits.
-            block_tables: int32 ``[S, max_blocks]``; kv_lens: int32 ``[S]`` (each block's last position + 1).
+            block_positions: int64 ``[S * B]`` the block tokens' positions; ``max_position`` the
+                largest (known on the host: no device read for RoPE).
+            paged: where the blocks sit in the pools.
             k_pools, v_pools: ``[L, P, Hkv, D]`` every drafter layer's pool (written in place).
 
         Returns:
@@ -128,57 +170,30 @@ class DFlashDrafter(nn.Module):
         """
         from ..kernels import ops
 
-        cfg = self.cfg
-        if ctx_features.shape[0]:
-            ctx = self.hidden_norm(self.fc(ctx_features))
-            w, b = self._stacked_kv()
-            kv = torch.nn.functional.linear(ctx, w, b)
-            knorm = torch.stack([layer.self_attn.k_norm.weight for layer in self.layers])
-            ops.context_kv(
-                kv,
-                knorm,
-                cfg.rms_norm_eps,
-                self.rope.inv_freq.to(kv.device),
-                ctx_positions,
-                ctx_slots,
-                k_pools,
-                v_pools,
-            )
-        M = block_embeds.shape[0]
-        cos, sin = self.rope(block_positions.view(1, M), block_embeds.dtype, int(kv_lens.max()) - 1)
+        if ctx_features.shape[0]:  # context K/V of ALL layers: one GEMM, one kernel launch
+            w, b, knorm = self._stacked_kv()
+            kv = F.linear(self.hidden_norm(self.fc(ctx_features)), w, b)
+            inv_freq = self.rope.inv_freq.to(kv.device)  # a plain attribute (CPU); 32-64 floats
+            ops.context_kv(kv, knorm, self.cfg.rms_norm_eps, inv_freq, ctx_positions, ctx_slots, k_pools, v_pools)
+        cos, sin = self.rope(block_positions.view(1, -1), block_embeds.dtype, max_position)
         x = block_embeds
+        window = self.cfg.sliding_window or 0
         for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = apply_rope(a.q_norm(a.q_proj(h).view(1, M, a.h, a.d)).transpose(1, 2), cos, sin)[0].transpose(0, 1)
-            k = apply_rope(a.k_norm(a.k_proj(h).view(1, M, a.hkv, a.d)).transpose(1, 2), cos, sin)[0].transpose(0, 1)
-            k_pools[i][block_slots] = k.to(k_pools.dtype)
-            v_pools[i][block_slots] = a.v_proj(h).view(M, a.hkv, a.d).to(v_pools.dtype)
-            o = ops.block_attention(
-                q.contiguous(),
-                k_pools[i],
-                v_pools[i],
-                block_tables,
-                kv_lens,
-                block,
-                tokens_per_block,
-                cfg.sliding_window or 0,
-                a.d**-0.5,
-            )
-            x = x + a.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer.forward_paged(x, cos, sin, k_pools[i], v_pools[i], paged, window)
         return self.norm(x)
 
-    def _stacked_kv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _stacked_kv(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Every layer's ``[k_proj; v_proj]`` weights stacked (one GEMM for all layers' context
-        K/V), and biases when the drafter has them; cached per weight version."""
-        ws = [p for layer in self.layers for p in (layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight)]
+        K/V), their biases when the drafter has them, and the layers' k_norm weights ``[L, D]``;
+        built once per weight version."""
+        attns = [layer.self_attn for layer in self.layers]
+        ws = [p for a in attns for p in (a.k_proj.weight, a.v_proj.weight)]
         key = tuple((w.data_ptr(), w._version, w.dtype) for w in ws)
-        if getattr(self, "_kv_cache_key", None) != key:
-            bs = [p for layer in self.layers for p in (layer.self_attn.k_proj.bias, layer.self_attn.v_proj.bias)]
-            self._kv_stack = (torch.cat(ws), torch.cat(bs) if bs[0] is not None else None)
-            self._kv_cache_key = key
-        return self._kv_stack
+        if self._kv_stack is None or self._kv_stack[0] != key:
+            bs = [p for a in attns for p in (a.k_proj.bias, a.v_proj.bias)]
+            bias = torch.cat(bs) if bs[0] is not None else None
+            self._kv_stack = (key, torch.cat(ws), bias, torch.stack([a.k_norm.weight for a in attns]))
+        return self._kv_stack[1:]
 
     def draft_token_ids(self) -> torch.Tensor | None:
         """int64 ``[N]`` sorted target ids of the draft vocabulary (``arange(N) + d2t``), or None

@@ -232,22 +232,28 @@ def init_tp(backend: str | None = None) -> TPGroup | None:
     rank, size = comm.Get_rank(), comm.Get_size()
     if size == 1:
         return None
-    cuda = torch.cuda.is_available()
-    backend = backend or ("nccl" if cuda else "gloo")
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)  # the ranks on this node
+    local_rank, local_size = local.Get_rank(), local.Get_size()
+    local.Free()
+    port = comm.bcast(_free_port() if rank == 0 else None, root=0)
+    device = _init_group(rank, size, port, backend, local_rank, local_size)
+    return TPGroup(comm, rank, size, device)
+
+
+def _init_group(rank: int, size: int, port: int, backend: str | None, local_rank: int, local_size: int):
+    """Join ``torch.distributed`` at ``tcp://127.0.0.1:port``; returns this rank's device
+    (``cuda:<local rank>`` with NCCL, the default when CUDA is available; else the CPU)."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cpu")
     if backend == "nccl":
-        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-        local_rank, local_size = local.Get_rank(), local.Get_size()
-        local.Free()
         gpus = torch.cuda.device_count()
         if local_size > gpus:  # NCCL refuses two ranks on one GPU
             raise DFlashError(f"{local_size} ranks on this node but {gpus} GPU(s): start at most one rank per GPU")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    port = comm.bcast(_free_port() if rank == 0 else None, root=0)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-    return TPGroup(comm, rank, size, device)
+    return device
 
 
 class ObjectComm:
@@ -255,7 +261,9 @@ class ObjectComm:
     MPI communicator in a group whose ranks rank 0 started itself (:func:`spawn_tp`)."""
 
     def __init__(self):
-        self.group = dist.new_group(backend="gloo")
+        # a worker waits in bcast for the next plan for as long as the server is idle (gloo's
+        # default 30-minute timeout would end it); a dead rank 0 takes it down (PR_SET_PDEATHSIG)
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
 
     def bcast(self, obj, root: int = 0):
         box = [obj]
@@ -264,22 +272,7 @@ class ObjectComm:
 
 
 def _join(rank: int, size: int, port: int, backend: str | None, procs: list | None = None) -> TPGroup:
-    cuda = torch.cuda.is_available()
-    backend = backend or ("nccl" if cuda else "gloo")
-    device = torch.device("cpu")
-    if backend == "nccl":
-        if size > torch.cuda.device_count():
-            raise DFlashError(f"tp {size} needs {size} GPUs, {torch.cuda.device_count()} visible")
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=size,
-        timeout=datetime.timedelta(seconds=600),
-    )
+    device = _init_group(rank, size, port, backend, rank, size)  # spawned groups live on one node
     return TPGroup(ObjectComm(), rank, size, device, procs)
 
 

@@ -16,7 +16,7 @@ from itertools import accumulate
 
 import torch
 
-from ..models.drafter import DFlashDrafter, sliding_visible
+from ..models.drafter import DFlashDrafter, PagedBlocks, sliding_visible
 from ..models.layers import AttentionMetadata
 from ..models.target import TargetModel
 from .block_manager import slots_of
@@ -99,7 +99,7 @@ def _kernels_wanted(device: torch.device) -> bool:
         from ..kernels.ops import use_triton
     except ImportError:  # pragma: no cover - torch too old for torch.library.custom_op
         return False
-    return use_triton(torch.empty(0, device=device))
+    return use_triton(device)
 
 
 #: queries per sequence up to which a sequence counts as a verify block (grouped apart from
@@ -271,65 +271,54 @@ class ModelRunner:
         Returns:
             per item, its ``num_draft`` tokens (int).
         """
-        d = self.drafter
+        d, dev = self.drafter, self.device
         ctx = [self._take_features(it.seq_id, it.start) for it in items]
         tables = [it.table for it in items]
+        starts = [it.start for it in items]
         # packed order: every item's context tokens, then every item's block tokens
         ctx_pos, ctx_slots = _written(tables, [first for first, _ in ctx], [len(f) for _, f in ctx], self.tpb)
-        if self.kernels:
-            return self._draft_kernels(items, block, ctx, tables, ctx_pos, ctx_slots)
-        blk = _packed_meta(
-            [it.start for it in items],
-            [block] * len(items),
-            [i * block for i in range(len(items))],
-            block,
-            tables,
-            self.tpb,
-            self.spare_slot,
-            self.device,
-            d.cfg.sliding_window,
-            causal=False,
-        )
-        meta = dataclasses.replace(
-            blk,
-            positions=torch.cat([ctx_pos.to(self.device).unsqueeze(0), blk.positions], dim=1),
-            write_slots=torch.cat([ctx_slots.to(self.device).unsqueeze(0), blk.write_slots], dim=1),
-        )
+        feats = torch.cat([f for _, f in ctx])  # [N_ctx, F]; N_ctx may be 0
         ids = torch.full((len(items), block), d.cfg.mask_token_id, dtype=torch.long)
         ids[:, 0] = torch.tensor([it.tokens[0] for it in items])
-        feats = torch.cat([f for _, f in ctx]).unsqueeze(0)  # [1, N_ctx, F]; N_ctx may be 0
-        hidden = d(self.target.embed(ids.to(self.device).view(1, -1)), feats, meta, self.dcache.layers)
-        drafts = d.propose(hidden.view(len(items), block, -1)[:, 1:], self.target.lm_head, self.tp is not None)
-        if self.tp is not None:
-            drafts = self.tp.broadcast(drafts)
-        rows = drafts.tolist()
-        return [r[: it.num_draft] for r, it in zip(rows, items)]
-
-    def _draft_kernels(self, items, block, ctx, tables, ctx_pos, ctx_slots) -> list[list[int]]:
-        """:meth:`draft` through :meth:`DFlashDrafter.forward_paged` (the drafter kernels)."""
-        d, dev = self.drafter, self.device
-        starts = [it.start for it in items]
-        bpos, bslots = _written(tables, starts, [block] * len(items), self.tpb)
-        width = max(len(t) for t in tables)
-        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        lens = torch.tensor([s + block for s in starts], dtype=torch.int32)
-        ids = torch.full((len(items), block), d.cfg.mask_token_id, dtype=torch.long)
-        ids[:, 0] = torch.tensor([it.tokens[0] for it in items])
-        feats = torch.cat([f for _, f in ctx])  # [N_ctx, F]
-        hidden = d.forward_paged(
-            self.target.embed(ids.to(dev).view(-1)),
-            feats,
-            ctx_pos.to(dev),
-            ctx_slots.to(dev),
-            bpos.to(dev),
-            bslots.to(dev),
-            bt.to(dev),
-            lens.to(dev),
-            block,
-            self.tpb,
-            self.dcache.k,
-            self.dcache.v,
-        )
+        embeds = self.target.embed(ids.to(dev).view(-1))  # [S * B, hidden]
+        if self.kernels:  # the drafter kernels over the paged pools (dflash_trt.kernels)
+            bpos, bslots = _written(tables, starts, [block] * len(items), self.tpb)
+            width = max(len(t) for t in tables)
+            bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+            lens = [s + block for s in starts]
+            paged = PagedBlocks(
+                bslots.to(dev), bt.to(dev), torch.tensor(lens, dtype=torch.int32).to(dev), block, self.tpb
+            )
+            hidden = d.forward_paged(
+                embeds,
+                feats,
+                ctx_pos.to(dev),
+                ctx_slots.to(dev),
+                bpos.to(dev),
+                max(lens) - 1,
+                paged,
+                self.dcache.k,
+                self.dcache.v,
+            )
+        else:
+            blk = _packed_meta(
+                starts,
+                [block] * len(items),
+                [i * block for i in range(len(items))],
+                block,
+                tables,
+                self.tpb,
+                self.spare_slot,
+                dev,
+                d.cfg.sliding_window,
+                causal=False,
+            )
+            meta = dataclasses.replace(
+                blk,
+                positions=torch.cat([ctx_pos.to(dev).unsqueeze(0), blk.positions], dim=1),
+                write_slots=torch.cat([ctx_slots.to(dev).unsqueeze(0), blk.write_slots], dim=1),
+            )
+            hidden = d(embeds.unsqueeze(0), feats.unsqueeze(0), meta, self.dcache.layers)
         drafts = d.propose(hidden.view(len(items), block, -1)[:, 1:], self.target.lm_head, self.tp is not None)
         if self.tp is not None:
             drafts = self.tp.broadcast(drafts)

@@ -103,8 +103,10 @@ class EngineService:
         if self.tp is not None and cfg.tp_size not in (1, self.tp.size):
             raise DFlashError(f"tp_size {cfg.tp_size} but this mpiexec job has {self.tp.size} ranks")
         if self.tp is None and cfg.tp_size > 1:
-            torch.set_num_threads(max(1, torch.get_num_threads() // cfg.tp_size))
-            args = ["-m", "dflash_trt.serving.tp_worker", json.dumps(dataclasses.asdict(cfg))]
+            threads = max(1, torch.get_num_threads() // cfg.tp_size)  # the cores, shared by the ranks
+            torch.set_num_threads(threads)
+            cfg_json = json.dumps(dataclasses.asdict(cfg))
+            args = ["-m", "dflash_trt.serving.tp_worker", cfg_json, "--threads", str(threads)]
             self.tp = spawn_tp(cfg.tp_size, args)
         try:
             self._start(cfg)

@@ -1,6 +1,6 @@
 """A tensor-parallel worker rank of a served model, started by rank 0 itself (no MPI):
 ``EngineService`` with ``tp_size N`` runs ``python -m dflash_trt.serving.tp_worker CONFIG_JSON
---tp-rank r --tp-size N --tp-port P`` for r = 1..N-1 (:func:`dflash_trt.runtime.distributed.spawn_tp`).
+--threads T --tp-rank r --tp-size N --tp-port P`` for r = 1..N-1 (:func:`dflash_trt.runtime.distributed.spawn_tp`).
 The worker loads its shard of the same models, mirrors every engine iteration of rank 0 and
 exits when rank 0 closes the service (or dies)."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 
@@ -22,8 +21,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tp-rank", type=int, required=True)
     p.add_argument("--tp-size", type=int, required=True)
     p.add_argument("--tp-port", type=int, required=True)
+    p.add_argument("--threads", type=int, required=True, help="torch threads (rank 0's share of the cores)")
     a = p.parse_args(argv)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // a.tp_size))
+    torch.set_num_threads(a.threads)
     tp = join_tp(a.tp_rank, a.tp_size, a.tp_port)
     EngineService(ServeConfig(**json.loads(a.config)), tp=tp)  # returns once rank 0 stops
 
