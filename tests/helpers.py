@@ -70,13 +70,10 @@ class OracleRunner(ModelRunner):
     continuations: list[list[int]] = []
 
     def draft(self, items, block):
-        super().draft(items, block)
-        out = []
-        for it in items:
+        out = super().draft(items, block).clone()  # [S, block - 1] on the device
+        for r, it in enumerate(items):
             seq = self.continuations[it.seq_id]
-            toks = []
-            for p in range(it.start + 1, it.start + 1 + it.num_draft):
+            for j, p in enumerate(range(it.start + 1, it.start + 1 + it.num_draft)):
                 tok = seq[p] if p < len(seq) else 0
-                toks.append(tok if p % 5 else (tok + 1) % self.target.cfg.vocab_size)
-            out.append(toks)
+                out[r, j] = tok if p % 5 else (tok + 1) % self.target.cfg.vocab_size
         return out

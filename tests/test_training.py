@@ -165,7 +165,8 @@ def test_forward_train_equals_inference(smollm2, samples, window):
             nb = -(-(a + B) // 16)
             runner = ModelRunner(target, drafter, nb, 16)
             runner.store_features(0, 0, f[:a])
-            got = runner.draft([StepItem(0, [int(blocks[i][j, 0])], a, list(range(nb)), num_draft=B - 1)], B)[0]
+            item = StepItem(0, [int(blocks[i][j, 0])], a, list(range(nb)), num_draft=B - 1)
+            got = runner.draft([item], B)[0].tolist()
             assert got == target.lm_head(batched[i, j, 1:]).argmax(-1).tolist()
             tokens_checked += B - 1
     print(

@@ -285,9 +285,13 @@ class LLMEngine:
             if drafted:
                 ctl.draft_cost.observe(sum(1 for it in plan.items if it.num_draft), out.draft_s)
 
-        def choice(i: int, s: Sequence) -> list[int]:  # the target's token after each logits row
+        def greedy(s: Sequence) -> bool:  # the target's choice is the argmax row
             early = s.request.min_new_tokens - len(s.output)  # rows before the minimum length
-            if s.request.sampling.greedy and out.argmax and (early <= 0 or not s.stops):
+            return s.request.sampling.greedy and bool(out.argmax) and (early <= 0 or not s.stops)
+
+        def choice(i: int, s: Sequence) -> list[int]:  # the target's token after each logits row
+            early = s.request.min_new_tokens - len(s.output)
+            if greedy(s):
                 return out.argmax[i]
             logits = out.logits[i]
             if early > 0 and s.stops:
@@ -306,12 +310,14 @@ class LLMEngine:
         for j, s in enumerate(sched.decode):
             i = n_prefill + j
             drafts = out.drafts[i]
+            fast = greedy(s) and out.accepted and out.accepted[i] is not None  # accepted on the device
             choice_l = choice(i, s)
-            acc = (
-                int(accepted_lengths(torch.tensor([drafts], dtype=torch.long), torch.tensor([choice_l]))[0])
-                if drafts
-                else 0
-            )
+            if not drafts:
+                acc = 0
+            elif fast:
+                acc = out.accepted[i]
+            else:
+                acc = int(accepted_lengths(torch.tensor([drafts], dtype=torch.long), torch.tensor([choice_l]))[0])
             kept = s.commit(drafts[:acc] + [choice_l[acc]])
             s.commit_lengths.append(len(kept))
             s.draft_lengths.append(len(drafts))

@@ -16,6 +16,7 @@ from itertools import accumulate
 
 import torch
 
+from ..kernels import ops
 from ..models.drafter import DFlashDrafter, PagedBlocks, sliding_visible
 from ..models.layers import AttentionMetadata
 from ..models.target import TargetModel
@@ -71,13 +72,17 @@ class StepOutput:
         logits: ``[num_logits, vocab]`` target logits (model dtype), or None.
         argmax: per item, the argmax of each of its logits rows (greedy choice; computed for
             the whole batch in one device op and one host copy).
-        draft_s, target_s: wall seconds of the drafter and target forwards.
+        accepted: per item, its drafts accepted by the greedy (argmax) verification, computed
+            on the device (``dflash::accept``); None for items without drafts.
+        draft_s, target_s: wall seconds of the drafter and target forwards (CUDA: event
+            timings, read after the iteration's one synchronisation).
         target_tokens: tokens in the target forward.
     """
 
     drafts: list[list[int]]
     logits: list[torch.Tensor | None]
     argmax: list[list[int]] = field(default_factory=list)
+    accepted: list[int | None] = field(default_factory=list)
     draft_s: float = 0.0
     target_s: float = 0.0
     target_tokens: int = 0
@@ -260,7 +265,7 @@ class ModelRunner:
 
     # ---- the iteration ----
     @torch.inference_mode()
-    def draft(self, items: list[StepItem], block: int) -> list[list[int]]:
+    def draft(self, items: list[StepItem], block: int) -> torch.Tensor:
         """ONE drafter forward for all ``items``: each gets ``item.num_draft`` greedy draft tokens.
 
         Each item's block is ``[anchor, MASK x (block - 1)]`` at positions ``start ..``; it
@@ -269,7 +274,8 @@ class ModelRunner:
         z-lab sliding rule when the drafter has a window).
 
         Returns:
-            per item, its ``num_draft`` tokens (int).
+            int64 ``[len(items), block - 1]`` on the device: row ``i`` starts with item ``i``'s
+            ``num_draft`` tokens (the rest of the row is not verified). No host copy.
         """
         d, dev = self.drafter, self.device
         ctx = [self._take_features(it.seq_id, it.start) for it in items]
@@ -322,30 +328,26 @@ class ModelRunner:
         drafts = d.propose(hidden.view(len(items), block, -1)[:, 1:], self.target.lm_head, self.tp is not None)
         if self.tp is not None:
             drafts = self.tp.broadcast(drafts)
-        rows = drafts.tolist()
-        return [r[: it.num_draft] for r, it in zip(rows, items)]
+        return drafts
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepOutput:
-        """Run one iteration: drafting for items with ``num_draft > 0``, then one target forward.
+        """Run one iteration: drafting for items with ``num_draft > 0``, then one target forward,
+        then greedy acceptance on the device; one host copy at the end.
 
         Returns:
             :class:`StepOutput`; features of every target position are kept for the drafter.
         """
         self.release(plan.release)
         items = plan.items
-        out = StepOutput(drafts=[[] for _ in items], logits=[None] * len(items))
-        drafting = [i for i, it in enumerate(items) if it.num_draft > 0]
-        if drafting:
-            t = time.perf_counter()
-            for i, dr in zip(drafting, self.draft([items[i] for i in drafting], plan.draft_block)):
-                out.drafts[i] = dr
-            out.draft_s = time.perf_counter() - t
+        out = StepOutput(drafts=[[] for _ in items], logits=[None] * len(items), accepted=[None] * len(items))
         if not items:
             return out
-        t = time.perf_counter()
-        tokens = [it.tokens + out.drafts[i] for i, it in enumerate(items)]
-        lengths = [len(x) for x in tokens]
+        clock = _Clock(self.device)
+        drafting = [i for i, it in enumerate(items) if it.num_draft > 0]
+        drafts = self.draft([items[i] for i in drafting], plan.draft_block) if drafting else None
+        clock.mark()
+        lengths = [len(it.tokens) + it.num_draft for it in items]
         offsets = list(accumulate(lengths[:-1], initial=0))
         meta = _packed_meta(
             [it.start for it in items],
@@ -357,22 +359,66 @@ class ModelRunner:
             self.spare_slot,
             self.device,
         )
-        ids = torch.tensor([x for seq in tokens for x in seq], dtype=torch.long, device=self.device).unsqueeze(0)
+        flat = [x for it in items for x in it.tokens + [0] * it.num_draft]
+        ids = torch.tensor(flat, dtype=torch.long).to(self.device)
+        if drafting:  # drafts go into the packed input on the device
+            width = drafts.shape[1]
+            src = [r * width + j for r, i in enumerate(drafting) for j in range(items[i].num_draft)]
+            dst = [offsets[i] + len(items[i].tokens) + j for i in drafting for j in range(items[i].num_draft)]
+            ids[torch.tensor(dst).to(self.device)] = drafts.view(-1)[torch.tensor(src).to(self.device)]
         rows = [o + n - it.num_logits + j for o, n, it in zip(offsets, lengths, items) for j in range(it.num_logits)]
-        index = torch.tensor(rows, dtype=torch.long, device=self.device).unsqueeze(0)
-        res = self.target(ids, meta, self.tcache.layers, self.capture, logits_index=index)
-        best = res.logits[0].argmax(-1).tolist() if rows else []  # (a host copy: the forward has finished)
-        if not rows and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        out.target_s = time.perf_counter() - t
-        out.target_tokens = ids.shape[1]
-        k = 0
-        out.argmax = [[] for _ in items]
+        index = torch.tensor(rows, dtype=torch.long).to(self.device).unsqueeze(0)
+        res = self.target(ids.unsqueeze(0), meta, self.tcache.layers, self.capture, logits_index=index)
+        best = res.logits[0].argmax(-1)  # [R]
+        first = list(accumulate([it.num_logits for it in items][:-1], initial=0))  # item -> its first row
+        packed = [best]
+        if drafting:  # the longest matching prefix per drafting item, on the device
+            k = drafts.shape[1]
+            n_draft = [items[i].num_draft for i in drafting]
+            tgt = [[first[i] + min(j, n) for j in range(k + 1)] for i, n in zip(drafting, n_draft)]
+            target = best[torch.tensor(tgt).to(self.device)]
+            acc = ops.accept(drafts, target, torch.tensor(n_draft, dtype=torch.int32).to(self.device))
+            packed += [drafts.view(-1), acc.long()]
+        clock.mark()
+        host = torch.cat(packed).tolist()  # the iteration's one device -> host copy
+        out.draft_s, out.target_s = clock.seconds() if drafting else (0.0, sum(clock.seconds()))
+        out.target_tokens = len(flat)
+        if drafting:
+            r, k = len(rows), drafts.shape[1]
+            for n, i in enumerate(drafting):
+                out.drafts[i] = host[r + n * k : r + n * k + items[i].num_draft]
+                out.accepted[i] = host[r + len(drafting) * k + n]
+        out.argmax = [host[f : f + it.num_logits] for f, it in zip(first, items)]
         for i, (it, o, n) in enumerate(zip(items, offsets, lengths)):
             if it.num_logits:
-                out.logits[i] = res.logits[0, k : k + it.num_logits]
-                out.argmax[i] = best[k : k + it.num_logits]
-                k += it.num_logits
+                out.logits[i] = res.logits[0, first[i] : first[i] + it.num_logits]
             if self.drafter is not None:
                 self.store_features(it.seq_id, it.start, res.features[0, o : o + n])
         return out
+
+
+class _Clock:
+    """Wall time of the iteration's phases without extra host synchronisation: host clock
+    marks on the CPU, CUDA events on a GPU (read after the iteration's one copy)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks = [self._now()]
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def mark(self) -> None:
+        self.marks.append(self._now())
+
+    def seconds(self) -> tuple[float, ...]:
+        """Seconds between consecutive marks (call after the device has caught up)."""
+        m = self.marks
+        if not self.cuda:
+            return tuple(b - a for a, b in zip(m, m[1:]))
+        m[-1].synchronize()  # (a no-op after the iteration's copy)
+        return tuple(a.elapsed_time(b) / 1e3 for a, b in zip(m, m[1:]))
