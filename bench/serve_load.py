@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -88,8 +89,22 @@ def run_aiperf(aiperf: str, url: str, model: str, tokenizer: str, c: int, args, 
         "--output-artifact-dir",
         str(out_dir),
         "--no-auto-plot",
+        # a light client: it shares the server's cores here (on a real deployment it would not)
+        "--workers-max",
+        "1",
+        "--record-processors",
+        "1",
+        "--use-server-token-count",
+        "--no-server-metrics",
+        "--no-gpu-telemetry",
+        "--ui-type",
+        "none",
     ]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    client_cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     found = sorted(out_dir.rglob("*aiperf*.json"))
     data = json.loads(found[-1].read_text())
 
@@ -102,6 +117,8 @@ def run_aiperf(aiperf: str, url: str, model: str, tokenizer: str, c: int, args, 
         "ttft_ms_p50": metric("time_to_first_token", "p50"),
         "itl_ms_p50": metric("inter_token_latency", "p50"),
         "requests_per_s": metric("request_throughput"),
+        # aiperf's own CPU use (all its processes), as a share of the run's wall time
+        "client_cpu_cores": client_cpu / (time.perf_counter() - t0),
     }
 
 
@@ -209,11 +226,15 @@ def main() -> None:
     for r in rows:
         r["engine_output_tokens_per_s"] = engine_rates[r["concurrency"]]
         r["server_vs_engine"] = (r["output_tokens_per_s"] or 0) / r["engine_output_tokens_per_s"]
-    print(f"{'C':>3} {'server tok/s':>13} {'engine tok/s':>13} {'ratio':>6} {'TTFT p50 ms':>12} {'ITL p50 ms':>11}")
+    print(
+        f"{'C':>3} {'server tok/s':>13} {'engine tok/s':>13} {'ratio':>6} {'TTFT p50 ms':>12} {'ITL p50 ms':>11} "
+        f"{'client cores':>12}"
+    )
     for r in rows:
         print(
             f"{r['concurrency']:>3} {r['output_tokens_per_s']:>13.1f} {r['engine_output_tokens_per_s']:>13.1f} "
-            f"{r['server_vs_engine']:>6.2f} {r['ttft_ms_p50']:>12.1f} {r['itl_ms_p50']:>11.1f}"
+            f"{r['server_vs_engine']:>6.2f} {r['ttft_ms_p50']:>12.1f} {r['itl_ms_p50']:>11.1f} "
+            f"{r['client_cpu_cores']:>12.2f}"
         )
     if args.json_out:
         from dflash_trt.atomic import write_json
