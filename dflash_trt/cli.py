@@ -40,6 +40,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--dtype", default=None, help="compute dtype: fp32 | bf16 | fp16 (default: fp32, or the engine's)")
+    p.add_argument(
+        "--weights",
+        default=None,
+        choices=("int4", "int8"),
+        help="CPU: weight-only packed int4 (group 32; a Q4_1 GGUF's own blocks) or int8 linears, "
+        "activations in --dtype (default then bf16); an int4/int8 engine needs no flag",
+    )
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
     p.add_argument("--seed", type=int, default=0)
@@ -308,9 +315,11 @@ def _setup_threads(n: int | None) -> None:
 
 
 def _compute_dtype(args) -> str:
-    """``--dtype``, else the engine's build dtype, else fp32."""
+    """``--dtype``, else the engine's build dtype, else bf16 with ``--weights``, else fp32."""
     if args.dtype:
         return args.dtype
+    if getattr(args, "weights", None):
+        return "bf16"
     if args.engine:
         from .checkpoints.engine import read_manifest
 
@@ -361,6 +370,7 @@ def cmd_generate(args) -> None:
         need_drafter=need,
         fp8_gemm=args.fp8_gemm,
         device=device,
+        weights=args.weights,
     )
     engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
     K = args.block_size or (drafter.cfg.block_size if drafter else 1)
@@ -391,7 +401,7 @@ def cmd_generate(args) -> None:
     print()
     print(
         f"[{len(out.output_ids)} tokens in {wall:.2f} s: {len(out.output_ids) / wall:.1f} tok/s | "
-        f"block size {K} | tau {stats.tau:.2f} | {args.dtype} | "
+        f"block size {K} | tau {stats.tau:.2f} | {args.dtype}{f' + {args.weights} weights' if args.weights else ''} | "
         f"{device.type if device.type == 'cuda' else f'{torch.get_num_threads()} threads'} | "
         f"finish: {out.finish_reason}]"
     )
@@ -434,6 +444,7 @@ def _bench_settings(args) -> dict:
         engine=args.engine,
         fp8_gemm=args.fp8_gemm,
         dtype=_compute_dtype(args),
+        weights=args.weights,
         json_out=args.json_out,
         seed=args.seed,
         device=args.device,

@@ -242,6 +242,7 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
         dtype,
         need_drafter="dflash" in cfg.modes,
         fp8_gemm=cfg.fp8_gemm,
+        weights=cfg.weights,
         rank=tp.rank if tp else 0,
         world_size=tp.size if tp else 1,
         device=device if tp is None else "cpu",

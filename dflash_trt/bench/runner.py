@@ -39,6 +39,8 @@ class BenchConfig:
     engine: str | None = None
     fp8_gemm: bool = False
     dtype: str = "fp32"
+    #: ``--weights``: int4 / int8 packed CPU linears (None: dense ``dtype``)
+    weights: str | None = None
     peers: tuple[str, ...] = ()
     json_out: str | None = None
     seed: int = 0
@@ -111,7 +113,9 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     texts = cfg.prompts()
     if cfg.engine and cfg.peers:
         raise DFlashError("peers run on HF checkpoints; bench an engine (--engine) without --peers")
-    target, drafter = load_models(cfg.target, cfg.drafter, cfg.engine, dtype, fp8_gemm=cfg.fp8_gemm, device=device)
+    target, drafter = load_models(
+        cfg.target, cfg.drafter, cfg.engine, dtype, fp8_gemm=cfg.fp8_gemm, device=device, weights=cfg.weights
+    )
     engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
     K = cfg.block_size or drafter.cfg.block_size
     engine.check_block_size(K)
@@ -165,6 +169,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         "drafter": str(cfg.drafter) if cfg.drafter else "default",
         "drafter_layers": drafter.cfg.num_layers,
         "dtype": cfg.dtype,
+        "weights": cfg.weights,
         "device": device_name(device),
         "threads": torch.get_num_threads(),
         "lossless": (df_out == ar_out) if cfg.temperature == 0 else None,

@@ -283,22 +283,32 @@ def load_models(
     rank: int = 0,
     world_size: int = 1,
     device: torch.device | str = "cpu",
+    weights: str | None = None,
 ) -> tuple[LoadedTarget, DFlashDrafter | None]:
     """What ``generate`` / ``bench`` run: an engine directory (``--engine``) or a checkpoint pair,
     on ``device`` (tensor-parallel ranks move to their own GPU afterwards).
 
+    Args:
+        weights: ``--weights`` (``int4`` / ``int8``: packed CPU linears, see
+            :func:`.loader.load_target`) for a checkpoint pair. An engine's manifest decides its
+            own (``weight_quant``), so with ``--engine`` it must be None or the engine's.
+
     Raises:
         DFlashError: ``--engine`` together with ``--target`` / ``--drafter``, ``fp8_gemm``
-            without an engine, or anything the loaders raise.
+            without an engine, ``weights`` that contradict the engine's, or anything the
+            loaders raise.
     """
-    from .loader import load_pair
+    from .loader import check_weights, load_pair
 
+    check_weights(weights, device)
     if fp8_gemm and engine_dir is None:
         raise DFlashError("--fp8-gemm needs --engine (an FP8 engine from dflash-trt build)")
     if engine_dir is None:
-        return load_pair(target_spec, drafter_spec, dtype, need_drafter=need_drafter, device=device)
+        return load_pair(target_spec, drafter_spec, dtype, need_drafter=need_drafter, device=device, weights=weights)
     if target_spec or drafter_spec:
         raise DFlashError("--engine holds the target and the drafter; drop --target / --drafter")
+    if weights is not None and weights != read_manifest(engine_dir).get("target_quant"):
+        raise DFlashError(f"--weights {weights}: engine {engine_dir} was not built with int weights of that format")
     target, drafter, _ = load_engine(engine_dir, dtype, rank=rank, fp8_gemm=fp8_gemm, world_size=world_size)
     target.model.to(device)
     return target, drafter.to(device) if drafter is not None else None

@@ -67,6 +67,30 @@ def dtype_bytes(name: str) -> int:
     return 1 if name == "fp8" else parse_dtype(name).itemsize
 
 
+#: ``--weights``: weight-only packed-integer linears on the CPU (:mod:`..models.quant_linear`)
+WEIGHT_FORMATS = ("int4", "int8")
+#: int4 group size of the packed path (GGUF Q4_1 / Q4_0 blocks are 32 wide)
+DEFAULT_GROUP_SIZE = 32
+#: the LM head's format under ``--weights`` (measured: see docs/engine-format.md "Packed CPU
+#: weights"); the embedding lookup stays dense in the compute dtype
+DEFAULT_HEAD = {"int4": "int8", "int8": "int8"}
+
+
+def check_weights(weights: str | None, device: torch.device | str = "cpu") -> None:
+    """Validate ``--weights``: None, ``int4`` or ``int8``, on the CPU.
+
+    Raises:
+        DFlashError: another name, or a non-CPU device (torch's packed int GEMMs used here are
+            CPU kernels; a CUDA run takes a dense ``--dtype``).
+    """
+    if weights is None:
+        return
+    if weights not in WEIGHT_FORMATS:
+        raise DFlashError(f"unknown --weights {weights!r}; choose from {', '.join(WEIGHT_FORMATS)}")
+    if torch.device(device).type != "cpu":
+        raise DFlashError(f"--weights {weights} runs torch's packed CPU GEMMs; use --device cpu")
+
+
 def parse_device(name: str | None) -> torch.device:
     """``--device``: ``cpu``, ``cuda`` or ``cuda:N``; None picks ``cuda`` when a GPU is visible,
     else ``cpu``.
@@ -112,14 +136,29 @@ class LoadedTarget:
 
 
 def load_target(
-    spec: str | None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    spec: str | None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    weights: str | None = None,
+    head: str | None = None,
 ) -> LoadedTarget:
     """Load ``--target`` (None = the default SmolLM2 model) in ``dtype`` on ``device``.
 
-    Raises:
-        DFlashError: missing/corrupt checkpoint, unsupported family, weights not matching the config.
-    """
+    Args:
+        weights: None (dense ``dtype`` weights), or ``int4`` / ``int8``: every linear becomes a
+            packed :class:`~dflash_trt.models.quant_linear.PackedLinear` with ``dtype``
+            activations. A GGUF target's Q4_1 / Q4_0 blocks load as int4 codes directly
+            (:mod:`.gguf_packed`); an HF checkpoint is quantized round-to-nearest (group 32).
+        head: the LM head's format with ``weights`` (default :data:`DEFAULT_HEAD`; ``none``
+            keeps it dense).
 
+    Raises:
+        DFlashError: missing/corrupt checkpoint, unsupported family, weights not matching the
+            config, an unknown ``weights`` or a non-CPU device with it.
+    """
+    check_weights(weights, device)
+    if weights is not None:
+        return _load_packed_target(spec, dtype, weights, DEFAULT_HEAD[weights] if head is None else head)
     path = resolve_target(spec)
     hf = read_json(path / "config.json", "target")
     cfg = TargetConfig.from_hf(hf)
@@ -132,6 +171,23 @@ def load_target(
     except ValueError as e:
         raise DFlashError(f"target {path}: {e}") from None
     return with_tokenizer(model.to(dtype).to(device).eval(), path)
+
+
+def _load_packed_target(spec: str | None, dtype: torch.dtype, weights: str, head: str) -> LoadedTarget:
+    """:func:`load_target` with ``weights``: GGUF blocks straight into packed linears, or an HF
+    checkpoint quantized after a dense load."""
+    from ..models.quant_linear import quantize_linears
+    from .gguf_packed import load_gguf_packed
+    from .sources import default_target_gguf
+
+    gguf = default_target_gguf() if spec is None else Path(spec).expanduser()
+    path = resolve_target(spec)  # the cached HF conversion of a GGUF: config + tokenizer
+    if gguf.is_file() and gguf.suffix == ".gguf":
+        return with_tokenizer(load_gguf_packed(gguf, path, weights, head, dtype), path)
+    target = load_target(spec, torch.float32, "cpu")
+    quantize_linears(target.model, weights, DEFAULT_GROUP_SIZE, head, dtype)
+    target.model.to(dtype)
+    return target
 
 
 def with_tokenizer(model: TargetModel, path: Path) -> LoadedTarget:
@@ -193,17 +249,24 @@ def load_pair(
     dtype: torch.dtype = torch.float32,
     need_drafter: bool = True,
     device: torch.device | str = "cpu",
+    weights: str | None = None,
 ) -> tuple[LoadedTarget, DFlashDrafter | None]:
     """Load the target and (unless ``need_drafter`` is false) its drafter on ``device``, and
-    validate the pair.
+    validate the pair. With ``weights`` (``int4`` / ``int8``, see :func:`load_target`) the
+    drafter's linears are packed too (round to nearest from its stored weights, group 32).
 
     Raises:
         DFlashError: anything :func:`load_target`, :func:`load_drafter` or :func:`validate_pair` raise.
     """
-    target = load_target(target_spec, dtype, device)
+    target = load_target(target_spec, dtype, device, weights=weights)
     if not need_drafter and drafter_spec is None:
         return target, None
     path = Path(drafter_spec) if drafter_spec else default_drafter_path(target, target_spec is None)
-    drafter = load_drafter(path, dtype)
+    drafter = load_drafter(path, torch.float32 if weights else dtype)
     validate_pair(target.model.cfg, drafter.cfg)
+    if weights:
+        from ..models.quant_linear import quantize_linears
+
+        quantize_linears(drafter, weights, DEFAULT_GROUP_SIZE, None, dtype)
+        drafter.to(dtype)
     return target, drafter.to(device)

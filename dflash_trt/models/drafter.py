@@ -20,6 +20,7 @@ from torch import nn
 
 from .config import DrafterConfig
 from .layers import AttentionMetadata, RMSNorm, RotaryEmbedding, apply_rope, cached_attention
+from .quant_linear import PackedLinear, packed_rows, packed_stack
 
 
 def sliding_visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -172,7 +173,8 @@ class DFlashDrafter(nn.Module):
 
         if ctx_features.shape[0]:  # context K/V of ALL layers: one GEMM, one kernel launch
             w, b, knorm = self._stacked_kv()
-            kv = F.linear(self.hidden_norm(self.fc(ctx_features)), w, b)
+            h = self.hidden_norm(self.fc(ctx_features))
+            kv = w(h) if isinstance(w, PackedLinear) else F.linear(h, w, b)
             inv_freq = self.rope.inv_freq.to(kv.device)  # a plain attribute (CPU); 32-64 floats
             ops.context_kv(kv, knorm, self.cfg.rms_norm_eps, inv_freq, ctx_positions, ctx_slots, k_pools, v_pools)
         cos, sin = self.rope(block_positions.view(1, -1), block_embeds.dtype, max_position)
@@ -182,11 +184,19 @@ class DFlashDrafter(nn.Module):
             x = layer.forward_paged(x, cos, sin, k_pools[i], v_pools[i], paged, window)
         return self.norm(x)
 
-    def _stacked_kv(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _stacked_kv(self) -> tuple[torch.Tensor | PackedLinear, torch.Tensor | None, torch.Tensor]:
         """Every layer's ``[k_proj; v_proj]`` weights stacked (one GEMM for all layers' context
         K/V), their biases when the drafter has them, and the layers' k_norm weights ``[L, D]``;
-        built once per weight version."""
+        built once per weight version. Packed (int4 / int8) projections stack into one
+        :class:`PackedLinear` (the same codes and scales), returned in place of the weight."""
         attns = [layer.self_attn for layer in self.layers]
+        if isinstance(attns[0].k_proj, PackedLinear):
+            mods = [p for a in attns for p in (a.k_proj, a.v_proj)]
+            key = tuple((m.packed.data_ptr(), m.scales.data_ptr(), m.scales.dtype) for m in mods)
+            if self._kv_stack is None or self._kv_stack[0] != key:
+                knorm = torch.stack([a.k_norm.weight for a in attns])
+                self._kv_stack = (key, packed_stack(mods), None, knorm)
+            return self._kv_stack[1:]
         ws = [p for a in attns for p in (a.k_proj.weight, a.v_proj.weight)]
         key = tuple((w.data_ptr(), w._version, w.dtype) for w in ws)
         if self._kv_stack is None or self._kv_stack[0] != key:
@@ -207,7 +217,8 @@ class DFlashDrafter(nn.Module):
 
         Args:
             hidden: ``[..., hidden]`` (the block's slots 1..B-1).
-            lm_head: the target's LM head (``nn.Linear``, ``[V, hidden]`` weight).
+            lm_head: the target's LM head (``nn.Linear``, ``[V, hidden]`` weight, or a packed
+                int4 / int8 :class:`PackedLinear`: the draft vocabulary's rows are repacked once).
             sharded_head: the head is vocab-parallel under tensor parallelism (its forward returns
                 gathered full logits, its weight is a shard): the draft vocabulary's columns are
                 picked from the full logits instead of slicing the weight.
@@ -223,6 +234,13 @@ class DFlashDrafter(nn.Module):
             return lm_head(rows).argmax(-1).view(lead)
         if sharded_head:
             return self.draft_token_ids()[lm_head(rows)[..., self.draft_token_ids()].argmax(-1)].view(lead)
+        if isinstance(lm_head, PackedLinear):  # the draft vocabulary's rows, packed once
+            key = (lm_head.packed.data_ptr(), lm_head.scales.data_ptr(), lm_head.scales.dtype)
+            if self._head_cache is None or self._head_cache[0] != key:
+                self._head_cache = (key, packed_rows(lm_head, self.draft_token_ids()))
+            head = self._head_cache[1]
+            ids = (head(rows) if isinstance(head, PackedLinear) else F.linear(rows.to(head.dtype), head)).argmax(-1)
+            return (ids + self.d2t[ids]).view(lead)
         w = lm_head.weight
         key = (w.data_ptr(), w._version, w.dtype, w.device)
         if self._head_cache is None or self._head_cache[0] != key:  # slice the head once per weight
