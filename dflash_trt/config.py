@@ -19,8 +19,13 @@ from pathlib import Path
 from .errors import DFlashError
 
 #: quantization formats of weights (ModelOpt names in parentheses): none, FP8 per-tensor
-#: (``FP8``), NVFP4 16-element blocks with e4m3 scales and an fp32 global scale (``NVFP4``)
-QUANT_FORMATS = ("none", "fp8", "nvfp4")
+#: (``FP8``), NVFP4 16-element blocks with e4m3 scales and an fp32 global scale (``NVFP4``);
+#: weight-only packed-integer CPU formats: int4 group-wise asymmetric (``W4A16_GPTQ`` layout
+#: names) and int8 per output row (``W8A16``), see ``models/quant_linear.py``
+QUANT_FORMATS = ("none", "fp8", "nvfp4", "int4", "int8")
+#: weight-only formats: no activation scales, no calibration, run by torch's packed CPU GEMMs
+INT_QUANT_FORMATS = ("int4", "int8")
+INT4_GROUP_SIZES = (32, 64, 128, 256)
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8")
 
@@ -79,7 +84,11 @@ class BuildConfig:
         gpu_memory_fraction: share of that memory the engine may use (weights, KV cache,
             workspace); the rest is left to CUDA context, NCCL buffers and fragmentation.
         dtype: compute dtype of activations and unquantized weights.
-        target_quant, drafter_quant: weight quantization (``none | fp8 | nvfp4``).
+        target_quant, drafter_quant: weight quantization (``none | fp8 | nvfp4 | int4 | int8``;
+            int4 / int8 are weight-only CPU formats, single rank, no calibration).
+        group_size: int4 inputs per (scale, zero) pair: 32, 64, 128 or 256.
+        head_quant: the target's LM head with int4 / int8 target weights: ``none`` (dense in
+            ``dtype``), ``int8`` or ``int4``.
         kv_cache_dtype: target and drafter-context KV cache dtype (``auto`` = ``dtype``).
         tp_size: tensor-parallel ranks (one GPU each).
         max_batch_size: concurrent sequences.
@@ -98,6 +107,8 @@ class BuildConfig:
     dtype: str = "fp32"
     target_quant: str = "none"
     drafter_quant: str = "none"
+    group_size: int = 32
+    head_quant: str = "none"
     kv_cache_dtype: str = "auto"
     tp_size: int = 1
     max_batch_size: int = 16
@@ -150,6 +161,23 @@ class BuildConfig:
             (
                 self.drafter_quant in QUANT_FORMATS,
                 f"drafter_quant must be one of {', '.join(QUANT_FORMATS)}, got {self.drafter_quant!r}",
+            ),
+            (
+                self.group_size in INT4_GROUP_SIZES,
+                f"group_size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {self.group_size}",
+            ),
+            (
+                self.head_quant == "none" or self.head_quant in INT_QUANT_FORMATS,
+                f"head_quant must be none, int4 or int8, got {self.head_quant!r}",
+            ),
+            (
+                self.head_quant == "none" or self.target_quant in INT_QUANT_FORMATS,
+                f"head_quant {self.head_quant} needs target_quant int4 or int8, got {self.target_quant!r}",
+            ),
+            (
+                self.tp_size == 1
+                or (self.target_quant not in INT_QUANT_FORMATS and self.drafter_quant not in INT_QUANT_FORMATS),
+                f"int4 / int8 engines are single-rank CPU engines: tp_size must be 1, got {self.tp_size}",
             ),
             (
                 self.kv_cache_dtype in KV_CACHE_DTYPES,

@@ -228,3 +228,55 @@ def test_dflash_lossless_on_packed_path(int4_pair, prompts, fmt):
     ties += sum(_same_or_tie(target.model, p, r, o, ROWS_TIE) for p, r, o in zip(prompts, ref, outs))
     print(f"{fmt} shipped drafter block 8: tau {stats.tau:.2f}; {ties} of {3 * len(prompts)} runs parted at a tie")
     assert ties <= len(prompts)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_builder_engine_round_trip(tmp_path, smollm2, fmt):
+    """``build --config build_configs/cpu-int4.yaml`` (and int8): the manifest records the
+    format, the rank files hold the round-to-nearest codes of the original weights, and the
+    runtime loads them into packed linears that give the same logits as packing the original
+    model in place; DFlash on the engine equals plain decoding on it."""
+    from pathlib import Path
+
+    from dflash_trt.builder.builder import build_engine
+    from dflash_trt.checkpoints.engine import load_engine, load_models, read_manifest
+    from dflash_trt.config import BuildConfig
+    from dflash_trt.models.quant_linear import quantize_int4, quantize_linears
+    from dflash_trt.models.target import TargetModel
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / fmt
+    bc = BuildConfig.load(root / "build_configs" / f"cpu-{fmt}.yaml")
+    build_engine(bc, None, None, out, progress=False, log=lambda *a: None)
+    m = read_manifest(out)
+    assert (m["target_quant"], m["drafter_quant"], m["weight_quant"]) == (
+        fmt,
+        fmt,
+        {"group_size": 32, "head_quant": "int8"},
+    )
+    target, drafter, _ = load_engine(out)
+    qkv = target.model.layers[3].attn.qkv
+    assert isinstance(qkv, PackedLinear) and qkv.fmt == fmt and qkv.dtype == BF16
+    assert isinstance(target.model.lm_head, PackedLinear) and target.model.lm_head.fmt == "int8"
+    assert isinstance(drafter.layers[0].mlp.down_proj, PackedLinear)
+    if fmt == "int4":
+        q, s, z = quantize_int4(smollm2.model.layers[3].attn.qkv.weight, 32)
+        pq, ps, _ = qkv.int_weight()
+        assert torch.equal(pq, q) and torch.equal(ps, s.to(BF16).float())
+    # the same codes packed in place from the original fp32 weights: identical logits
+    ref = TargetModel(smollm2.model.cfg)
+    ref.load_state_dict(smollm2.model.state_dict())
+    quantize_linears(ref, fmt, 32, "int8", BF16)
+    ref.to(BF16).eval()
+    ids = smollm2.tokenizer.encode("The capital of France is")
+    assert torch.equal(_logits(target.model, ids), _logits(ref, ids))
+    # CLI path: the manifest picks the packed path; --weights must agree with it
+    t2, _ = load_models(None, None, str(out), BF16, need_drafter=False)
+    assert isinstance(t2.model.layers[0].mlp.down, PackedLinear)
+    with pytest.raises(DFlashError, match="was not built with int weights"):
+        load_models(None, None, str(out), BF16, weights="int8" if fmt == "int4" else "int4")
+    prompt = chat_prompt_ids(target.tokenizer, mixed_prompts(1)[0])
+    plain = plain_outputs(target, [prompt], 16)
+    engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
+    got = engine.generate([Request(prompt, 16)], 4)[0].output_ids
+    assert _same_or_tie(target.model, prompt, plain[0], got, ROWS_TIE) == 0 or fmt == "int8"

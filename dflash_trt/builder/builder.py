@@ -36,7 +36,7 @@ from ..checkpoints import trtllm as L
 from ..checkpoints.engine import ENGINE_FORMAT, ENGINE_VERSION
 from ..checkpoints.loader import LoadedTarget, dtype_name
 from ..checkpoints.sources import sha256_file
-from ..config import BuildConfig
+from ..config import INT_QUANT_FORMATS, BuildConfig
 from ..errors import DFlashError
 from ..models.config import DrafterConfig, TargetConfig
 from ..models.drafter import DFlashDrafter
@@ -44,12 +44,13 @@ from ..quantization.formats import activation_scale, quantize_fp8, quantize_nvfp
 from .plan import MemoryPlan, memory_plan
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-QUANT_ALGO = {"none": None, "fp8": "FP8", "nvfp4": "NVFP4"}
+QUANT_ALGO = {"none": None, "fp8": "FP8", "nvfp4": "NVFP4", "int4": "W4A16_GPTQ", "int8": "W8A16"}
 #: TRT-LLM checkpoint suffix -> unified HF (ModelOpt export) suffix
 HF_SUFFIX = {
     "weights_scaling_factor": "weight_scale",
     "weights_scaling_factor_2": "weight_scale_2",
     "activation_scaling_factor": "input_scale",
+    "zero": "weight_zero_point",
 }
 
 
@@ -62,6 +63,29 @@ QuantizedLinear = dict
 def _rows(q: QuantizedLinear, a: int, b: int) -> QuantizedLinear:
     """Output rows ``a:b`` of a quantized linear; per-tensor scales are shared by the slices."""
     return {k: (v[a:b] if v.dim() == 2 else v) for k, v in q.items()}
+
+
+def quantize_int_linear(w: torch.Tensor, fmt: str, group_size: int) -> QuantizedLinear:
+    """Weight-only int4 / int8 of one linear ``[out, in]``, round to nearest
+    (:func:`~dflash_trt.models.quant_linear.quantize_int4` / ``quantize_int8``); no activation
+    scale. Tensors (all per output row, so fused members slice by rows):
+
+    * int4: ``weight`` uint8 ``[out, in / 2]`` (codes 0..15, the even element in the low
+      nibble), ``weights_scaling_factor`` and ``zero`` fp32 ``[out, in / group_size]``,
+      ``w = q * scale + zero`` (GGUF Q4_1's convention);
+    * int8: ``weight`` int8 ``[out, in]``, ``weights_scaling_factor`` fp32 ``[out, 1]``,
+      ``w = q * scale``.
+
+    Raises:
+        DFlashError: ``in`` not divisible by ``group_size`` (int4).
+    """
+    from ..models.quant_linear import pack_nibbles, quantize_int4, quantize_int8
+
+    if fmt == "int4":
+        q, scale, zero = quantize_int4(w, group_size)
+        return {"weight": pack_nibbles(q), "weights_scaling_factor": scale, "zero": zero}
+    q, scale = quantize_int8(w)
+    return {"weight": q, "weights_scaling_factor": scale.unsqueeze(-1)}
 
 
 def quantize_linear(w: torch.Tensor, fmt: str, act_amax: float) -> QuantizedLinear:
@@ -84,9 +108,11 @@ def quantize_model(
     amax: dict[str, float],
     progress: bool = False,
     desc: str = "quantize",
+    group_size: int = 32,
 ) -> dict[str, QuantizedLinear]:
     """``{spec.source: QuantizedLinear}`` for every linear of ``specs`` (whole fused sources:
-    the gate/up halves are quantized together and sliced later).
+    the gate/up halves are quantized together and sliced later). int4 / int8 are weight-only
+    (:func:`quantize_int_linear`, ``group_size`` for int4) and read no ``amax``.
 
     Raises:
         DFlashError: a linear without a calibrated activation range.
@@ -97,6 +123,9 @@ def quantize_model(
     todo = [s for s in specs if s.linear]
     for s in tqdm(todo, desc=desc, unit="linear", disable=not progress, file=sys.stderr):
         if s.source in out:
+            continue
+        if fmt in INT_QUANT_FORMATS:  # weight-only: no activation range needed
+            out[s.source] = quantize_int_linear(L.gather_source(sd, s.source).float(), fmt, group_size)
             continue
         mods = s.module.split("|")
         missing = [m for m in mods if m not in amax]
@@ -135,7 +164,7 @@ def rank_tensors(
                 out[s.name] = L.shard(t, s.split, tp, rank, qkv)
             elif suffix == "weight":
                 out[s.name] = L.shard(t, s.split, tp, rank, qkv, col_unit=2 if t.dtype == torch.uint8 else 1)
-            elif t.dim() == 2:  # NVFP4 block scales follow the weight's rows and 16-column blocks
+            elif t.dim() == 2:  # NVFP4 block scales (int4 / int8 scales: tp 1) follow the weight's rows
                 out[f"{base}.{suffix}"] = L.shard(t, s.split, tp, rank, qkv, col_unit=16)
             else:
                 out[f"{base}.{suffix}"] = t.clone()
@@ -162,8 +191,15 @@ def _decoder_keys(cfg: TargetConfig | DrafterConfig, bc: BuildConfig, quant: str
         "rotary_scaling": cfg.rope_scaling,
         "attn_bias": cfg.attention_bias,
         "mapping": {"world_size": bc.tp_size, "tp_size": bc.tp_size, "pp_size": 1},
-        "quantization": quant_algos(quant, bc.kv_cache_dtype, ["lm_head"] if quant != "none" else None),
+        "quantization": quant_algos(quant, bc.kv_cache_dtype, _exclude(bc, quant, cfg), bc.group_size),
     }
+
+
+def _exclude(bc: BuildConfig, quant: str, cfg: TargetConfig | DrafterConfig) -> list[str] | None:
+    """``exclude_modules``: the LM head, unless a target's ``head_quant`` packs it."""
+    if quant == "none":
+        return None
+    return [] if isinstance(cfg, TargetConfig) and bc.head_quant != "none" else ["lm_head"]
 
 
 def target_trtllm_config(cfg: TargetConfig, bc: BuildConfig) -> dict:
@@ -201,10 +237,10 @@ def drafter_trtllm_config(cfg: DrafterConfig, bc: BuildConfig) -> dict:
     }
 
 
-def quant_algos(fmt: str, kv: str, exclude: list[str] | None) -> dict:
+def quant_algos(fmt: str, kv: str, exclude: list[str] | None, group_size: int = 32) -> dict:
     """The quantization block both TensorRT-LLM's ``config.json`` and ModelOpt's
     ``hf_quant_config.json`` carry: ``quant_algo``, ``kv_cache_quant_algo``, ``exclude_modules``
-    (+ ``group_size`` 16 for NVFP4)."""
+    (+ ``group_size`` 16 for NVFP4; int4 / int8: ``group_size`` and ``has_zero_point``)."""
     q = {
         "quant_algo": QUANT_ALGO[fmt],
         "kv_cache_quant_algo": "FP8" if kv == "fp8" else None,
@@ -212,6 +248,9 @@ def quant_algos(fmt: str, kv: str, exclude: list[str] | None) -> dict:
     }
     if fmt == "nvfp4":
         q["group_size"] = 16
+    if fmt in INT_QUANT_FORMATS:
+        q["group_size"] = group_size if fmt == "int4" else None
+        q["has_zero_point"] = fmt == "int4"
     return q
 
 
@@ -237,18 +276,28 @@ def hf_tensors(
     return out
 
 
-def hf_quant_config(fmt: str, kv: str, exclude: list[str]) -> dict | None:
+def hf_quant_config(fmt: str, kv: str, exclude: list[str], group_size: int = 32) -> dict | None:
     """``hf_quant_config.json`` content (ModelOpt 0.47 ``get_quant_config``), None when nothing is quantized."""
-    q = quant_algos(fmt, kv, sorted(exclude))
+    q = quant_algos(fmt, kv, sorted(exclude), group_size)
     if q["quant_algo"] is None and q["kv_cache_quant_algo"] is None:
         return None
     return {"producer": {"name": "dflash-trt", "version": _version("dflash-trt")}, "quantization": q}
 
 
-def hf_quantization_config(fmt: str, kv: str, exclude: list[str]) -> dict | None:
+def hf_quantization_config(fmt: str, kv: str, exclude: list[str], group_size: int = 32) -> dict | None:
     """``config.json`` ``quantization_config`` (ModelOpt ``convert_hf_quant_config_format``)."""
     if fmt == "none":
         return None
+    if fmt in INT_QUANT_FORMATS:  # weight-only: our own layout (see quantize_int_linear)
+        return {
+            "quant_method": "dflash-trt",
+            "quant_algo": QUANT_ALGO[fmt],
+            "bits": 4 if fmt == "int4" else 8,
+            "group_size": group_size if fmt == "int4" else None,
+            "sym": fmt == "int8",
+            "ignore": sorted(exclude),
+            "producer": {"name": "dflash-trt", "version": _version("dflash-trt")},
+        }
     bits = (
         {"num_bits": 8, "type": "float", "dynamic": False}
         if fmt == "fp8"
@@ -273,7 +322,7 @@ def hf_quantization_config(fmt: str, kv: str, exclude: list[str]) -> dict | None
 
 def trtllm_build_command(bc: BuildConfig) -> str:
     """The ``trtllm-build`` line for ``target/`` (TensorRT-LLM 1.2.x ``commands/build.py`` flags)."""
-    gemm = {"none": "auto", "fp8": "fp8", "nvfp4": "nvfp4"}[bc.target_quant]
+    gemm = {"fp8": "fp8", "nvfp4": "nvfp4"}.get(bc.target_quant, "auto")
     return (
         f"trtllm-build --checkpoint_dir target --output_dir trtllm/engine/target --gemm_plugin {gemm} "
         f"--max_batch_size {bc.max_batch_size} --max_seq_len {bc.max_seq_len} --max_num_tokens {bc.max_num_tokens} "
@@ -432,13 +481,19 @@ def build_engine(
     tq: dict[str, QuantizedLinear] = {}
     dq: dict[str, QuantizedLinear] = {}
     if bc.target_quant != "none" or bc.drafter_quant != "none":
-        from .calibration import calibrate_pair
+        t_amax: dict[str, float] = {}
+        d_amax: dict[str, float] = {}
+        if {bc.target_quant, bc.drafter_quant} - {"none", *INT_QUANT_FORMATS}:  # FP8 / NVFP4 activations
+            from .calibration import calibrate_pair
 
-        t_amax, d_amax = calibrate_pair(target, drafter, bc, progress)
+            t_amax, d_amax = calibrate_pair(target, drafter, bc, progress)
+        g = bc.group_size
         if bc.target_quant != "none":
-            tq = quantize_model(tsd, tspecs, bc.target_quant, t_amax, progress, "quantize target")
+            tq = quantize_model(tsd, tspecs, bc.target_quant, t_amax, progress, "quantize target", g)
         if bc.drafter_quant != "none":
-            dq = quantize_model(dsd, dspecs, bc.drafter_quant, d_amax, progress, "quantize drafter")
+            dq = quantize_model(dsd, dspecs, bc.drafter_quant, d_amax, progress, "quantize drafter", g)
+        if bc.head_quant != "none":  # the LM head (tied or not) as its own packed tensor
+            tq["lm_head.weight"] = quantize_int_linear(tsd["lm_head.weight"].float(), bc.head_quant, g)
 
     contents = EngineContents(
         bc, target, drafter, tsd, dsd, tspecs, dspecs, tq, dq, dtype, plan, target_spec, drafter_path
@@ -490,7 +545,8 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
         hf_tensors(L.hf_target_specs(tcfg), c.tsd, c.tq, dtype),
         bc.target_quant,
         bc.kv_cache_dtype,
-        ["lm_head", "model.embed_tokens"],
+        ["model.embed_tokens"] + ([] if bc.head_quant != "none" else ["lm_head"]),
+        bc.group_size,
     )
     target.tokenizer.save_pretrained(str(tmp / "hf" / "target"))
     if (Path(target.path) / "generation_config.json").is_file():
@@ -502,6 +558,7 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
         bc.drafter_quant,
         bc.kv_cache_dtype,
         [],
+        bc.group_size,
     )
 
     (tmp / "trtllm").mkdir()
@@ -538,6 +595,10 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
         "dtype": bc.dtype,
         "target_quant": bc.target_quant,
         "drafter_quant": bc.drafter_quant,
+        # int4 / int8: how the runtime's packed CPU path reads the rank files
+        "weight_quant": {"group_size": bc.group_size, "head_quant": bc.head_quant}
+        if {bc.target_quant, bc.drafter_quant} & set(INT_QUANT_FORMATS)
+        else None,
         "memory_plan": c.plan.to_dict(),
         "packages": {
             p: _version(p)
@@ -552,12 +613,14 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
     write_json(tmp / "engine.json", manifest)
 
 
-def _write_hf(d: Path, config: dict, tensors: dict[str, torch.Tensor], fmt: str, kv: str, exclude: list[str]) -> None:
+def _write_hf(
+    d: Path, config: dict, tensors: dict[str, torch.Tensor], fmt: str, kv: str, exclude: list[str], group_size: int
+) -> None:
     """One unified HF checkpoint: ``config.json`` (+ ``quantization_config``), ``hf_quant_config.json``
     when anything is quantized, ``model.safetensors``."""
-    qc = hf_quantization_config(fmt, kv, exclude)
+    qc = hf_quantization_config(fmt, kv, exclude, group_size)
     write_json(d / "config.json", config | ({"quantization_config": qc} if qc else {}))
-    hq = hf_quant_config(fmt, kv, exclude)
+    hq = hf_quant_config(fmt, kv, exclude, group_size)
     if hq:
         write_json(d / "hf_quant_config.json", hq)
     _save(tensors, d / "model.safetensors")

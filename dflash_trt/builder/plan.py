@@ -3,7 +3,9 @@
 Per rank (weights sharded as :mod:`..checkpoints.trtllm` lays them out, so the plan is what ``build`` writes):
 
 * target weights and drafter weights, at their stored size (NVFP4: half a byte per element +
-  one e4m3 scale per 16 elements; FP8: one byte; unquantized: the compute dtype);
+  one e4m3 scale per 16 elements; FP8: one byte; int4: half a byte + a (scale, zero) pair in the
+  compute dtype per 32 elements, as the packed CPU path holds them; int8: one byte + a scale per
+  output row; unquantized: the compute dtype; the LM head counts dense);
 * target KV per token: ``2 x layers x (kv_heads / tp) x head_dim x kv bytes``;
 * drafter context KV per token: the same for the drafter's layers (every committed position is
   also a drafter context position);
@@ -37,6 +39,10 @@ def _tensor_bytes(shape: tuple[int, ...], fmt: str, dtype_bytes: int, linear: bo
         return n * dtype_bytes
     if fmt == "fp8":
         return n + 8  # e4m3 weight + weight and activation scales
+    if fmt == "int4":
+        return n / 2 + n / 32 * 2 * dtype_bytes  # packed codes + a (scale, zero) pair per group of 32
+    if fmt == "int8":
+        return n + shape[0] * dtype_bytes  # int8 codes + one scale per output row
     return n / 2 + n / 16 + 8  # packed e2m1 + e4m3 block scales + global scales
 
 

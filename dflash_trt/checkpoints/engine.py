@@ -69,12 +69,22 @@ def read_manifest(engine_dir: str | Path) -> dict:
 
 
 def dequantized(tensors: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
-    """Tensor ``name`` of a rank file, dequantized when it has FP8 / NVFP4 scales."""
+    """Tensor ``name`` of a rank file, dequantized when it has FP8 / NVFP4 / int4 / int8 scales."""
     base = name[: -len(".weight")] if name.endswith(".weight") else name
     w = tensors[name]
     s = tensors.get(base + ".weights_scaling_factor")
     if s is None:
         return w.to(dtype)
+    if base + ".zero" in tensors:  # int4: q * scale + zero per group
+        from ..models.quant_linear import unpack_nibbles
+
+        q = unpack_nibbles(w).float()
+        g = q.shape[1] // s.shape[1]
+        return (q * s.float().repeat_interleave(g, -1) + tensors[base + ".zero"].float().repeat_interleave(g, -1)).to(
+            dtype
+        )
+    if w.dtype == torch.int8:  # int8: q * scale per row
+        return (w.float() * s.float().reshape(-1, 1)).to(dtype)
     if w.dtype == torch.uint8:
         return dequantize_nvfp4(w, s, tensors[base + ".weights_scaling_factor_2"], dtype)
     return dequantize_fp8(w, s, dtype)
@@ -140,6 +150,53 @@ def fp8_modules(model: torch.nn.Module, specs: list[L.TensorSpec], tensors: dict
     return swapped
 
 
+def int_modules(model: torch.nn.Module, specs: list[L.TensorSpec], tensors: dict[str, torch.Tensor]) -> int:
+    """Swap every linear whose engine weight is int4 / int8 (and a packed ``lm_head``) for a
+    :class:`~dflash_trt.models.quant_linear.PackedLinear` over the engine's own codes and scales
+    (torch's packed CPU GEMMs; activations and scales in the model's dtype). Fused tensors
+    (fc / gate) are joined onto our modules by rows. An int4 module whose shape the kernel cannot
+    pack stays dense (its weights are already the dequantized codes). Returns how many modules
+    were swapped.
+    """
+    from ..models.quant_linear import PackedLinear, int4_fits, replace_module, unpack_nibbles
+
+    parts: dict[str, list[tuple[int, str]]] = {}
+    for sp in specs:
+        base = sp.name[: -len(".weight")]
+        if not sp.name.endswith(".weight") or base + ".weights_scaling_factor" not in tensors:
+            continue
+        if base + ".zero" in tensors or tensors[sp.name].dtype == torch.int8:
+            module = sp.module or sp.source[: -len(".weight")]
+            parts.setdefault(module, []).append((sp.rows[0] if sp.rows else 0, sp.name))
+    swapped = 0
+    for module, names in parts.items():
+        names = [n for _, n in sorted(names)]
+        bases = [n[: -len(".weight")] for n in names]
+        int4 = bases[0] + ".zero" in tensors
+        q = torch.cat([unpack_nibbles(tensors[n]) if int4 else tensors[n] for n in names])
+        scale = torch.cat([tensors[b + ".weights_scaling_factor"] for b in bases])
+        targets = module.split("|")
+        mods = [model.get_submodule(t) for t in targets]
+        sizes = [m.weight.shape[0] for m in mods]
+        dtype = mods[0].weight.dtype
+        zero = torch.cat([tensors[b + ".zero"] for b in bases]) if int4 else None
+        group = q.shape[1] // scale.shape[1] if int4 else 0
+        row = 0
+        for t, old, n in zip(targets, mods, sizes):
+            r = slice(row, row + n)
+            row += n
+            if int4 and not int4_fits(n, q.shape[1], group):
+                continue
+            new = (
+                PackedLinear.from_int4(q[r], scale[r], zero[r], group, old.bias, dtype)
+                if int4
+                else PackedLinear.from_int8(q[r], scale[r].reshape(-1), old.bias, dtype)
+            )
+            replace_module(model, t, new)
+            swapped += 1
+    return swapped
+
+
 def unshard_rank_files(
     specs: list[L.TensorSpec], ranks: list[dict[str, torch.Tensor]], qkv: tuple[int, int, int]
 ) -> dict[str, torch.Tensor]:
@@ -174,7 +231,12 @@ class EngineShard:
 
 
 def load_engine(
-    engine_dir: str | Path, dtype: torch.dtype | None = None, rank: int = 0, fp8_gemm: bool = False, world_size: int = 1
+    engine_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    rank: int = 0,
+    fp8_gemm: bool = False,
+    world_size: int = 1,
+    packed: bool = True,
 ) -> tuple[LoadedTarget, DFlashDrafter, dict]:
     """Load the target and drafter of an engine directory for TP rank ``rank``.
 
@@ -191,6 +253,9 @@ def load_engine(
         fp8_gemm: run FP8 linears as FP8 GEMMs (``torch._scaled_mm``, see :func:`fp8_modules`)
             instead of dequantizing them to ``dtype``.
         world_size: ranks in this job.
+        packed: int4 / int8 linears (``target_quant`` / ``drafter_quant`` / ``weight_quant``
+            in the manifest) run as packed CPU GEMMs (:func:`int_modules`); False (a GPU run)
+            dequantizes them to ``dtype``.
 
     Returns:
         ``(target, drafter, manifest)``.
@@ -235,6 +300,8 @@ def load_engine(
     model = model.to(cdt).eval()
     if fp8_gemm:
         fp8_modules(model, specs, tt)
+    if packed:
+        int_modules(model, specs, tt)
     target = with_tokenizer(model, d / "hf" / "target")
 
     dj = read_json(d / "hf" / "drafter" / "config.json", "engine drafter")
@@ -259,6 +326,8 @@ def load_engine(
     drafter = drafter.to(cdt).eval()
     if fp8_gemm:
         fp8_modules(drafter, dspecs, dt)
+    if packed:
+        int_modules(drafter, dspecs, dt)
     return target, drafter, m
 
 
@@ -309,6 +378,13 @@ def load_models(
         raise DFlashError("--engine holds the target and the drafter; drop --target / --drafter")
     if weights is not None and weights != read_manifest(engine_dir).get("target_quant"):
         raise DFlashError(f"--weights {weights}: engine {engine_dir} was not built with int weights of that format")
-    target, drafter, _ = load_engine(engine_dir, dtype, rank=rank, fp8_gemm=fp8_gemm, world_size=world_size)
+    target, drafter, _ = load_engine(
+        engine_dir,
+        dtype,
+        rank=rank,
+        fp8_gemm=fp8_gemm,
+        world_size=world_size,
+        packed=torch.device(device).type == "cpu",
+    )
     target.model.to(device)
     return target, drafter.to(device) if drafter is not None else None
