@@ -71,8 +71,9 @@ def dtype_bytes(name: str) -> int:
 WEIGHT_FORMATS = ("int4", "int8")
 #: int4 group size of the packed path (GGUF Q4_1 / Q4_0 blocks are 32 wide)
 DEFAULT_GROUP_SIZE = 32
-#: the LM head's format under ``--weights`` (measured: see docs/engine-format.md "Packed CPU
-#: weights"); the embedding lookup stays dense in the compute dtype
+#: the LM head's format under ``--weights`` (docs/engine-format.md; int8: a quarter of the bf16
+#: head's bytes, closer to the Q8_0 embedding it comes from than int4); the embedding lookup
+#: stays dense in the compute dtype
 DEFAULT_HEAD = {"int4": "int8", "int8": "int8"}
 
 

@@ -28,7 +28,10 @@ the whole hidden size) and ``transformer.hidden_norm.weight``.
 Quantized linears (``quantization.quant_algo``) carry, next to ``weight``:
 FP8 ``weights_scaling_factor`` and ``activation_scaling_factor`` (fp32 ``[1]``); NVFP4 ``weight``
 uint8 ``[out, in/2]``, ``weights_scaling_factor`` float8_e4m3fn ``[out, in/16]``,
-``weights_scaling_factor_2`` and ``activation_scaling_factor`` (fp32 ``[1]``).
+``weights_scaling_factor_2`` and ``activation_scaling_factor`` (fp32 ``[1]``); weight-only int4
+(``W4A16_GPTQ``, tp 1) ``weight`` uint8 ``[out, in/2]`` codes 0..15, ``weights_scaling_factor`` and
+``zero`` fp32 ``[out, in/group_size]`` (``w = q * scale + zero``); int8 (``W8A16``, tp 1) ``weight``
+int8 ``[out, in]``, ``weights_scaling_factor`` fp32 ``[out, 1]`` (see ``docs/engine-format.md``).
 Each rank holds whole attention and KV heads; the vocabulary is padded with zero rows to a
 multiple of ``tp_size`` (TensorRT-LLM ``pad_vocab_size``).
 """
