@@ -78,3 +78,11 @@ image-cpu: $(BASE_DEP)
 
 image-hopper image-blackwell: image-%: $(BASE_DEP)
 	$(IMAGE_BUILD) --target $* --build-arg TORCH_FLAVOR=cuda -t $(IMAGE):$* .
+
+# Peers for `dflash-trt bench --peers llama.cpp`: llama-cpp-python built from its sdist (CPU,
+# a few minutes of compiling; not part of `make test`). numpy stays below 2 (nvidia-pytriton).
+LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+.PHONY: peers
+peers: $(STAMP)
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install -q --disable-pip-version-check \
+		"$(LLAMA_CPP_SPEC)" "numpy<2"

@@ -77,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-prompts", type=int, default=10)
     b.add_argument("--json", dest="json_out", help="write the result JSON here")
     b.add_argument(
-        "--peers", default="", help="comma list of peers: hf, prompt-lookup, zlab (z-lab reference loop, same drafter)"
+        "--peers",
+        default="",
+        help="comma list of peers: hf, prompt-lookup, zlab (z-lab reference loop, same drafter), "
+        "llama.cpp (the same GGUF through llama-cpp-python: `make peers`)",
     )
     b.add_argument(
         "--plot",

@@ -91,10 +91,32 @@ def test_stops_after_stop_token(smollm2, prompts, hf_result):
 
 
 def test_bad_peer_args(smollm2, prompts):
-    assert PEERS == ("hf", "prompt-lookup", "zlab")
+    assert PEERS == ("hf", "prompt-lookup", "zlab", "llama.cpp")
     with pytest.raises(DFlashError, match="unknown peer 'vllm'; choose from hf, prompt-lookup, zlab"):
         run_peer("vllm", smollm2.path, prompts, MAX_NEW, torch.float32, smollm2.stop_token_ids)
     with pytest.raises(DFlashError, match="max_new_tokens"):
         run_peer("hf", smollm2.path, prompts, 0, torch.float32, smollm2.stop_token_ids)
     with pytest.raises(DFlashError, match="config.json"):
         run_peer("hf", smollm2.path / "missing", prompts, MAX_NEW, torch.float32, smollm2.stop_token_ids)
+
+
+def test_llama_cpp_peer(smollm2, prompts, hf_result):
+    """llama.cpp on the same Q4_1 GGUF and prompt ids (skipped without ``make peers``): greedy,
+    prefill and decode timed apart. Its Q4_1 x Q8_1 dot products are not our fp32 dequantized
+    model, so agreement with ``hf`` is reported, not required past the first token."""
+    with pytest.raises(DFlashError, match="runs a GGUF target"):
+        run_peer("llama.cpp", smollm2.path, prompts, MAX_NEW, torch.float32, smollm2.stop_token_ids)
+    pytest.importorskip("llama_cpp")
+    from dflash_trt.checkpoints.sources import default_target_gguf
+
+    res = run_peer(
+        "llama.cpp", smollm2.path, prompts, MAX_NEW, torch.float32, smollm2.stop_token_ids, gguf=default_target_gguf()
+    )
+    assert res.name == "llama.cpp" and [len(o) for o in res.outputs] == [MAX_NEW] * len(prompts)
+    assert res.prefill_tokens == sum(map(len, prompts)) and res.prefill_s > 0 and res.decode_s > 0
+    same = [a == b for a, b in zip(res.outputs, hf_result.outputs)]
+    print(
+        f"llama.cpp: decode {res.decode_tokens_per_s:.1f} tok/s, "
+        f"prefill {res.prefill_tokens_per_s:.0f} tok/s; same as hf {same}"
+    )
+    assert all(a[0] == b[0] for a, b in zip(res.outputs, hf_result.outputs))

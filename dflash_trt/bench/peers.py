@@ -3,6 +3,11 @@
 - ``hf``: plain greedy decoding with transformers' ``model.generate`` (KV cache on).
 - ``prompt-lookup``: the same with ``prompt_lookup_num_tokens=10`` (transformers' n-gram
   prompt-lookup speculative decoding; greedy, so its output should equal ``hf``).
+- ``zlab``: the z-lab reference loop (PyPI ``dflash``) with our drafter's weights.
+- ``llama.cpp``: llama-cpp-python (``make peers`` builds it from its sdist) on the target's own
+  GGUF file, the same prompt token ids, greedy (argmax of its logits), ``n_threads`` = torch's
+  thread count; prefill (one ``eval`` of the prompt) and decode (one ``eval`` per new token)
+  are timed apart.
 
 Each peer loads the HF checkpoint once (untimed), runs one short untimed warm-up generate, then
 times every prompt's ``generate`` call with :func:`time.perf_counter` (prefill included; tokenizing,
@@ -19,12 +24,13 @@ import torch
 
 from ..errors import DFlashError
 
-PEERS = ("hf", "prompt-lookup", "zlab")
+PEERS = ("hf", "prompt-lookup", "zlab", "llama.cpp")
 
 _PEER_KWARGS = {
     "hf": {},
     "prompt-lookup": {"prompt_lookup_num_tokens": 10},
     "zlab": {},
+    "llama.cpp": {},
 }
 
 WARMUP_NEW_TOKENS = 4
@@ -45,11 +51,28 @@ class PeerResult:
     outputs: list[list[int]]
     new_tokens: int
     wall_s: float
+    #: ``llama.cpp`` only: prompt tokens and seconds of the prompt evals, and seconds of the
+    #: one-token evals after them (``new_tokens - len(prompts)`` tokens: the first new token
+    #: comes from the prefill's logits)
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
         """New tokens per second of timed generate wall time."""
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """Prompt tokens per second of prefill (None when the peer does not time it apart)."""
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens per second of the one-token decode steps (None when not timed apart)."""
+        steps = self.new_tokens - len(self.outputs)
+        return steps / self.decode_s if self.decode_s > 0 and steps > 0 else None
 
 
 def _cut_at_stop(ids: list[int], stops: set[int]) -> list[int]:
@@ -97,6 +120,73 @@ def _zlab_generator(target, drafter, dtype, device, stops: list[int], block_size
     return generate
 
 
+#: llama-cpp-python version ``make peers`` installs
+LLAMA_CPP_VERSION = "0.3.36"
+
+
+def run_llama_cpp(
+    gguf: Path, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple[int, ...], threads: int
+) -> PeerResult:
+    """Greedy decoding with llama.cpp (llama-cpp-python) on ``gguf``, one prompt at a time.
+
+    Per prompt: ``Llama.reset()``, one timed ``eval(prompt)`` (prefill), then argmax of the
+    last logits, ``eval([token])`` per new token (decode) until ``max_new_tokens`` or a stop
+    token (kept). Logits: ``llama_get_logits_ith(ctx, -1)`` (fp32, the last evaluated token).
+
+    Raises:
+        DFlashError: llama-cpp-python not installed (``make peers``), or a file it cannot load.
+    """
+    try:
+        import llama_cpp
+    except ImportError:
+        raise DFlashError(f"peer llama.cpp needs llama-cpp-python=={LLAMA_CPP_VERSION}: run `make peers`") from None
+    import numpy as np
+
+    n_ctx = max(map(len, prompts)) + max_new_tokens + 8
+    try:
+        llm = llama_cpp.Llama(
+            model_path=str(gguf),
+            n_ctx=n_ctx,
+            n_batch=min(2048, n_ctx),
+            n_threads=threads,
+            n_threads_batch=threads,
+            logits_all=False,
+            verbose=False,
+        )
+    except (ValueError, RuntimeError) as e:
+        raise DFlashError(f"peer llama.cpp: cannot load {gguf} ({e})") from None
+    stops = {int(t) for t in stop_token_ids}
+    n_vocab = llm.n_vocab()
+
+    def last_logits() -> np.ndarray:
+        # llama-cpp-python 0.3.x no longer copies logits into ``Llama.scores`` without
+        # logits_all: read the context's logits of the last evaluated token (llama.h API)
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(n_vocab,))
+
+    def one(p: list[int], n: int) -> tuple[list[int], float, float]:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(p)
+        t1 = time.perf_counter()
+        out: list[int] = []
+        while True:
+            tok = int(np.argmax(last_logits()))
+            out.append(tok)
+            if len(out) >= n or tok in stops:
+                break
+            llm.eval([tok])
+        return out, t1 - t0, time.perf_counter() - t1
+
+    one(prompts[0], min(WARMUP_NEW_TOKENS, max_new_tokens))  # warm-up, untimed
+    outputs, pre, dec = [], 0.0, 0.0
+    for p in prompts:
+        out, a, b = one(p, max_new_tokens)
+        outputs.append(out)
+        pre, dec = pre + a, dec + b
+    return PeerResult("llama.cpp", outputs, sum(map(len, outputs)), pre + dec, sum(map(len, prompts)), pre, dec)
+
+
 def run_peer(
     name: str,
     hf_dir: Path,
@@ -108,6 +198,7 @@ def run_peer(
     device: str | torch.device = "cpu",
     drafter=None,
     block_size: int | None = None,
+    gguf: Path | None = None,
 ) -> PeerResult:
     """Run peer ``name`` greedily on ``prompts``, one at a time, and time it.
 
@@ -124,6 +215,9 @@ def run_peer(
             (``dflash.model.dflash_generate``, PyPI ``dflash``) runs with the same weights on
             the transformers target.
         block_size: block size for ``"zlab"`` (default: the drafter's).
+        gguf: the target's GGUF file, needed by ``"llama.cpp"`` (:func:`run_llama_cpp`, with
+            torch's thread count; ``dtype`` and ``device`` do not apply: llama.cpp runs the
+            file's own types on the CPU).
 
     Returns:
         :class:`PeerResult` with new tokens only, their total and the timed wall seconds.
@@ -140,6 +234,10 @@ def run_peer(
         raise DFlashError(f"peer {name}: no prompts")
     if any(len(p) == 0 for p in prompts):
         raise DFlashError(f"peer {name}: empty prompt")
+    if name == "llama.cpp":
+        if gguf is None or Path(gguf).suffix != ".gguf":
+            raise DFlashError("peer llama.cpp runs a GGUF target: use the default target or --target FILE.gguf")
+        return run_llama_cpp(Path(gguf), prompts, max_new_tokens, stop_token_ids, torch.get_num_threads())
 
     model = _load_model(hf_dir, dtype, device)
     gen_cfg = model.generation_config

@@ -145,11 +145,15 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
             device=device,
             drafter=drafter,
             block_size=K,
+            gguf=_gguf_of(cfg.target),
         )
         peers[name] = {
             "tokens_per_s": res.tokens_per_s,
             "speedup_vs_ar": res.tokens_per_s / ar_tps,
             "identical_to_ar": res.outputs == ar_out if cfg.temperature == 0 else None,
+            # llama.cpp: prefill and decode timed apart (None for the transformers peers)
+            "prefill_tokens_per_s": res.prefill_tokens_per_s,
+            "decode_tokens_per_s": res.decode_tokens_per_s,
         }
     divergences = []
     if cfg.temperature == 0:
@@ -186,11 +190,24 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         "verify_cost_ratio": (df_stats.verify_s / max(df_stats.verify_calls, 1)) / decode_s,
         "draft_cost_ratio": (df_stats.draft_s / max(df_stats.draft_calls, 1)) / decode_s,
         "decode_step_ms": decode_s * 1e3,
+        # plain decoding's one-token steps and its prompt prefills (beside llama.cpp's)
+        "ar_decode_tokens_per_s": 1 / decode_s if decode_s > 0 else None,
+        "ar_prefill_tokens_per_s": sum(map(len, prompts)) / ar_stats.prefill_s if ar_stats.prefill_s > 0 else None,
         "peers": peers,
     }
     if cfg.json_out:
         write_json(cfg.json_out, result)
     return result
+
+
+def _gguf_of(target: str | None) -> Path | None:
+    """The GGUF file behind ``--target`` (None: the default model's), or None for a directory."""
+    if target is None:
+        from ..checkpoints.sources import default_target_gguf
+
+        return default_target_gguf()
+    p = Path(target).expanduser()
+    return p if p.suffix == ".gguf" else None
 
 
 def _ties(r: dict) -> str:
@@ -213,13 +230,21 @@ def format_table(r: dict) -> str:
     )
     for name, p in r["peers"].items():
         note = "" if p.get("identical_to_ar") is None else f"same tokens as ours: {p['identical_to_ar']}"
+        if p.get("decode_tokens_per_s"):
+            note += f"; decode {p['decode_tokens_per_s']:.1f} tok/s, prefill {p['prefill_tokens_per_s']:.0f} tok/s"
         rows.append((f"peer: {name}", p["tokens_per_s"], p["speedup_vs_ar"], note))
     head = (
         f"{r['dataset']}: {r['num_prompts']} prompts, {r['max_new_tokens']} new tokens, T={r['temperature']}, "
-        f"{r['dtype']}, {r['device']}, {r['threads']} threads"
+        f"{r['dtype']}{' + ' + r['weights'] + ' weights' if r.get('weights') else ''}, {r['device']}, "
+        f"{r['threads']} threads"
     )
     lines = [head, f"{'mode':<30} {'tok/s':>8} {'vs plain':>9}  notes", "-" * 78]
     lines += [f"{n:<30} {t:>8.1f} {s:>8.2f}x  {note}" for n, t, s, note in rows]
+    if r.get("ar_decode_tokens_per_s"):
+        lines.append(
+            f"plain decoding (ours): decode {r['ar_decode_tokens_per_s']:.1f} tok/s, "
+            f"prefill {r['ar_prefill_tokens_per_s']:.0f} tok/s"
+        )
     lines.append(
         f"verify cost (K={r['block_size']}) {r['verify_cost_ratio']:.2f}x a decode step "
         f"({r['decode_step_ms']:.1f} ms); draft cost {r['draft_cost_ratio']:.2f}x"
