@@ -280,3 +280,14 @@ def test_builder_engine_round_trip(tmp_path, smollm2, fmt):
     engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
     got = engine.generate([Request(prompt, 16)], 4)[0].output_ids
     assert _same_or_tie(target.model, prompt, plain[0], got, ROWS_TIE) == 0 or fmt == "int8"
+
+
+def test_cli_weights_flag():
+    """``generate --weights int4`` runs the packed path; a GPU device with it is a one-line error."""
+    from helpers import error_line, run
+
+    proc = run("generate", "--prompt", "Hi", "--max-new-tokens", "4", "--block-size", "1", "--weights", "int4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "bf16 + int4 weights" in proc.stdout
+    line = error_line(run("generate", "--prompt", "Hi", "--weights", "int4", "--device", "cuda"))
+    assert "cuda" in line or "--device cpu" in line

@@ -240,7 +240,7 @@ def format_table(r: dict) -> str:
     )
     lines = [head, f"{'mode':<30} {'tok/s':>8} {'vs plain':>9}  notes", "-" * 78]
     lines += [f"{n:<30} {t:>8.1f} {s:>8.2f}x  {note}" for n, t, s, note in rows]
-    if r.get("ar_decode_tokens_per_s"):
+    if r.get("ar_decode_tokens_per_s") and r.get("ar_prefill_tokens_per_s"):
         lines.append(
             f"plain decoding (ours): decode {r['ar_decode_tokens_per_s']:.1f} tok/s, "
             f"prefill {r['ar_prefill_tokens_per_s']:.0f} tok/s"
