@@ -234,13 +234,14 @@ class PackedLinear(nn.Module):
             ``8 * scale``, computed in fp32). int8: ``(q int8 [out, in], scale fp32 [out], None)``.
 
         The int4 codes are read back through the kernel itself (an identity GEMM with unit
-        scales and zero 8 gives ``q`` exactly in fp32), so nothing depends on the packed layout.
+        scales and zero 8 gives ``q`` exactly: integers 0..15, one nonzero product per output,
+        exact in bf16, the kernel's fast dtype), so nothing depends on the packed layout.
         """
         if self.fmt == "int8":
             return self.packed, self.scales.float(), None
         k, n, g = self.in_features, self.out_features, self.group_size
-        unit = torch.stack([torch.ones(k // g, n), torch.full((k // g, n), 8.0)], dim=-1)
-        eye = torch.eye(k, dtype=torch.float32, device=self.packed.device)
+        unit = torch.stack([torch.ones(k // g, n), torch.full((k // g, n), 8.0)], dim=-1).to(torch.bfloat16)
+        eye = torch.eye(k, dtype=torch.bfloat16, device=self.packed.device)
         q = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, g, unit.to(eye.device))
         s = self.scales[..., 0].float().t().contiguous()
         z = self.scales[..., 1].float().t() - 8 * s
