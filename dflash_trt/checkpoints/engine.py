@@ -364,12 +364,14 @@ def load_models(
 
     Raises:
         DFlashError: ``--engine`` together with ``--target`` / ``--drafter``, ``fp8_gemm``
-            without an engine, ``weights`` that contradict the engine's, or anything the
-            loaders raise.
+            without an engine, ``weights`` that contradict the engine's or with more than one
+            rank, or anything the loaders raise.
     """
     from .loader import check_weights, load_pair
 
     check_weights(weights, device)
+    if weights and world_size > 1:
+        raise DFlashError(f"--weights {weights} runs on one rank (packed CPU GEMMs are not sharded); drop mpiexec")
     if fp8_gemm and engine_dir is None:
         raise DFlashError("--fp8-gemm needs --engine (an FP8 engine from dflash-trt build)")
     if engine_dir is None:
