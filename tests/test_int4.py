@@ -212,6 +212,11 @@ def test_dflash_lossless_on_packed_path(int4_pair, prompts, fmt):
     own drafts."""
     target, drafter = int4_pair if fmt == "int4" else load_pair(None, None, BF16, weights="int8")
     assert isinstance(target.model.lm_head, PackedLinear) and isinstance(drafter.fc, PackedLinear)
+    # the paged drafter path's one GEMM over every layer's k/v projections (packed stack)
+    stacked, _, _ = drafter._stacked_kv()
+    h = torch.randn(5, drafter.cfg.hidden_size).to(BF16)
+    per_layer = [p(h) for layer in drafter.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+    assert isinstance(stacked, PackedLinear) and torch.equal(stacked(h), torch.cat(per_layer, -1))
     ref = plain_outputs(target, prompts, 20)
     OracleRunner.continuations = [p + r for p, r in zip(prompts, ref)]
     ties = 0
