@@ -335,6 +335,7 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
         "drafter": str(cfg.drafter) if cfg.drafter else ("engine" if cfg.engine else "default"),
         "engine": cfg.engine,
         "dtype": cfg.dtype,
+        "weights": cfg.weights,
         "device": device_name(device if tp is None else tp.device),
         "threads": torch.get_num_threads(),
         "seed": cfg.seed,
@@ -366,7 +367,8 @@ def format_load_table(r: dict) -> str:
     ec = r["engine_config"]
     head = (
         f"{r['dataset']}: {r['num_prompts']} prompts, {r['max_new_tokens']} new tokens, T={r['temperature']}, "
-        f"{r['dtype']}, {r['device']}, {r['threads']} threads; arrivals {rate}; dflash K={r['block_size']}"
+        f"{r['dtype']}{' + ' + r['weights'] + ' weights' if r.get('weights') else ''}, {r['device']}, "
+        f"{r['threads']} threads; arrivals {rate}; dflash K={r['block_size']}"
         f"{' adaptive' if r['adaptive'] else ' fixed'}; max batch {ec['max_batch_size']}, "
         f"max tokens {ec['max_num_tokens']}, KV {ec['kv_capacity_tokens']:,} tokens"
     )
