@@ -28,6 +28,7 @@ demo: $(STAMP)
 		--peers hf,prompt-lookup,zlab --json out/demo-bench.json --plot out/demo-bench.png
 
 test: $(STAMP)
+	bash scripts/container-tools.sh
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/hadolint docker/Dockerfile
