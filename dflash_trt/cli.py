@@ -40,6 +40,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--dtype", default=None, help="compute dtype: fp32 | bf16 | fp16 (default: fp32, or the engine's)")
+    _weights_flag(p)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _weights_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--weights",
         default=None,
@@ -47,9 +54,6 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="CPU: weight-only packed int4 (group 32; a Q4_1 GGUF's own blocks) or int8 linears, "
         "activations in --dtype (default then bf16); an int4/int8 engine needs no flag",
     )
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
-    p.add_argument("--seed", type=int, default=0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--drafter", help="z-lab DFlash drafter dir (default: the default target's drafter)")
     sv.add_argument("--engine", help="engine directory from `dflash-trt build` (instead of --target/--drafter)")
     sv.add_argument("--fp8-gemm", action="store_true", help="with --engine: FP8 linears as FP8 GEMMs")
+    _weights_flag(sv)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--model-name", help="the model id clients use (default: the target directory's name)")
@@ -206,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--drafter", help="z-lab DFlash drafter dir (default: the default target's drafter)")
     tr.add_argument("--engine", help="engine directory from `dflash-trt build` (instead of --target/--drafter)")
     tr.add_argument("--fp8-gemm", action="store_true", help="with --engine: FP8 linears as FP8 GEMMs")
+    _weights_flag(tr)
     tr.add_argument("--model-name", help="the model id reported to clients (default: the target directory's name)")
     tr.add_argument("--instances", type=int, default=1, help="model instances (each its own engine)")
     _engine_flags(tr)
@@ -671,6 +677,7 @@ def _serve_config(args):
         model_name=args.model_name,
         fp8_gemm=args.fp8_gemm,
         tp_size=args.tp,
+        weights=args.weights,
     )
 
 

@@ -296,3 +296,29 @@ def test_cli_weights_flag():
     assert "bf16 + int4 weights" in proc.stdout
     line = error_line(run("generate", "--prompt", "Hi", "--weights", "int4", "--device", "cuda"))
     assert "cuda" in line or "--device cpu" in line
+
+
+def test_service_serves_packed_weights(int4_target, prompts):
+    """``serve --weights int4`` / ``triton-repo --weights int4`` (``ServeConfig.weights``): the
+    service loads the packed target (bf16 activations) and streams what plain decoding on the same
+    packed target produces, with the shipped drafter drafting (DFlash, adaptive)."""
+    import asyncio
+
+    from dflash_trt.runtime.sampling import SamplingParams
+    from dflash_trt.serving.service import EngineService, Finished, ServeConfig
+
+    svc = EngineService(ServeConfig(weights="int4", kv_capacity=4096, max_batch_size=4))
+    try:
+        assert svc.dtype == "bf16" and isinstance(svc.engine.runner.target.lm_head, PackedLinear)
+
+        async def answer(p):
+            async for item in svc.stream(svc.request(p, 20, SamplingParams())):
+                if isinstance(item, Finished):
+                    return item.output.output_ids
+
+        ref = plain_outputs(int4_target, prompts, 20)
+        got = [asyncio.run(answer(p)) for p in prompts]
+        ties = sum(_same_or_tie(int4_target.model, p, r, g, ROWS_TIE) for p, r, g in zip(prompts, ref, got))
+        assert ties <= 1
+    finally:
+        svc.close()

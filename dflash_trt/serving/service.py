@@ -37,6 +37,9 @@ class ServeConfig:
         kv_capacity: KV positions (None: the engine's memory plan, capped, or 65536).
         model_name: the name clients ask for (None: the target directory's name).
         fp8_gemm: with an FP8 engine, run its linears as FP8 GEMMs.
+        weights: ``int4`` / ``int8``: packed weight-only CPU linears for a checkpoint pair (the
+            default Q4_1 GGUF's own blocks for int4; activations bf16 unless ``dtype`` says
+            otherwise); an int4/int8 engine needs none.
         tp_size: tensor-parallel ranks the service starts itself (no MPI: the other ranks are
             child processes, :func:`~dflash_trt.runtime.distributed.spawn_tp`); under
             ``mpiexec -n N`` the job's N ranks are used instead.
@@ -56,6 +59,7 @@ class ServeConfig:
     model_name: str | None = None
     fp8_gemm: bool = False
     tp_size: int = 1
+    weights: str | None = None
 
 
 @dataclass
@@ -120,7 +124,9 @@ class EngineService:
         from ..checkpoints.loader import parse_device, parse_dtype
         from ..runtime.distributed import tp_engine
 
-        dtype = cfg.dtype or (read_manifest(cfg.engine).get("dtype", "fp32") if cfg.engine else "fp32")
+        dtype = cfg.dtype or (
+            read_manifest(cfg.engine).get("dtype", "fp32") if cfg.engine else ("bf16" if cfg.weights else "fp32")
+        )
         device = parse_device(cfg.device)
         need_drafter = cfg.block_size is None or cfg.block_size > 1
         target, drafter = load_models(
@@ -130,6 +136,7 @@ class EngineService:
             parse_dtype(dtype),
             need_drafter=need_drafter,
             fp8_gemm=cfg.fp8_gemm,
+            weights=cfg.weights,
             rank=self.tp.rank if self.tp else 0,
             world_size=self.tp.size if self.tp else 1,
             device=device if self.tp is None else "cpu",
