@@ -77,3 +77,16 @@ class OracleRunner(ModelRunner):
                 tok = seq[p] if p < len(seq) else 0
                 out[r, j] = tok if p % 5 else (tok + 1) % self.target.cfg.vocab_size
         return out
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (bound together, then released)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports

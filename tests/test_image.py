@@ -23,7 +23,6 @@ import os
 import queue
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from helpers import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = os.environ.get("DFLASH_TRT_TEST_IMAGE", "localhost/dflash-trt:cpu")
@@ -51,16 +51,6 @@ def podman(*args: str, timeout: float = 600, check: bool = True) -> subprocess.C
     if check and proc.returncode:
         pytest.fail(f"podman {' '.join(args[:3])} ... exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
     return proc
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def parse_generate(stdout: str, prompt: str) -> tuple[str, int, str]:

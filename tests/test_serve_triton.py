@@ -20,30 +20,19 @@ import json
 import queue
 import random
 import re
-import socket
 import subprocess
 import time
 
 import httpx
 import numpy as np
 import pytest
-from helpers import plain_outputs, same_text
+from helpers import free_ports, plain_outputs, same_text
 
 from dflash_trt.prompts import mixed_prompts
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install tritonclient[grpc]")
 pytest.importorskip("pytriton", reason="pip install nvidia-pytriton (ships tritonserver)")
 MAX_NEW = 20
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")
