@@ -5,6 +5,10 @@ server's throughput as a share of the engine's. Writes JSON and a PNG.
     python bench/serve_load.py --aiperf /path/to/venv/bin/aiperf --concurrency 1,4,16 \
         --requests 32 --input-tokens 128 --output-tokens 64 --json out/serve-load.json --plot out/serve-load.png
 
+With ``--pin 0:1 --threads 1`` the server (and the in-process engine) run on core 0 and aiperf on
+core 1, so the client's CPU does not come out of the server's (on a real deployment the load
+generator is another machine).
+
 The requests are aiperf's synthetic prompts (``--input-tokens`` long, fixed seed), chat
 completions streamed with ``ignore_eos`` so each answer is exactly ``--output-tokens`` long; the
 in-process side replays the same prompt token counts (random text of that many tokens through
@@ -100,6 +104,8 @@ def run_aiperf(aiperf: str, url: str, model: str, tokenizer: str, c: int, args, 
         "--ui-type",
         "none",
     ]
+    if args.pin:  # the client on the cores the server does not use
+        cmd = ["taskset", "-c", args.pin[1], *cmd]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -120,6 +126,15 @@ def run_aiperf(aiperf: str, url: str, model: str, tokenizer: str, c: int, args, 
         # aiperf's own CPU use (all its processes), as a share of the run's wall time
         "client_cpu_cores": client_cpu / (time.perf_counter() - t0),
     }
+
+
+def cpu_list(spec: str) -> set[int]:
+    """``0,2-3`` -> {0, 2, 3} (taskset's list syntax)."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def engine_baseline(args, concurrencies: list[int]) -> dict[int, float]:
@@ -151,6 +166,8 @@ def engine_baseline(args, concurrencies: list[int]) -> dict[int, float]:
         for _ in range(args.requests)
     ]
     torch.set_num_threads(args.threads)
+    if args.pin:  # the same cores as the server had
+        os.sched_setaffinity(0, cpu_list(args.pin[0]))
     warm = engine.add_request(Request(prompts[0], 4, stop_token_ids=()))
     engine.run()
     engine.result(warm)
@@ -180,6 +197,13 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--pin",
+        type=lambda v: v.split(":"),
+        default=None,
+        help="SERVER:CLIENT core lists (e.g. 0:1): the server and the in-process engine on SERVER's cores, "
+        "aiperf on CLIENT's, so that the client's CPU does not come out of the server's (use --threads to match)",
+    )
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--plot")
     args = ap.parse_args()
@@ -207,6 +231,8 @@ def main() -> None:
     if args.block_size:
         cmd += ["--block-size", str(args.block_size)]
     work = Path(args.json_out or "out/serve-load.json").parent / "aiperf"
+    if args.pin:
+        cmd = ["taskset", "-c", args.pin[0], *cmd]
     server = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     rows = []
     try:
@@ -262,7 +288,8 @@ def main() -> None:
             a.grid(alpha=0.3)
         fig.suptitle(
             f"{args.input_tokens} in / {args.output_tokens} out tokens, {args.requests} requests, "
-            f"{args.dtype}, CPU {args.threads} threads",
+            f"{args.dtype}, CPU {args.threads} threads"
+            + (f", server on cores {args.pin[0]}, aiperf on {args.pin[1]}" if args.pin else ""),
             fontsize=9,
         )
         fig.tight_layout()
