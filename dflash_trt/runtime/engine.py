@@ -310,11 +310,10 @@ class LLMEngine:
         for j, s in enumerate(sched.decode):
             i = n_prefill + j
             drafts = out.drafts[i]
-            fast = greedy(s) and out.accepted and out.accepted[i] is not None  # accepted on the device
             choice_l = choice(i, s)
             if not drafts:
                 acc = 0
-            elif fast:
+            elif greedy(s):  # the runner accepted against the argmax rows on the device
                 acc = out.accepted[i]
             else:
                 acc = int(accepted_lengths(torch.tensor([drafts], dtype=torch.long), torch.tensor([choice_l]))[0])

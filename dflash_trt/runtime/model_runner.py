@@ -346,6 +346,7 @@ class ModelRunner:
         clock = _Clock(self.device)
         drafting = [i for i, it in enumerate(items) if it.num_draft > 0]
         drafts = self.draft([items[i] for i in drafting], plan.draft_block) if drafting else None
+        k = drafts.shape[1] if drafting else 0  # draft columns per drafting item
         clock.mark()
         lengths = [len(it.tokens) + it.num_draft for it in items]
         offsets = list(accumulate(lengths[:-1], initial=0))
@@ -362,8 +363,7 @@ class ModelRunner:
         flat = [x for it in items for x in it.tokens + [0] * it.num_draft]
         ids = torch.tensor(flat, dtype=torch.long).to(self.device)
         if drafting:  # drafts go into the packed input on the device
-            width = drafts.shape[1]
-            src = [r * width + j for r, i in enumerate(drafting) for j in range(items[i].num_draft)]
+            src = [r * k + j for r, i in enumerate(drafting) for j in range(items[i].num_draft)]
             dst = [offsets[i] + len(items[i].tokens) + j for i in drafting for j in range(items[i].num_draft)]
             ids[torch.tensor(dst).to(self.device)] = drafts.view(-1)[torch.tensor(src).to(self.device)]
         rows = [o + n - it.num_logits + j for o, n, it in zip(offsets, lengths, items) for j in range(it.num_logits)]
@@ -373,7 +373,6 @@ class ModelRunner:
         first = list(accumulate([it.num_logits for it in items][:-1], initial=0))  # item -> its first row
         packed = [best]
         if drafting:  # the longest matching prefix per drafting item, on the device
-            k = drafts.shape[1]
             n_draft = [items[i].num_draft for i in drafting]
             tgt = [[first[i] + min(j, n) for j in range(k + 1)] for i, n in zip(drafting, n_draft)]
             target = best[torch.tensor(tgt).to(self.device)]
@@ -384,7 +383,7 @@ class ModelRunner:
         out.draft_s, out.target_s = clock.seconds() if drafting else (0.0, sum(clock.seconds()))
         out.target_tokens = len(flat)
         if drafting:
-            r, k = len(rows), drafts.shape[1]
+            r = len(rows)
             for n, i in enumerate(drafting):
                 out.drafts[i] = host[r + n * k : r + n * k + items[i].num_draft]
                 out.accepted[i] = host[r + len(drafting) * k + n]
