@@ -148,12 +148,15 @@ def test_context_kv_matches_definition(dtype):
 def test_accept_kernel():
     rng = random.Random(0)
     S, K = 37, 15
-    drafts = torch.randint(0, 5, (S, K))
-    target = torch.randint(0, 5, (S, K + 1))
+    gen = torch.Generator().manual_seed(0)
+    drafts = torch.randint(0, 5, (S, K), generator=gen)
+    target = torch.randint(0, 5, (S, K + 1), generator=gen)
     for i in range(S):  # long matching prefixes as well as early misses
         m = rng.randrange(0, K + 1)
         target[i, :m] = drafts[i, :m]
+    target[0, 0] = (drafts[0, 0] + 1) % 5  # at least one miss at the first draft token
     n = torch.tensor([rng.randrange(0, K + 1) for _ in range(S)], dtype=torch.int32)
+    n[0] = K
     want = []
     for i in range(S):
         a = 0
