@@ -8,15 +8,19 @@ Poisson process at ``request_rate`` req/s (``None`` / inf: all at t=0), with at 
 flight (vLLM ``benchmark_serving --max-concurrency``: a request due while ``C`` are in flight
 waits for one of them to finish).
 
-The driver is one thread: it adds the requests that are due (arrival time passed, fewer than
-``C`` in flight), calls ``engine.step()``, records the sequences that finished, and sleeps only
-when nothing is in flight until the next arrival. A request's clock starts when it is released
-to the engine: at its arrival time, or, when ``C`` were in flight then, when the one whose slot it
-takes finished (time spent waiting for a slot is the client's, as in vLLM). Time a due request
-spends waiting for the current ``step()`` to return counts in its TTFT.
+The driver is one thread. Each mode is a :class:`Lane` with its own clock that advances only
+while that mode's engine runs an iteration (or, idle, jumps to the next arrival); the lanes of
+one concurrency run interleaved, the one whose clock is behind stepping next, so a period in
+which another process takes the CPU (or the GPU's clocks drop) slows every mode in proportion to
+its compute instead of whichever mode ran then (under TP the modes run one after the other: the
+worker ranks mirror one engine at a time). A lane adds the requests that are due (arrival time
+passed, fewer than ``C`` in flight) and calls ``engine.step()``. A request's clock starts when
+it is released to the engine: at its arrival time, or, when ``C`` were in flight then, when the
+one whose slot it takes finished (time spent waiting for a slot is the client's, as in vLLM).
+Time a due request spends waiting for the current ``step()`` to return counts in its TTFT.
 
-Per (C, mode) row: ``output_tokens_per_s`` = all output tokens / wall seconds from the first
-arrival to the last finish; ``ttft_*`` from release to first token; ``tpot_*`` per request
+Per (C, mode) row: ``output_tokens_per_s`` = all output tokens / seconds on the lane's clock from the
+first arrival to the last finish; ``ttft_*`` from release to first token; ``tpot_*`` per request
 ``(latency - ttft) / (n_out - 1)`` over requests with more than one token;
 ``per_user_tokens_per_s`` = median over requests of ``n_out / latency``; ``mean_draft_tokens`` and
 ``tau`` from the engine's counters over the timed requests (dflash rows with the adaptive
@@ -30,6 +34,7 @@ lossless-ness bug).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import time
@@ -149,37 +154,85 @@ class _Record:
         return self.finish_s - self.release_s
 
 
+class Lane:
+    """One mode's closed loop: ``requests`` arriving at ``arrivals`` (seconds, non-decreasing)
+    served by ``engine`` with at most ``concurrency`` in flight, timed on the lane's own clock.
+
+    The clock advances only while the lane's engine runs an iteration (:meth:`tick` times its
+    ``step()``) or, with nothing in flight, jumps to the next arrival. Lanes driven together by
+    :func:`drive_lanes` therefore each see the machine as it was during their own iterations:
+    a period of contention falls on every mode in proportion to the time it computes in it,
+    not on whichever mode happened to run then. Engine timestamps (first token, finish; wall
+    ``perf_counter`` seconds taken inside ``step()``) are mapped onto the lane's clock.
+    """
+
+    def __init__(
+        self, engine: LLMEngine, requests: list[Request], arrivals: list[float], concurrency: int, progress=None
+    ):
+        self.engine, self.requests, self.arrivals = engine, requests, arrivals
+        self.concurrency, self.progress = concurrency, progress
+        self.clock = 0.0
+        self.records: list[_Record | None] = [None] * len(requests)
+        self._slots = [0.0] * concurrency  # heap: when each concurrency slot (next) becomes free
+        self._live: dict[int, tuple[int, float]] = {}  # seq id -> (request index, release time)
+        self._next = 0
+        self._wall: list[float] = []  # wall time at the start of each iteration
+        self._at_start: list[float] = []  # the lane's clock then
+
+    @property
+    def done(self) -> bool:
+        return self._next >= len(self.requests) and not self._live
+
+    def _on_clock(self, wall: float) -> float:
+        i = max(bisect.bisect_right(self._wall, wall) - 1, 0)
+        return self._at_start[i] + (wall - self._wall[i])
+
+    def tick(self) -> None:
+        """Release the requests that are due (arrived, a slot free), then run one engine
+        iteration; with nothing in flight, move the clock to the next arrival instead."""
+        n, arrivals = len(self.requests), self.arrivals
+        while self._next < n and len(self._live) < self.concurrency and arrivals[self._next] <= self.clock:
+            release = max(arrivals[self._next], heapq.heappop(self._slots))
+            self._live[self.engine.add_request(self.requests[self._next])] = (self._next, release)
+            self._next += 1
+        if not self._live:
+            if self._next < n:
+                self.clock = max(self.clock, arrivals[self._next])
+            return
+        start = time.perf_counter()
+        self._wall.append(start)
+        self._at_start.append(self.clock)
+        finished = self.engine.step()
+        self.clock += time.perf_counter() - start
+        for seq in finished:
+            idx, release = self._live.pop(seq.seq_id)
+            first, end = self._on_clock(seq.first_token_s or seq.finish_s), self._on_clock(seq.finish_s)
+            rec = self.records[idx] = _Record(self.engine.result(seq.seq_id).output_ids, release, first, end)
+            heapq.heappush(self._slots, rec.finish_s)
+            if self.progress is not None:
+                self.progress.update(1)
+
+
+def drive_lanes(lanes: list[Lane]) -> None:
+    """Run the lanes to completion interleaved: the lane whose clock is furthest behind runs
+    the next iteration, so every lane has computed for about the same time at any moment."""
+    while True:
+        pending = [lane for lane in lanes if not lane.done]
+        if not pending:
+            break
+        min(pending, key=lambda lane: lane.clock).tick()
+    for lane in lanes:
+        lane.engine.run()  # hands the runner the last released sequences
+
+
 def drive(
     engine: LLMEngine, requests: list[Request], arrivals: list[float], concurrency: int, progress=None
-) -> tuple[list[_Record], float]:
-    """Serve ``requests`` (arriving at ``arrivals``, non-decreasing seconds) with at most
-    ``concurrency`` in flight; returns one record per request (times in seconds from the
-    start) and the start's ``perf_counter``."""
-    n = len(requests)
-    slots = [0.0] * concurrency  # heap: when each concurrency slot (next) becomes free
-    records: list[_Record | None] = [None] * n
-    live: dict[int, tuple[int, float]] = {}  # seq id -> (request index, release time)
-    nxt = 0
-    t0 = time.perf_counter()
-    while nxt < n or live:
-        now = time.perf_counter() - t0
-        while nxt < n and len(live) < concurrency and arrivals[nxt] <= now:
-            release = max(arrivals[nxt], heapq.heappop(slots))
-            live[engine.add_request(requests[nxt])] = (nxt, release)
-            nxt += 1
-        if live:
-            for seq in engine.step():
-                idx, release = live.pop(seq.seq_id)
-                out = engine.result(seq.seq_id)  # times from the engine's arrival; the engine forgets it
-                arrival = seq.arrival_s - t0
-                records[idx] = _Record(out.output_ids, release, arrival + out.ttft_s, arrival + out.latency_s)
-                heapq.heappush(slots, records[idx].finish_s)
-                if progress is not None:
-                    progress.update(1)
-        else:
-            time.sleep(max(0.0, arrivals[nxt] - (time.perf_counter() - t0)))
-    engine.run()  # hands the runner the last released sequences
-    return records, t0  # type: ignore[return-value]
+) -> list[_Record]:
+    """Serve ``requests`` (arriving at ``arrivals``) with at most ``concurrency`` in flight,
+    alone; one record per request, times in seconds on the lane's clock (:class:`Lane`)."""
+    lane = Lane(engine, requests, arrivals, concurrency, progress)
+    drive_lanes([lane])
+    return lane.records  # type: ignore[return-value]
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -296,15 +349,23 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
         n = cfg.requests_for(c)
         arrivals = arrival_times(n, cfg.request_rate, cfg.seed * 1_000_003 + c)
         req_prompts = [prompts[i % len(prompts)] for i in range(n)]
-        outputs: dict[str, list[list[int]]] = {}
+        # one process: the modes' lanes interleaved, so contention falls on each in proportion to
+        # its compute; under TP the worker ranks mirror one engine at a time: one after the other
+        groups = [list(cfg.modes)] if tp is None else [[m] for m in cfg.modes]
+        lanes: dict[str, Lane] = {}
+        with tqdm(total=n * len(cfg.modes), desc=f"C={c}", unit="req", leave=False, disable=None) as bar:
+            for group in groups:
+                for mode in group:
+                    eng = engine_for(mode)
+                    eng.stats = LoopStats(eng.block_size)  # count the timed requests only
+                    reqs = [Request(p, cfg.max_new_tokens, sampling) for p in req_prompts]
+                    lanes[mode] = Lane(eng, reqs, arrivals, c, bar)
+                drive_lanes([lanes[m] for m in group])
+        outputs = {mode: [r.output for r in lane.records] for mode, lane in lanes.items()}
         for mode in cfg.modes:
-            eng = engine_for(mode)
-            eng.stats = LoopStats(eng.block_size)  # count the timed requests only
-            reqs = [Request(p, cfg.max_new_tokens, sampling) for p in req_prompts]
-            with tqdm(total=n, desc=f"C={c} {mode}", unit="req", leave=False, disable=None) as bar:
-                records, _ = drive(eng, reqs, arrivals, c, bar)
-            outputs[mode] = [r.output for r in records]
-            row = {"concurrency": c, "mode": mode, "block_size": eng.block_size} | summarize(records, eng.stats)
+            eng = lanes[mode].engine
+            row = {"concurrency": c, "mode": mode, "block_size": eng.block_size, "interleaved": len(groups) == 1}
+            row |= summarize(lanes[mode].records, eng.stats)
             if eng.controller is not None:
                 row["controller"] = controller_state(eng.controller)
             rows.append(row)
