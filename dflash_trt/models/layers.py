@@ -26,6 +26,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 _CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` without dispatching an op when it already has it (a decode step makes
+    hundreds of such calls; each no-op ``to`` still costs a dispatch on the CPU)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension (``x * rsqrt(mean(x^2) + eps) * weight``), computed in
     the input dtype like HF Llama/Qwen do after an fp32 upcast."""
@@ -37,9 +43,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = _as(x, torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * _as(x, dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -110,7 +116,8 @@ class AttentionMetadata:
         positions: int64 ``[B, T]`` absolute positions (RoPE), padding clamped to a valid value.
         write_slots: int64 ``[B, T]`` cache slot each new K/V is written to (padding -> trash slot).
         mask: bool ``[B, 1, T, kv_len]``, true where a query may attend to a cache slot
-            (paged: ``[S, 1, Tq, kv_len]``, one row per sequence).
+            (paged: ``[S, 1, Tq, kv_len]``, one row per sequence; the rows of padding queries
+            are all true, so that no row is fully masked).
         kv_len: number of leading cache slots read by attention (paged: columns of ``read_slots``).
         read_slots: paged layout only: int64 ``[S, kv_len]`` pool slot behind each key column of
             each of the ``S`` sequences (padding columns point anywhere; ``mask`` hides them).
@@ -128,6 +135,9 @@ class AttentionMetadata:
             ``query_rows``, and ``query_out``: int64 ``[n_g]`` rows of the packed output its
             queries fill), so short verify blocks are not padded to a long prompt chunk.
         query_out: in a group, the packed output rows of its queries.
+        uniform: paged only: every sequence has ``Tq`` queries, packed in sequence order, none
+            of them padding (``query_index`` is ``arange(S * Tq).view(S, Tq)``): attention takes
+            the queries and returns the output as views, without the gathers.
     """
 
     positions: torch.Tensor
@@ -141,6 +151,7 @@ class AttentionMetadata:
     max_position: int | None = None
     groups: list[AttentionMetadata] | None = None
     query_out: torch.Tensor | None = None
+    uniform: bool = False
 
     @classmethod
     def causal(cls, positions: torch.Tensor, kv_len: int, write_slots: torch.Tensor | None = None) -> AttentionMetadata:
@@ -204,27 +215,35 @@ def _paged_attention(q, k, v, kv, meta: AttentionMetadata) -> torch.Tensor:
     and unpads back to ``[1, N, H * D]``."""
     k_pool, v_pool = kv
     slots = meta.write_slots.reshape(-1)
-    k_pool[slots] = k[0].to(k_pool.dtype)
-    v_pool[slots] = v[0].to(v_pool.dtype)
+    k_pool[slots] = _as(k[0], k_pool.dtype)
+    v_pool[slots] = _as(v[0], v_pool.dtype)
     _, h, n, d = q.shape
-    qpad = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, h, d)])  # [N + 1, H, D]; row N pads
     if meta.groups:
+        qpad = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, h, d)])  # [N + 1, H, D]; row N pads
         out = q.new_empty(n, h, d)
         for g in meta.groups:
             out[g.query_out] = _attend(qpad, k_pool, v_pool, g)
+    elif meta.uniform and n == meta.mask.shape[0] * meta.mask.shape[2]:
+        # S * Tq queries in sequence order, none padding: views, no gathers
+        s, tq = meta.mask.shape[0], meta.mask.shape[2]
+        out = _sdpa(q[0].view(h, s, tq, d).transpose(0, 1), *_keys(k_pool, v_pool, meta, q.dtype), meta.mask)
+        return out.transpose(1, 2).reshape(1, n, h * d)
     else:
-        out = _attend(qpad, k_pool, v_pool, meta)
+        out = _attend(torch.cat([q[0].transpose(0, 1), q.new_zeros(1, h, d)]), k_pool, v_pool, meta)
     return out.reshape(1, n, h * d)
+
+
+def _keys(k_pool, v_pool, meta: AttentionMetadata, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's keys and values gathered from the pools: ``[S, Hkv, kv_len, D]``."""
+    keys = _as(k_pool[meta.read_slots], dtype).transpose(1, 2)
+    return keys, _as(v_pool[meta.read_slots], dtype).transpose(1, 2)
 
 
 def _attend(qpad: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """One padded SDPA over the sequences of ``meta``: ``[n_valid, H, D]`` in packed order."""
     h, d = qpad.shape[1], qpad.shape[2]
     qs = qpad[meta.query_index].transpose(1, 2)  # [S, H, Tq, D]
-    keys = k_pool[meta.read_slots].transpose(1, 2).to(qpad.dtype)  # [S, Hkv, kv_len, D]
-    values = v_pool[meta.read_slots].transpose(1, 2).to(qpad.dtype)
-    mask = meta.mask | ~meta.query_valid[:, None, :, None]  # padding queries see everything (no NaN rows)
-    out = _sdpa(qs, keys, values, mask).transpose(1, 2)  # [S, Tq, H, D]
+    out = _sdpa(qs, *_keys(k_pool, v_pool, meta, qpad.dtype), meta.mask).transpose(1, 2)  # [S, Tq, H, D]
     if meta.query_rows is not None:
         return out.reshape(-1, h, d)[meta.query_rows]  # a gather: no host sync
     return out[meta.query_valid]

@@ -30,14 +30,18 @@ class TargetAttention(nn.Module):
 
     def forward(self, x, cos, sin, kv, meta: AttentionMetadata) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.qkv(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q = q.view(b, t, self.h, self.d)
-        k = k.view(b, t, self.hkv, self.d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)
-        return self.o(cached_attention(q, k, v.view(b, t, self.hkv, self.d), kv, meta))
+        h, hkv, d = self.h, self.hkv, self.d
+        qkv = self.qkv(x)
+        v = qkv[..., (h + hkv) * d :].view(b, t, hkv, d)
+        if self.q_norm is None:  # q and k rotated together: one RoPE over h + hkv heads
+            qk = apply_rope(qkv[..., : (h + hkv) * d].view(b, t, h + hkv, d).transpose(1, 2), cos, sin)
+            q, k = qk[:, :h], qk[:, h:].transpose(1, 2)
+        else:
+            q, k = qkv[..., : (h + hkv) * d].split([h * d, hkv * d], dim=-1)
+            q, k = self.q_norm(q.view(b, t, h, d)), self.k_norm(k.view(b, t, hkv, d))
+            q = apply_rope(q.transpose(1, 2), cos, sin)
+            k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)
+        return self.o(cached_attention(q, k, v, kv, meta))
 
 
 class TargetLayer(nn.Module):

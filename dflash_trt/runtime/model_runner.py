@@ -180,6 +180,7 @@ def _group_meta(idx: list[int], ends, query_from, qlen, tables, tpb, spare_slot,
         mask = keys.view(1, 1, -1) < torch.tensor([ends[i] for i in idx]).view(S, 1, 1)
         if window is not None:
             mask = mask & sliding_visible(qpos.unsqueeze(-1), keys.view(1, 1, -1), window)
+    mask = mask | ~qvalid.unsqueeze(-1)  # padding queries see everything: no all-masked (NaN) rows
     return AttentionMetadata(
         None,
         None,
@@ -190,6 +191,7 @@ def _group_meta(idx: list[int], ends, query_from, qlen, tables, tpb, spare_slot,
         query_valid=to(qvalid),
         query_rows=to(torch.cat(rows)),
         query_out=to(torch.cat(out)),
+        uniform=all(qlen[i] == tq and query_from[i] == r * tq for r, i in enumerate(idx)),
     )
 
 
