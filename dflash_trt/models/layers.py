@@ -235,17 +235,23 @@ def _paged_attention(q, k, v, kv, meta: AttentionMetadata) -> torch.Tensor:
 
 def _keys(k_pool, v_pool, meta: AttentionMetadata, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's keys and values gathered from the pools: ``[S, Hkv, kv_len, D]``."""
-    keys = _as(k_pool[meta.read_slots], dtype).transpose(1, 2)
-    return keys, _as(v_pool[meta.read_slots], dtype).transpose(1, 2)
+    s, n = meta.read_slots.shape
+    flat = meta.read_slots.reshape(-1)
+    # index_select, not pool[read_slots]: advanced indexing measured 4-7x slower on the CPU
+    # (22 vs 5 us for 300 keys of a [8193, 3, 64] bf16 pool, 74 vs 10 us for 1,000)
+    keys = _as(torch.index_select(k_pool, 0, flat), dtype).view(s, n, *k_pool.shape[1:]).transpose(1, 2)
+    values = _as(torch.index_select(v_pool, 0, flat), dtype).view(s, n, *v_pool.shape[1:]).transpose(1, 2)
+    return keys, values
 
 
 def _attend(qpad: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """One padded SDPA over the sequences of ``meta``: ``[n_valid, H, D]`` in packed order."""
     h, d = qpad.shape[1], qpad.shape[2]
-    qs = qpad[meta.query_index].transpose(1, 2)  # [S, H, Tq, D]
-    out = _sdpa(qs, *_keys(k_pool, v_pool, meta, qpad.dtype), meta.mask).transpose(1, 2)  # [S, Tq, H, D]
+    qs = torch.index_select(qpad, 0, meta.query_index.reshape(-1)).view(*meta.query_index.shape, h, d)
+    out = _sdpa(qs.transpose(1, 2), *_keys(k_pool, v_pool, meta, qpad.dtype), meta.mask)  # [S, H, Tq, D]
+    out = out.transpose(1, 2)
     if meta.query_rows is not None:
-        return out.reshape(-1, h, d)[meta.query_rows]  # a gather: no host sync
+        return torch.index_select(out.reshape(-1, h, d), 0, meta.query_rows)  # a gather: no host sync
     return out[meta.query_valid]
 
 
