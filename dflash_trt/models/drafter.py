@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import DrafterConfig
-from .layers import AttentionMetadata, RMSNorm, RotaryEmbedding, apply_rope, cached_attention
+from .layers import AttentionMetadata, RMSNorm, RotaryEmbedding, apply_rope, argmax_last, cached_attention
 from .quant_linear import PackedLinear, packed_rows, packed_stack
 
 
@@ -231,21 +231,21 @@ class DFlashDrafter(nn.Module):
         # 2-D rows: a 3-D strided slice would make linear a bmm over an expanded (copied) head
         lead, rows = hidden.shape[:-1], hidden.reshape(-1, hidden.shape[-1])
         if self.d2t is None:
-            return lm_head(rows).argmax(-1).view(lead)
+            return argmax_last(lm_head(rows)).view(lead)
         if sharded_head:
-            return self.draft_token_ids()[lm_head(rows)[..., self.draft_token_ids()].argmax(-1)].view(lead)
+            return self.draft_token_ids()[argmax_last(lm_head(rows)[..., self.draft_token_ids()])].view(lead)
         if isinstance(lm_head, PackedLinear):  # the draft vocabulary's rows, packed once
             key = (lm_head.packed.data_ptr(), lm_head.scales.data_ptr(), lm_head.scales.dtype)
             if self._head_cache is None or self._head_cache[0] != key:
                 self._head_cache = (key, packed_rows(lm_head, self.draft_token_ids()))
             head = self._head_cache[1]
-            ids = (head(rows) if isinstance(head, PackedLinear) else F.linear(rows.to(head.dtype), head)).argmax(-1)
+            ids = argmax_last(head(rows) if isinstance(head, PackedLinear) else F.linear(rows.to(head.dtype), head))
             return (ids + self.d2t[ids]).view(lead)
         w = lm_head.weight
         key = (w.data_ptr(), w._version, w.dtype, w.device)
         if self._head_cache is None or self._head_cache[0] != key:  # slice the head once per weight
             self._head_cache = (key, w[self.draft_token_ids()].contiguous())
-        ids = torch.nn.functional.linear(rows.to(w.dtype), self._head_cache[1]).argmax(-1)
+        ids = argmax_last(torch.nn.functional.linear(rows.to(w.dtype), self._head_cache[1]))
         return (ids + self.d2t[ids]).view(lead)
 
     def forward(

@@ -32,6 +32,16 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
+def argmax_last(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` (int64, first maximum on ties), through fp32 for reduced-precision CPU
+    tensors: torch's bf16 CPU argmax measured 6-7x slower than upcasting and reducing (one
+    49,152-wide row: 366 vs 56 us; five rows: 1.8 vs 0.25 ms). The upcast is exact, so the
+    result is the same index."""
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+        x = x.float()
+    return x.argmax(-1)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension (``x * rsqrt(mean(x^2) + eps) * weight``), computed in
     the input dtype like HF Llama/Qwen do after an fp32 upcast."""

@@ -18,7 +18,7 @@ import torch
 
 from ..kernels import ops
 from ..models.drafter import DFlashDrafter, PagedBlocks, sliding_visible
-from ..models.layers import AttentionMetadata
+from ..models.layers import AttentionMetadata, argmax_last
 from ..models.target import TargetModel
 from .block_manager import slots_of
 from .kv_cache import PagedKVCache
@@ -371,7 +371,7 @@ class ModelRunner:
         rows = [o + n - it.num_logits + j for o, n, it in zip(offsets, lengths, items) for j in range(it.num_logits)]
         index = torch.tensor(rows, dtype=torch.long).to(self.device).unsqueeze(0)
         res = self.target(ids.unsqueeze(0), meta, self.tcache.layers, self.capture, logits_index=index)
-        best = res.logits[0].argmax(-1)  # [R]
+        best = argmax_last(res.logits[0])  # [R]
         first = list(accumulate([it.num_logits for it in items][:-1], initial=0))  # item -> its first row
         packed = [best]
         if drafting:  # the longest matching prefix per drafting item, on the device

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import DFlashError
+from ..models.layers import argmax_last
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
         int64 ``[T]``.
     """
     if params.greedy:
-        return logits.argmax(-1)
+        return argmax_last(logits)
     probs = target_probs(logits, params)
     if generator is not None and generator.device != probs.device:  # per-request generators live on the CPU
         probs = probs.to(generator.device)
