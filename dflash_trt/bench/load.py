@@ -216,10 +216,7 @@ class Lane:
 def drive_lanes(lanes: list[Lane]) -> None:
     """Run the lanes to completion interleaved: the lane whose clock is furthest behind runs
     the next iteration, so every lane has computed for about the same time at any moment."""
-    while True:
-        pending = [lane for lane in lanes if not lane.done]
-        if not pending:
-            break
+    while pending := [lane for lane in lanes if not lane.done]:
         min(pending, key=lambda lane: lane.clock).tick()
     for lane in lanes:
         lane.engine.run()  # hands the runner the last released sequences
@@ -364,7 +361,7 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
         outputs = {mode: [r.output for r in lane.records] for mode, lane in lanes.items()}
         for mode in cfg.modes:
             eng = lanes[mode].engine
-            row = {"concurrency": c, "mode": mode, "block_size": eng.block_size, "interleaved": len(groups) == 1}
+            row = {"concurrency": c, "mode": mode, "block_size": eng.block_size, "interleaved": len(groups[0]) > 1}
             row |= summarize(lanes[mode].records, eng.stats)
             if eng.controller is not None:
                 row["controller"] = controller_state(eng.controller)

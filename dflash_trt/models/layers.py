@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 _CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.to(dtype)`` without dispatching an op when it already has it (a decode step makes
     hundreds of such calls; each no-op ``to`` still costs a dispatch on the CPU)."""
     return x if x.dtype == dtype else x.to(dtype)
@@ -53,9 +53,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = _as(x, torch.float32)
+        x = as_dtype(x, torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * _as(x, dtype)
+        return self.weight * as_dtype(x, dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -225,21 +225,21 @@ def _paged_attention(q, k, v, kv, meta: AttentionMetadata) -> torch.Tensor:
     and unpads back to ``[1, N, H * D]``."""
     k_pool, v_pool = kv
     slots = meta.write_slots.reshape(-1)
-    k_pool[slots] = _as(k[0], k_pool.dtype)
-    v_pool[slots] = _as(v[0], v_pool.dtype)
+    k_pool[slots] = as_dtype(k[0], k_pool.dtype)
+    v_pool[slots] = as_dtype(v[0], v_pool.dtype)
     _, h, n, d = q.shape
-    if meta.groups:
-        qpad = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, h, d)])  # [N + 1, H, D]; row N pads
-        out = q.new_empty(n, h, d)
-        for g in meta.groups:
-            out[g.query_out] = _attend(qpad, k_pool, v_pool, g)
-    elif meta.uniform and n == meta.mask.shape[0] * meta.mask.shape[2]:
+    if meta.uniform and n == meta.mask.shape[0] * meta.mask.shape[2]:
         # S * Tq queries in sequence order, none padding: views, no gathers
         s, tq = meta.mask.shape[0], meta.mask.shape[2]
         out = _sdpa(q[0].view(h, s, tq, d).transpose(0, 1), *_keys(k_pool, v_pool, meta, q.dtype), meta.mask)
         return out.transpose(1, 2).reshape(1, n, h * d)
+    qpad = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, h, d)])  # [N + 1, H, D]; row N pads
+    if meta.groups:
+        out = q.new_empty(n, h, d)
+        for g in meta.groups:
+            out[g.query_out] = _attend(qpad, k_pool, v_pool, g)
     else:
-        out = _attend(torch.cat([q[0].transpose(0, 1), q.new_zeros(1, h, d)]), k_pool, v_pool, meta)
+        out = _attend(qpad, k_pool, v_pool, meta)
     return out.reshape(1, n, h * d)
 
 
@@ -249,8 +249,8 @@ def _keys(k_pool, v_pool, meta: AttentionMetadata, dtype) -> tuple[torch.Tensor,
     flat = meta.read_slots.reshape(-1)
     # index_select, not pool[read_slots]: advanced indexing measured 4-7x slower on the CPU
     # (22 vs 5 us for 300 keys of a [8193, 3, 64] bf16 pool, 74 vs 10 us for 1,000)
-    keys = _as(torch.index_select(k_pool, 0, flat), dtype).view(s, n, *k_pool.shape[1:]).transpose(1, 2)
-    values = _as(torch.index_select(v_pool, 0, flat), dtype).view(s, n, *v_pool.shape[1:]).transpose(1, 2)
+    keys = as_dtype(torch.index_select(k_pool, 0, flat), dtype).view(s, n, *k_pool.shape[1:]).transpose(1, 2)
+    values = as_dtype(torch.index_select(v_pool, 0, flat), dtype).view(s, n, *v_pool.shape[1:]).transpose(1, 2)
     return keys, values
 
 

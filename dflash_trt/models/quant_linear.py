@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import DFlashError
+from .layers import as_dtype
 
 #: weight formats a packed linear runs
 INT_FORMATS = ("int4", "int8")
@@ -214,19 +215,14 @@ class PackedLinear(nn.Module):
         return self.scales.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, dtype = x.shape, self.scales.dtype
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != dtype:  # (no-op conversions skipped: each still costs a dispatch)
-            x2 = x2.to(dtype)
+        x2 = as_dtype(x.reshape(-1, self.in_features), self.scales.dtype)
         if self.fmt == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.packed, self.scales)
         if self.bias is not None:
-            y = y + (self.bias if self.bias.dtype == y.dtype else self.bias.to(y.dtype))
-        if x.dtype != dtype:
-            y = y.to(x.dtype)
-        return y.view(*shape[:-1], self.out_features)
+            y = y + as_dtype(self.bias, y.dtype)
+        return as_dtype(y, x.dtype).view(*x.shape[:-1], self.out_features)
 
     @torch.no_grad()
     def int_weight(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
