@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     tx.add_argument("--target", help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
     tx.add_argument("--out", required=True, help="new data directory")
     tx.add_argument("--num-conversations", type=int, default=None, help="the first N conversations (default: all)")
+    tx.add_argument(
+        "--skip-conversations", type=int, default=0, help="start after the first N conversations (default: 0)"
+    )
     tx.add_argument("--max-seq-len", type=int, default=2048, help="conversations are cut to this many tokens")
 
     d = sub.add_parser("distill", help="make drafter training data: the target's own answers to ShareGPT prompts")
@@ -758,9 +761,11 @@ def cmd_text_data(args) -> None:
     from .prompts import sharegpt_conversations
     from .training.data import read_manifest, write_text_dataset
 
-    convs = sharegpt_conversations(args.num_conversations)
+    skip = args.skip_conversations
+    convs = sharegpt_conversations(args.num_conversations, skip=skip)
     target = load_target(args.target)
-    out = write_text_dataset(target, convs, Path(args.out), args.max_seq_len, source="ShareGPT conversations")
+    source = "ShareGPT conversations" + (f" {skip}..{skip + len(convs) - 1}" if skip else "")
+    out = write_text_dataset(target, convs, Path(args.out), args.max_seq_len, source=source)
     t = read_manifest(out)["totals"]
     print(f"wrote {out}: {t['samples']} conversations, {t['tokens']} tokens, {t['response_tokens']} assistant tokens")
 

@@ -435,7 +435,9 @@ def sharegpt_stats() -> dict:
     return dict(_sharegpt_all()[1])
 
 
-def sharegpt_conversations(n: int | None = None, min_chars: int = 16, max_chars: int = 2000) -> list[list[dict]]:
+def sharegpt_conversations(
+    n: int | None = None, min_chars: int = 16, max_chars: int = 2000, skip: int = 0
+) -> list[list[dict]]:
     """ShareGPT conversations as chat message lists (``role`` user / assistant, alternating from
     a user turn, ending where the file's turns stop alternating), for training on the text
     itself (labelled by the target, :mod:`dflash_trt.training.feature_cache`).
@@ -443,18 +445,22 @@ def sharegpt_conversations(n: int | None = None, min_chars: int = 16, max_chars:
     The same conversations, order, deduplication and decontamination (every user turn is
     checked against the evaluation sets: a later one that overlaps ends the conversation before
     it) as :func:`sharegpt_prompts`, keeping those with at least one assistant turn;
-    ``min_chars`` / ``max_chars`` filter on the first turn.
+    ``min_chars`` / ``max_chars`` filter on the first turn; ``skip`` drops the first conversations
+    (a later data directory continues where an earlier one stopped).
 
     Raises:
-        DFlashError: as :func:`sharegpt_prompts`.
+        DFlashError: as :func:`sharegpt_prompts`; ``n`` < 1, ``skip`` < 0, or fewer than
+            ``skip + n`` conversations.
     """
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise DFlashError(f"number of conversations must be an integer >= 1, got {n!r}")
+    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+        raise DFlashError(f"conversations to skip must be an integer >= 0, got {skip!r}")
     prompts, _, convs = _sharegpt_all()
     out = [list(c) for p, c in zip(prompts, convs) if min_chars <= len(p) <= max_chars and len(c) >= 2]
-    if n is not None and n > len(out):
-        raise DFlashError(f"ShareGPT has {len(out)} conversations with an answer, asked for {n}")
-    return out if n is None else out[:n]
+    if skip + (n or 1) > len(out):
+        raise DFlashError(f"ShareGPT has {len(out)} conversations with an answer, asked for {skip} + {n or 1}")
+    return out[skip:] if n is None else out[skip : skip + n]
 
 
 def sharegpt_prompts(n: int | None = None, min_chars: int = 16, max_chars: int = 2000) -> list[str]:

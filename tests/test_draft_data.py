@@ -76,6 +76,14 @@ def test_text_dataset_masks_assistant_turns(smollm2, convs, text_data):
     ids, mask = conversation_ids(tok, convs[0][:2], smollm2.stop_token_ids)
     assert ids[: len(chat_prompt_ids(tok, convs[0][0]["content"]))] == chat_prompt_ids(tok, convs[0][0]["content"])
     assert sum(mask) >= 2
+    # a later data directory continues where this one stopped, no overlap
+    assert sharegpt_conversations(3, skip=4) == convs[4:] + sharegpt_conversations(7)[6:]
+    total = len(sharegpt_conversations())
+    for bad in (-1, True):
+        with pytest.raises(DFlashError, match="to skip must be"):
+            sharegpt_conversations(2, skip=bad)
+    with pytest.raises(DFlashError, match="asked for"):
+        sharegpt_conversations(2, skip=total - 1)
 
 
 def test_feature_cache(smollm2, text_data, tmp_path):

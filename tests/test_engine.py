@@ -13,6 +13,7 @@ import asyncio
 import random
 
 import pytest
+import torch
 from helpers import OracleRunner, check_same, plain_outputs
 
 from dflash_trt.errors import DFlashError
@@ -255,3 +256,68 @@ def test_adaptive_engine_falls_back_and_stays_lossless(smollm2, random_drafter, 
         f"\nadaptive: mean draft tokens {engine.stats.mean_draft_tokens:.2f}, tau {engine.stats.tau:.2f}, {ties} ties"
     )
     assert engine.stats.mean_draft_tokens < 3.0
+
+
+def test_windowed_drafter_sees_the_same_context_as_a_full_one(smollm2):
+    """A sliding-window drafter ingests and reads only its window (the runner drops older target
+    features, attention reads ``window + block`` keys), and its hidden states equal a dense
+    drafter forward over the WHOLE context (every position's features, z-lab's window mask):
+    two sequences, prompts longer than the window, plain-decoding stretches between drafts
+    (features pile up unread), drafting and plain items in one iteration."""
+    from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
+    from dflash_trt.checkpoints.zlab import load_drafter
+    from dflash_trt.models.layers import AttentionMetadata
+    from dflash_trt.runtime.kv_cache import KVCache
+    from dflash_trt.runtime.model_runner import ModelRunner, StepItem, StepPlan
+    from dflash_trt.training.feature_cache import features_and_predictions
+
+    model, dev = smollm2.model, smollm2.model.embed.weight.device
+    drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32).to(dev)
+    W, B = drafter.cfg.sliding_window, drafter.cfg.block_size
+    assert W is not None and W >= B
+    hidden: list[torch.Tensor] = []
+    propose = type(drafter).propose
+    drafter.propose = lambda h, *a: hidden.append(h.clone()) or propose(drafter, h, *a)
+    runner = ModelRunner(model, drafter, 32, 16)
+    prompts = [chat_prompt_ids(smollm2.tokenizer, t) for t in mixed_prompts(2)]
+    assert min(len(p) for p in prompts) > 2 * W
+    seqs = [list(p) for p in prompts]
+    cached = [0, 0]
+    table = [list(range(16 * i, 16 * i + 16)) for i in range(2)]
+    calls = []  # (sequence, anchor position) of every drafting item, in call order
+    schedule = [(0, 0), (B - 1, 0), (0, 0), (0, 0), (0, B - 1), (B - 1, B - 1), (0, 0), (0, 0), (0, 0), (B - 1, B - 1)]
+    out = runner.step(StepPlan([StepItem(i, seqs[i], 0, table[i], num_logits=1) for i in range(2)]))
+    for i in range(2):
+        seqs[i].append(out.argmax[i][0])
+        cached[i] = len(prompts[i])
+    for drafts in schedule:
+        items = [StepItem(i, [seqs[i][-1]], cached[i], table[i], n, 1 + n) for i, n in enumerate(drafts)]
+        calls += [(i, cached[i]) for i, n in enumerate(drafts) if n]
+        out = runner.step(StepPlan(items, B if any(drafts) else 0))
+        for i, n in enumerate(drafts):
+            acc = out.accepted[i] if n else 0
+            seqs[i] += out.drafts[i][:acc] + [out.argmax[i][acc]]
+            cached[i] += acc + 1
+    assert len(hidden) == 4 and len(calls) == 6
+    stored = [runner._features[i] for i in range(2)]  # (first position, chunks): O(window) rows kept
+    assert all(first > cached[i] - 2 * W and sum(len(c) for c in ch) <= 2 * W for i, (first, ch) in enumerate(stored))
+
+    feats = [
+        f for f, _ in features_and_predictions(model, [torch.tensor(s) for s in seqs], drafter.cfg.target_layer_ids)
+    ]
+    got = [h for h in hidden for h in h]  # one [B - 1, hidden] per drafting item, in call order
+    worst = 0.0
+    for (i, start), h in zip(calls, got):
+        c = drafter.cfg
+        cache = KVCache(c.num_layers, 1, c.num_kv_heads, c.head_dim, start + B, torch.float32, dev)
+        ids = torch.tensor([[seqs[i][start]] + [c.mask_token_id] * (B - 1)], device=dev)
+        pos = torch.arange(start + B, device=dev)
+        keys = pos.view(1, 1, 1, -1)
+        qpos = pos[start:].view(1, 1, B, 1)
+        mask = (keys < start + B) & (qpos - keys < W)
+        meta = AttentionMetadata(pos.unsqueeze(0), pos.unsqueeze(0), mask, start + B)
+        with torch.inference_mode():
+            ref = drafter(model.embed(ids), feats[i][:start].unsqueeze(0), meta, cache.layers)
+        worst = max(worst, float((ref[0, 1:] - h.float()).abs().max()))
+    print(f"\nwindowed runner vs dense drafter over the whole context: max abs diff {worst:.3g}")
+    assert worst < 1e-3

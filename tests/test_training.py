@@ -448,3 +448,28 @@ def test_cli_train(smollm2, samples, tmp_path, monkeypatch, capsys):
     assert main(["train", "--data", str(data), "--out", str(out), "--steps", "0"]) == 2
     assert main(["train", "--data", str(tmp_path / "nope"), "--out", str(out), "--steps", "3"]) == 2
     assert "training data not found" in capsys.readouterr().err
+
+
+def test_holdout_split_keeps_the_same_sequences_out_when_data_is_added():
+    gen = torch.Generator().manual_seed(7)
+
+    def seqs(n):
+        out = []
+        for _ in range(n):
+            ids = torch.randint(0, 1000, (int(torch.randint(8, 40, (1,), generator=gen)),), generator=gen)
+            out.append(T.TrainSequence(ids, torch.ones_like(ids, dtype=torch.bool), torch.arange(len(ids) - 1)))
+        return out
+
+    a, b = seqs(400), seqs(300)
+    key = lambda s: tuple(s.ids.tolist())  # noqa: E731
+    train_a, held_a = T.holdout_split(a, 0.1)
+    train_ab, held_ab = T.holdout_split(b[:150] + a + b[150:], 0.1)
+    assert 20 <= len(held_a) <= 60 and len(train_a) + len(held_a) == len(a)
+    in_a = {key(s) for s in a}
+    assert {key(s) for s in held_a} == {key(s) for s in held_ab if key(s) in in_a}  # the old ones stay out
+    assert not {key(s) for s in held_ab} & {key(s) for s in train_ab}
+    assert len(held_ab) > len(held_a)  # new data adds held-out sequences too
+    assert T.holdout_split(a, 0.0) == (a, [])
+    assert len(T.holdout_split(a[:3], 0.01)[1]) == 1  # at least one
+    with pytest.raises(DFlashError, match="leaves no sequence"):
+        T.holdout_split(a[:1], 0.5)

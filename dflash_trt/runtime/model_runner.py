@@ -155,11 +155,16 @@ def _packed_meta(
 
 
 def _group_meta(idx: list[int], ends, query_from, qlen, tables, tpb, spare_slot, to, window, causal):
-    """Paged attention metadata (read slots, mask, query gathers) of the sequences ``idx``."""
+    """Paged attention metadata (read slots, mask, query gathers) of the sequences ``idx``.
+
+    Sequence ``i`` reads keys ``lo_i .. ends[i] - 1``: ``lo_i`` is 0, or with a sliding
+    ``window`` the first position its first query can see (``q - window + 1``), so a windowed
+    drafter reads O(window + block) keys per sequence however long the context is."""
     S = len(idx)
-    kv_len = max(ends[i] for i in idx)
+    lo = {i: 0 if window is None else max(0, ends[i] - qlen[i] - window + 1) for i in idx}
+    kv_len = max(ends[i] - lo[i] for i in idx)
     tq = max(qlen[i] for i in idx)
-    keys = torch.arange(kv_len)
+    keys = torch.full((S, kv_len), max(ends[i] for i in idx), dtype=torch.long)  # padding: past every end
     read = torch.full((S, kv_len), spare_slot, dtype=torch.long)
     qpos = torch.zeros(S, tq, dtype=torch.long)
     qidx = torch.zeros(S, tq, dtype=torch.long)
@@ -167,19 +172,21 @@ def _group_meta(idx: list[int], ends, query_from, qlen, tables, tpb, spare_slot,
     rows, out = [], []
     for r, i in enumerate(idx):
         e, q0, m = ends[i], query_from[i], qlen[i]
-        read[r, :e] = slots_of(tables[i], keys[:e], tpb)
+        keys[r, : e - lo[i]] = torch.arange(lo[i], e)
+        read[r, : e - lo[i]] = slots_of(tables[i], keys[r, : e - lo[i]], tpb)
         qpos[r, :m] = torch.arange(e - m, e)
         qidx[r, :m] = torch.arange(q0, q0 + m)
         qvalid[r, :m] = True
         rows.append(torch.arange(r * tq, r * tq + m))
         out.append(torch.arange(q0, q0 + m))
     qidx[~qvalid] = sum(qlen)  # the padding row
+    keys = keys.unsqueeze(1)  # [S, 1, kv_len]
     if causal:
-        mask = keys.view(1, 1, -1) <= qpos.unsqueeze(-1)
+        mask = keys <= qpos.unsqueeze(-1)
     else:
-        mask = keys.view(1, 1, -1) < torch.tensor([ends[i] for i in idx]).view(S, 1, 1)
+        mask = keys < torch.tensor([ends[i] for i in idx]).view(S, 1, 1)
         if window is not None:
-            mask = mask & sliding_visible(qpos.unsqueeze(-1), keys.view(1, 1, -1), window)
+            mask = mask & sliding_visible(qpos.unsqueeze(-1), keys, window)
     mask = mask | ~qvalid.unsqueeze(-1)  # padding queries see everything: no all-masked (NaN) rows
     return AttentionMetadata(
         None,
@@ -239,7 +246,10 @@ class ModelRunner:
     def store_features(self, seq_id: int, start: int, feats: torch.Tensor) -> None:
         """Keep features of positions ``start ..``; drops stale ones at or past ``start``
         (rejected draft positions of the previous verify). Appends to a list of chunks (joined
-        once when the drafter takes them), so long stretches of plain decoding cost O(1) per step."""
+        once when the drafter takes them), so long stretches of plain decoding cost O(1) per step.
+        With a sliding-window drafter, whole chunks that no later block can see (every position
+        before ``start + 1 - window + 1``: the next anchor is at ``start + 1`` or later) are dropped,
+        so a sequence keeps O(window) rows however long it decodes without drafting."""
         old = self._features.get(seq_id)
         if old is None:
             self._features[seq_id] = (start, [feats])
@@ -251,15 +261,25 @@ class ModelRunner:
                 break
             keep.append(c[: start - end])
             end += len(keep[-1])
-        self._features[seq_id] = (first, keep + [feats])
+        keep.append(feats)
+        W = self.drafter.cfg.sliding_window
+        if W is not None:
+            while len(keep) > 1 and first + len(keep[0]) < start + 2 - W:
+                first += len(keep.pop(0))
+        self._features[seq_id] = (first, keep)
 
     def _take_features(self, seq_id: int, upto: int) -> tuple[int, torch.Tensor]:
-        """Features of positions ``[first, upto)`` (removed from the store), and ``first``."""
+        """Features of positions ``[lo, upto)`` (removed from the store) and ``lo``: ``lo`` is the
+        first stored position, or with a sliding-window drafter of window ``W`` the first one a
+        block anchored at ``upto`` can see (``upto - W + 1``, z-lab's rule, :func:`sliding_visible`;
+        positions before it are never visible again, so they are not ingested at all)."""
         first, chunks = self._features[seq_id]
         f = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         n = upto - first
         self._features[seq_id] = (upto, [f[n:]])
-        return first, f[:n]
+        W = self.drafter.cfg.sliding_window
+        lo = 0 if W is None else max(0, n - W + 1)
+        return first + lo, f[lo:n]
 
     def release(self, seq_ids: list[int]) -> None:
         for s in seq_ids:

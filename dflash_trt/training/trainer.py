@@ -50,7 +50,7 @@ from ..checkpoints.zlab import init_drafter, load_drafter, save_drafter, validat
 from ..errors import DFlashError
 from ..models.drafter import DFlashDrafter
 from .draft_vocab import token_counts, top_tokens
-from .feature_cache import FeatureCache
+from .feature_cache import FeatureCache, sequence_key
 
 IGNORE = -100
 CKPT_RE = re.compile(r"^ckpt-(\d{6,})$")
@@ -93,7 +93,9 @@ class TrainConfig:
             (:mod:`.draft_vocab`; CE over those N rows of the LM head, labels outside them are
             left out of the loss and counted); None: the whole vocabulary. A drafter given
             with ``init_drafter_dir`` or resumed keeps its own.
-        holdout: share of the sequences held out (never trained on) for the evaluation below.
+        holdout: share of the sequences held out (never trained on) for the evaluation below:
+            those whose token ids hash (sha1) below this fraction, at least one, so the same
+            sequences stay held out when more data directories are added to a later run.
         eval_every: every this many steps (and at the end) log accuracy per draft position
             and tau_est over a fixed set of held-out blocks (``eval`` records in ``log.jsonl``).
         ce_chunk: supervised rows per LM-head chunk (bounds the logits' memory).
@@ -213,6 +215,25 @@ class TrainSequence:
     mask: torch.Tensor
     candidates: torch.Tensor
     target_labels: bool = False
+
+
+def holdout_split(seqs: list[TrainSequence], share: float) -> tuple[list[TrainSequence], list[TrainSequence]]:
+    """``(trained, held out)``: a sequence is held out when the sha1 of its token ids, read as a
+    fraction of 1, is below ``share`` (at least one sequence when ``share > 0``). The choice
+    depends on each sequence alone, so a later run with more data directories keeps the same
+    sequences out (its held-out figures stay comparable, and never include trained text).
+
+    Raises:
+        DFlashError: the split leaves no sequence to train on.
+    """
+    if share <= 0:
+        return seqs, []
+    frac = [int(sequence_key(s.ids)[:13], 16) / 16**13 for s in seqs]
+    order = sorted(range(len(seqs)), key=frac.__getitem__)
+    n_held = max(1, sum(f < share for f in frac))
+    if n_held >= len(seqs):
+        raise DFlashError(f"holdout {share} leaves no sequence to train on ({len(seqs)} in all)")
+    return [seqs[i] for i in sorted(order[n_held:])], [seqs[i] for i in sorted(order[:n_held])]
 
 
 def prepare_sequences(samples: Sequence, vocab_size: int, max_seq_len: int) -> list[TrainSequence]:
@@ -731,14 +752,7 @@ def train(
         shutil.rmtree(stale, ignore_errors=True)
 
     seqs = prepare_sequences(samples, tcfg.vocab_size, cfg.max_seq_len)
-    held: list[TrainSequence] = []
-    if cfg.holdout > 0:  # a fixed random share, never trained on
-        order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(cfg.seed + 12345)).tolist()
-        n_held = max(1, round(cfg.holdout * len(seqs)))
-        if n_held >= len(seqs):
-            raise DFlashError(f"holdout {cfg.holdout} leaves no sequence to train on ({len(seqs)} in all)")
-        held = [seqs[i] for i in sorted(order[:n_held])]
-        seqs = [seqs[i] for i in sorted(order[n_held:])]
+    seqs, held = holdout_split(seqs, cfg.holdout)
 
     start = 0
     state = None
