@@ -111,21 +111,22 @@ def test_time_boxed_training_on_device(device, tmp_path):
         resp = DFlashEngine(model, None, ()).generate([Request(p, 24)], 1)[0].output_ids
         samples.append(Sample(p + resp, [0] * len(p) + [1] * len(resp), len(samples), False, False))
     cfg = TrainConfig(
-        steps=1000,
+        steps=10**6,  # more than any machine runs in the time box: only the clock can stop the run
         batch=2,
         anchors_per_seq=8,
         block_size=4,
         num_layers=1,
         mask_token_id=MASK,
         max_minutes=0.05,
-        save_every=1000,
+        save_every=10**6,
         progress=False,
         autocast="fp32",
         lr=3e-3,
     )
     out = train(target, samples, tmp_path / "run", cfg)
     log = read_log(tmp_path / "run")
-    assert 1 <= len(log) < 1000, "the time box stops the run"
+    assert 1 <= len(log) < cfg.steps, "the time box stops the run"
+    assert log[-1]["elapsed_s"] >= 60 * cfg.max_minutes - 0.05  # (recorded just before the check)
     assert all(r["loss"] == r["loss"] for r in log)  # no NaN
     assert log[-1]["lr"] < cfg.lr, "the schedule followed the clock"
     drafter = load_drafter(out, torch.float32).to(device)
