@@ -161,10 +161,12 @@ def _group_meta(idx: list[int], ends, query_from, qlen, tables, tpb, spare_slot,
     ``window`` the first position its first query can see (``q - window + 1``), so a windowed
     drafter reads O(window + block) keys per sequence however long the context is."""
     S = len(idx)
-    lo = {i: 0 if window is None else max(0, ends[i] - qlen[i] - window + 1) for i in idx}
-    kv_len = max(ends[i] - lo[i] for i in idx)
+    lo = [0 if window is None else max(0, ends[i] - qlen[i] - window + 1) for i in idx]
+    kv_len = max(ends[i] - lo[r] for r, i in enumerate(idx))
     tq = max(qlen[i] for i in idx)
-    keys = torch.full((S, kv_len), max(ends[i] for i in idx), dtype=torch.long)  # padding: past every end
+    # key column j of row r is position lo[r] + j; columns at or past the row's end are masked below
+    keys = torch.arange(kv_len) if window is None else torch.tensor(lo).view(S, 1) + torch.arange(kv_len)
+    keys = keys.expand(S, kv_len)
     read = torch.full((S, kv_len), spare_slot, dtype=torch.long)
     qpos = torch.zeros(S, tq, dtype=torch.long)
     qidx = torch.zeros(S, tq, dtype=torch.long)
@@ -172,8 +174,7 @@ def _group_meta(idx: list[int], ends, query_from, qlen, tables, tpb, spare_slot,
     rows, out = [], []
     for r, i in enumerate(idx):
         e, q0, m = ends[i], query_from[i], qlen[i]
-        keys[r, : e - lo[i]] = torch.arange(lo[i], e)
-        read[r, : e - lo[i]] = slots_of(tables[i], keys[r, : e - lo[i]], tpb)
+        read[r, : e - lo[r]] = slots_of(tables[i], keys[r, : e - lo[r]], tpb)
         qpos[r, :m] = torch.arange(e - m, e)
         qidx[r, :m] = torch.arange(q0, q0 + m)
         qvalid[r, :m] = True
@@ -236,6 +237,8 @@ class ModelRunner:
                 dc.num_layers, num_blocks, tokens_per_block, dc.num_kv_heads, dc.head_dim, self.dtype, self.device
             )
             self.capture = tuple(dc.target_layer_ids)
+        # a sliding-window drafter's window: context before it is never ingested nor read
+        self.window = drafter.cfg.sliding_window if drafter is not None else None
         # per sequence: (first position, chunks of target features [n_i, F]) not yet in the drafter's cache
         self._features: dict[int, tuple[int, torch.Tensor]] = {}
         # draft with the drafter kernels (dflash_trt.kernels) on CUDA, or when forced by
@@ -262,9 +265,8 @@ class ModelRunner:
             keep.append(c[: start - end])
             end += len(keep[-1])
         keep.append(feats)
-        W = self.drafter.cfg.sliding_window
-        if W is not None:
-            while len(keep) > 1 and first + len(keep[0]) < start + 2 - W:
+        if self.window is not None:
+            while len(keep) > 1 and first + len(keep[0]) < start + 2 - self.window:
                 first += len(keep.pop(0))
         self._features[seq_id] = (first, keep)
 
@@ -277,8 +279,7 @@ class ModelRunner:
         f = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         n = upto - first
         self._features[seq_id] = (upto, [f[n:]])
-        W = self.drafter.cfg.sliding_window
-        lo = 0 if W is None else max(0, n - W + 1)
+        lo = 0 if self.window is None else max(0, n - self.window + 1)
         return first + lo, f[lo:n]
 
     def release(self, seq_ids: list[int]) -> None:
