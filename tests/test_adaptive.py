@@ -7,6 +7,7 @@ stated number of iterations after the disturbance ends:
 * the drafting cost spikes while drafting is chosen (a good drafter);
 * the start-up calibration was taken under contention (small sizes measured far too slow);
 * the drafter's acceptance collapses mid-run;
+* drafting wins on forward costs alone but loses once the iteration's host work is counted;
 
 plus the cost model's own rules (median per size, non-decreasing fit, fading stale sizes).
 """
@@ -20,9 +21,21 @@ from dflash_trt.runtime.adaptive import CostModel, DraftLengthController, _isoto
 BOUND = 120  # iterations to return to the better option once a disturbance is over
 
 
-def run(ctl: DraftLengthController, iters: range, seqs: int, target_s, draft_s, accept_q, rng, picks: list) -> None:
-    """Drive ``ctl`` like the engine does: choose, "run" the iteration at the scripted costs,
-    feed back costs, acceptance and the achieved rate."""
+def run(
+    ctl: DraftLengthController,
+    iters: range,
+    seqs: int,
+    target_s,
+    draft_s,
+    accept_q,
+    rng,
+    picks: list,
+    host_s=lambda drafting: 0.0,
+    walls: list | None = None,
+) -> None:
+    """Drive ``ctl`` like the engine does: choose, "run" the iteration at the scripted costs
+    (forwards, plus ``host_s(drafting)`` seconds of host work around them), feed back costs,
+    acceptance and the achieved rate; each iteration's seconds go to ``walls``."""
     for it in iters:
         k, probe = ctl.choose(seqs)
         drafting = 1 if probe else (seqs if k else 0)
@@ -38,8 +51,10 @@ def run(ctl: DraftLengthController, iters: range, seqs: int, target_s, draft_s, 
                 acc += 1
             ctl.observe_acceptance(k, acc)
             committed += acc + 1
-        if not probe:
-            ctl.observe_iteration(seqs, k > 0, t, committed)
+        if drafting in (0, seqs):  # every sequence drafted or none did (as the engine feeds it)
+            ctl.observe_iteration(seqs, k > 0, t + host_s(k > 0), committed, t, probe)
+        if walls is not None:
+            walls.append(t + host_s(k > 0))
         picks.append((it, 0 if probe else k))
 
 
@@ -142,6 +157,45 @@ def test_acceptance_collapse_mid_run():
     assert {"model", "explore", "probe"} <= kinds, kinds
     state = ctl.state()
     assert len(state["history"]) == len(picks) and state["acceptance"][0] < 0.5
+
+
+def test_host_work_of_drafting_iterations_is_counted():
+    # forwards alone: drafting one token gives 1.3 tokens per 24 ms against 1 per 20 ms (+8 %);
+    # a drafting iteration also does 8 ms of host work (plain: 1 ms), so it loses by 18 %
+    draft = lambda s, it: 0.004  # noqa: E731
+    host = lambda drafting: 0.008 if drafting else 0.001  # noqa: E731
+    drafted = 0
+    for seed in range(10):
+        ctl = calibrated(7, cpu_target, draft, 1)
+        ctl.guard_margin = 1.0  # the guard off: the model alone must see it
+        picks: list = []
+        run(ctl, range(0, 400), 1, cpu_target, draft, lambda it: 0.3, random.Random(seed), picks, host_s=host)
+        drafted += sum(1 for _, k in picks if k)
+        state = ctl.state()["host_cost_ms"]
+        assert abs(state["drafting"][0][1] - 8.0) < 1e-6 and abs(state["plain"][0][1] - 1.0) < 1e-6, state
+    assert drafted <= 0.04 * 10 * 400, drafted  # a forward-only model drafts in ~80 % of them
+    ctl = calibrated(7, cpu_target, draft, 1)  # with the guard on, as deployed
+    picks = []
+    run(ctl, range(0, 400), 1, cpu_target, draft, lambda it: 0.3, random.Random(4), picks, host_s=host)
+    back = settled(picks, 0, want_draft=False)
+    assert back is not None and back <= BOUND, picks[:120]
+
+
+def test_exploration_cost_with_a_useless_drafter():
+    # a short run (128 iterations: 32 requests x 64 tokens at batch 16) with a drafter that is
+    # never accepted: the probes that keep drafting measured cost at most 2 % of plain decoding
+    # (full-block probes and every-sequence probes at batch 16 cost 2.4-4.7 %)
+    host = lambda drafting: 0.001  # noqa: E731
+    for seqs in (1, 16):
+        draft = lambda s, it: 0.004 + 0.001 * s  # noqa: E731
+        ctl = calibrated(7, cpu_target, draft, seqs)
+        picks: list = []
+        walls: list = []
+        run(ctl, range(128), seqs, cpu_target, draft, lambda it: 0.0, random.Random(5), picks, host, walls)
+        plain = 128 * (cpu_target(seqs, 0) + host(False))
+        assert sum(walls) <= 1.02 * plain, (seqs, sum(walls) / plain, list(ctl.history))
+        probes = [h[2] for h in ctl.history if h[3] == "probe"]
+        assert probes and max(probes[1:]) <= 2, probes  # past the first: as far as drafts get accepted
 
 
 def test_cost_model_rules():

@@ -33,6 +33,8 @@ ROW_KEYS = (
     "ttft_p99_s",
     "tpot_p50_s",
     "tpot_p99_s",
+    "iteration_p50_s",
+    "iteration_max_s",
     "mean_draft_tokens",
     "tau",
     "requests",
@@ -91,6 +93,7 @@ def test_load_bench_cli_json_table_plot(tmp_path):
         assert x["output_tokens_per_s"] == pytest.approx(x["output_tokens"] / x["wall_s"])
         assert 0 < x["ttft_p50_s"] <= x["ttft_p99_s"] <= x["wall_s"]
         assert 0 < x["tpot_p50_s"] <= x["tpot_p99_s"] <= x["wall_s"]
+        assert 0 < x["iteration_p50_s"] <= x["iteration_max_s"] <= x["wall_s"]
         assert x["tau"] >= 1.0 and x["interleaved"] is True
         if x["mode"] == "ar":
             assert x["mean_draft_tokens"] == 0 and x["tau"] == 1.0

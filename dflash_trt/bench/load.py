@@ -22,7 +22,8 @@ Time a due request spends waiting for the current ``step()`` to return counts in
 Per (C, mode) row: ``output_tokens_per_s`` = all output tokens / seconds on the lane's clock from the
 first arrival to the last finish; ``ttft_*`` from release to first token; ``tpot_*`` per request
 ``(latency - ttft) / (n_out - 1)`` over requests with more than one token;
-``per_user_tokens_per_s`` = median over requests of ``n_out / latency``; ``mean_draft_tokens`` and
+``per_user_tokens_per_s`` = median over requests of ``n_out / latency``; ``iteration_p50_s`` /
+``iteration_max_s`` = the median and longest ``step()`` of the lane; ``mean_draft_tokens`` and
 ``tau`` from the engine's counters over the timed requests (dflash rows with the adaptive
 controller also carry its cost model and acceptance estimates after the run, ``controller``).
 Each engine serves one untimed warm-up request first. Greedy runs also compare the dflash
@@ -178,6 +179,7 @@ class Lane:
         self._next = 0
         self._wall: list[float] = []  # wall time at the start of each iteration
         self._at_start: list[float] = []  # the lane's clock then
+        self.iteration_s: list[float] = []  # seconds of each iteration
 
     @property
     def done(self) -> bool:
@@ -203,7 +205,8 @@ class Lane:
         self._wall.append(start)
         self._at_start.append(self.clock)
         finished = self.engine.step()
-        self.clock += time.perf_counter() - start
+        self.iteration_s.append(time.perf_counter() - start)
+        self.clock += self.iteration_s[-1]
         for seq in finished:
             idx, release = self._live.pop(seq.seq_id)
             first, end = self._on_clock(seq.first_token_s or seq.finish_s), self._on_clock(seq.finish_s)
@@ -236,8 +239,10 @@ def _pct(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) if xs else None
 
 
-def summarize(records: list[_Record], stats: LoopStats) -> dict:
-    """The figures of one (C, mode) run."""
+def summarize(records: list[_Record], stats: LoopStats, iteration_s: list[float]) -> dict:
+    """The figures of one (C, mode) run; ``iteration_s``: the lane's iteration times (the
+    median and the longest are reported: one stalled iteration, e.g. when another process
+    takes the cores, shows as a maximum far above the median)."""
     n_out = [len(r.output) for r in records]
     tokens = sum(n_out)
     wall = max(r.finish_s for r in records) - min(r.release_s for r in records)
@@ -254,6 +259,8 @@ def summarize(records: list[_Record], stats: LoopStats) -> dict:
         "ttft_p99_s": _pct(ttft, 99),
         "tpot_p50_s": _pct(tpot, 50),
         "tpot_p99_s": _pct(tpot, 99),
+        "iteration_p50_s": _pct(iteration_s, 50),
+        "iteration_max_s": max(iteration_s, default=None),
         "mean_draft_tokens": stats.mean_draft_tokens,
         "tau": stats.tau,
     }
@@ -362,7 +369,7 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
         for mode in cfg.modes:
             eng = lanes[mode].engine
             row = {"concurrency": c, "mode": mode, "block_size": eng.block_size, "interleaved": len(groups[0]) > 1}
-            row |= summarize(lanes[mode].records, eng.stats)
+            row |= summarize(lanes[mode].records, eng.stats, lanes[mode].iteration_s)
             if eng.controller is not None:
                 row["controller"] = controller_state(eng.controller)
             rows.append(row)
@@ -432,7 +439,8 @@ def format_load_table(r: dict) -> str:
     )
     cols = (
         f"{'C':>4} {'mode':<7} {'reqs':>5} {'tokens':>7} {'tok/s':>8} {'user tok/s':>10} "
-        f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'drafts/step':>11} {'tau':>5}  lossless"
+        f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'iter p50/max ms':>16} {'drafts/step':>11} "
+        f"{'tau':>5}  lossless"
     )
     lines = [head, cols, "-" * len(cols)]
     for x in r["load"]:
@@ -447,6 +455,7 @@ def format_load_table(r: dict) -> str:
             f"{x['output_tokens_per_s']:>8.1f} {x['per_user_tokens_per_s']:>10.1f} "
             f"{_ms(x['ttft_p50_s']) + '/' + _ms(x['ttft_p99_s']):>16} "
             f"{_ms(x['tpot_p50_s']) + '/' + _ms(x['tpot_p99_s']):>16} "
+            f"{_ms(x.get('iteration_p50_s')) + '/' + _ms(x.get('iteration_max_s')):>16} "
             f"{x['mean_draft_tokens']:>11.2f} {x['tau']:>5.2f}  {note}"
         )
     return "\n".join(lines)

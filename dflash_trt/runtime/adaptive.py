@@ -6,23 +6,35 @@ Model (measured, not assumed):
   seconds of one drafter forward for ``s`` sequences (:class:`CostModel`: per size the median of
   its recent measurements, fitted non-decreasing in the size with weights that fade for sizes
   not measured lately, so one slow period cannot lock in a wrong choice);
+- ``host_cost[mode](S)``: seconds of an iteration of ``S`` decoding sequences outside those
+  forwards (planning, acceptance, commit, feature bookkeeping), per mode (drafting / plain):
+  the whole iteration's wall time minus its forwards. A drafting iteration does more host work
+  than a plain one; left out, the model over-rates drafting exactly where it barely pays;
 - ``q_k``: P(draft slot k accepted | slot k reached), counts that decay with every observation.
 
 With ``S`` sequences decoding, ``k`` drafts each give ``E(k) = 1 + sum_{j<=k} prod_{i<=j} q_i``
 committed tokens per sequence, so the predicted rate is
-``S * E(k) / (target_cost(S * (k + 1)) + draft_cost(S) [k > 0])``; the best ``k`` is taken.
+``S * E(k) / (target_cost(S * (k + 1)) + [k > 0] draft_cost(S) + host_cost[k > 0](S))``; the
+best ``k`` is taken.
 
 Exploration keeps both options measured, at a bounded cost:
 - while plain decoding wins, every ``probe`` iterations (doubling up to ``max_probe`` while
-  drafting keeps losing) a drafting iteration runs, alternately ONE sequence drafting the full
-  block (the acceptance of every draft position stays current) and EVERY sequence drafting one
-  token (the drafter's and the verify's costs at this batch size stay current);
+  drafting keeps losing) a drafting iteration runs, alternately ONE sequence drafting (the
+  acceptance of the draft positions stays current) and EVERY sequence drafting one token (the
+  drafter's and the verify's costs at this batch size stay current). A one-sequence probe
+  drafts only as far as drafts are likely to be accepted (``1 + 2 * (E(max) - 1)`` rounded up:
+  a position past the first rejection teaches nothing, and a probe whose drafts are all
+  accepted makes the next one longer). The every-sequence probe is replaced by a one-sequence
+  one when drafting would lose by more than ``guard_margin`` even at the one-sequence drafter
+  cost and plain decoding's host cost (no measurement at this batch size could flip the choice);
 - while drafting wins, every ``explore`` iterations (doubling up to ``max_explore`` while the
   choice holds) one iteration decodes plainly (the plain cost stays current). At batch 1 with
   acceptance length ``tau`` this costs about ``(1 - 1/tau) / explore`` of the throughput.
 
 Guard on what was achieved: the committed tokens per second of recent drafting and plain
-iterations (no prompt chunks in them) are tracked per batch size; when the predicted choice
+iterations (no prompt chunks in them, no probes; whole wall time) are tracked per batch size as
+decayed sums of tokens over decayed sums of seconds (one lucky or unlucky iteration moves it
+little: an iteration commits 1 or ``k + 1`` tokens per sequence); when the predicted choice
 achieved ``guard_margin`` less than the other option did, recently, at the same batch size, the
 other option is taken instead (the model may be wrong; the clock is not).
 """
@@ -30,6 +42,7 @@ other option is taken instead (the model may be wrong; the clock is not).
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections import deque
 
@@ -134,20 +147,21 @@ class CostModel:
 
 
 class _Realised:
-    """Committed tokens per second actually achieved, per batch size and mode (EMA)."""
+    """Committed tokens per second actually achieved, per batch size and mode: decayed sums of
+    committed tokens over decayed sums of wall seconds (each observation multiplies the older
+    ones by ``decay``), so the rate is a ratio of sums, not a mean of per-iteration ratios."""
 
-    def __init__(self, alpha: float = 0.3, fresh: int = 256):
-        self.alpha, self.fresh = alpha, fresh
-        self.rates: dict[tuple[int, bool], tuple[float, int]] = {}  # (seqs, drafting) -> (rate, iteration)
+    def __init__(self, decay: float = 0.75, fresh: int = 256):
+        self.decay, self.fresh = decay, fresh
+        self.sums: dict[tuple[int, bool], tuple[float, float, int]] = {}  # key -> (tokens, seconds, iteration)
 
-    def observe(self, seqs: int, drafting: bool, rate: float, now: int) -> None:
-        old = self.rates.get((seqs, drafting))
-        value = rate if old is None else old[0] + self.alpha * (rate - old[0])
-        self.rates[(seqs, drafting)] = (value, now)
+    def observe(self, seqs: int, drafting: bool, tokens: int, seconds: float, now: int) -> None:
+        tok, sec, _ = self.sums.get((seqs, drafting), (0.0, 0.0, now))
+        self.sums[(seqs, drafting)] = (self.decay * tok + tokens, self.decay * sec + seconds, now)
 
     def get(self, seqs: int, drafting: bool, now: int) -> float | None:
-        r = self.rates.get((seqs, drafting))
-        return r[0] if r is not None and now - r[1] <= self.fresh else None
+        r = self.sums.get((seqs, drafting))
+        return r[0] / r[1] if r is not None and now - r[2] <= self.fresh else None
 
 
 class DraftLengthController:
@@ -181,6 +195,7 @@ class DraftLengthController:
         self.accepted = [0.0] * max_draft
         self.target_cost = CostModel()
         self.draft_cost = CostModel()
+        self.host_cost = {False: CostModel(), True: CostModel()}  # per mode: drafting?
         self.min_probe, self.max_probe = probe, max_probe
         self.probe_every = probe
         self.min_explore, self.max_explore = explore, max_explore
@@ -208,7 +223,7 @@ class DraftLengthController:
 
     def rate(self, k: int, seqs: int) -> float:
         """Predicted committed tokens per second of an iteration with ``k`` drafts."""
-        cost = self.target_cost(seqs * (k + 1)) + (self.draft_cost(seqs) if k else 0.0)
+        cost = self.target_cost(seqs * (k + 1)) + (self.draft_cost(seqs) if k else 0.0) + self.host_cost[k > 0](seqs)
         return seqs * self.expected_committed(k) / max(cost, 1e-9)
 
     def choose(self, seqs: int, token_budget: int | None = None) -> tuple[int, bool]:
@@ -216,8 +231,8 @@ class DraftLengthController:
         decoding. ``probe`` true means plain decoding wins but one sequence should draft the
         returned number of tokens to refresh the acceptance estimates."""
         self.iteration += 1
-        self.target_cost.set_time(self.iteration)
-        self.draft_cost.set_time(self.iteration)
+        for m in (self.target_cost, self.draft_cost, *self.host_cost.values()):
+            m.set_time(self.iteration)
         if seqs == 0 or self.max_draft == 0:
             return 0, False
         top = self.max_draft
@@ -253,13 +268,24 @@ class DraftLengthController:
             self.since_draft = 0
             self.probe_every = min(2 * self.probe_every, self.max_probe)
             self.probes += 1
-            if self.probes % 2 or seqs == 1:
-                self.history.append((self.iteration, seqs, top, "probe"))
-                return top, True
+            if self.probes % 2 or seqs == 1 or not self._may_win(seqs, top):
+                k = min(top, math.ceil(1 + 2 * (self.expected_committed(top) - 1) - 1e-9))
+                self.history.append((self.iteration, seqs, k, "probe"))
+                return k, True
             self.history.append((self.iteration, seqs, 1, "probe-batch"))
             return 1, False
         self.history.append((self.iteration, seqs, 0, why))
         return 0, False
+
+    def _may_win(self, seqs: int, top: int) -> bool:
+        """Could drafting win at this batch size if its drafter and host costs were as low as
+        plausible (the one-sequence drafter cost, plain decoding's host cost)?"""
+        floor = self.draft_cost(1) + self.host_cost[False](seqs)
+        best = max(
+            seqs * self.expected_committed(k) / max(self.target_cost(seqs * (k + 1)) + floor, 1e-9)
+            for k in range(1, top + 1)
+        )
+        return best >= (1 - self.guard_margin) * self.rate(0, seqs)
 
     def observe_acceptance(self, num_draft: int, accepted: int) -> None:
         """One verify step of one sequence: ``accepted`` of its ``num_draft`` drafts taken."""
@@ -271,19 +297,40 @@ class DraftLengthController:
             self.reached[k] += 1
             self.accepted[k] += k < accepted
 
-    def observe_iteration(self, seqs: int, drafted: bool, seconds: float, committed: int) -> None:
+    def observe_iteration(
+        self,
+        seqs: int,
+        drafted: bool,
+        seconds: float,
+        committed: int,
+        forward_s: float | None = None,
+        probe: bool = False,
+    ) -> None:
         """A decode-only iteration (no prompt chunks) of ``seqs`` sequences, all drafting or
-        all plain (not a probe), that committed ``committed`` tokens in ``seconds``: feeds the
-        achieved-rate guard."""
-        if seqs > 0 and seconds > 0:
-            self.realised.observe(seqs, drafted, committed / seconds, self.iteration)
+        all plain, that committed ``committed`` tokens in ``seconds`` of wall time (the whole
+        iteration: planning, forwards, acceptance, commit).
+
+        ``forward_s`` (the seconds its target and drafter forwards took, as fed to the cost
+        models) gives the host cost of the mode: ``seconds - forward_s``. The achieved-rate
+        guard is fed unless ``probe`` (a probe drafts the whole block to measure acceptance,
+        not at the length the model would choose)."""
+        if seqs <= 0 or not seconds > 0:
+            return
+        if forward_s is not None:
+            self.host_cost[drafted].observe(seqs, max(seconds - forward_s, 1e-6))
+        if not probe:
+            self.realised.observe(seqs, drafted, committed, seconds, self.iteration)
 
     def state(self) -> dict:
-        """The model as plain data: fitted costs (ms) per size, acceptance per position, the
+        """The model as plain data: fitted costs (ms) per size (host costs per mode), acceptance per position, the
         draft length chosen per iteration (with why: model, guard, explore, probe), overrides."""
         return {
             "target_cost_ms": [[x, y * 1e3] for x, y in zip(self.target_cost.xs, self.target_cost.ys)],
             "draft_cost_ms": [[x, y * 1e3] for x, y in zip(self.draft_cost.xs, self.draft_cost.ys)],
+            "host_cost_ms": {
+                mode: [[x, y * 1e3] for x, y in zip(m.xs, m.ys)]
+                for mode, m in (("plain", self.host_cost[False]), ("drafting", self.host_cost[True]))
+            },
             "acceptance": self.acceptance(),
             "guard_overrides": self.overrides,
             "history": [list(h) for h in self.history],

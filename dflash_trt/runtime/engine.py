@@ -224,6 +224,7 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 seq.finish_s = time.perf_counter()
                 self._finish(seq, done)
+        t0 = time.perf_counter()
         decoding = self.scheduler.decoding()
         probe = False
         if self.controller is not None:
@@ -239,8 +240,25 @@ class LLMEngine:
                 self._run(plan)  # let the other ranks drop released state
             return done
         out = self._run(plan)
-        self._commit(sched, plan, out, done)
+        committed = self._commit(sched, plan, out, done)
+        if self.controller is not None:
+            self._feedback(sched, plan, out, committed, time.perf_counter() - t0, probe)
         return done
+
+    def _feedback(self, sched: Schedule, plan: StepPlan, out, committed: int, wall_s: float, probe: bool) -> None:
+        """The adaptive controller learns from the iteration: forward costs (every iteration),
+        and, for decode-only iterations where every sequence drafted or none did, the mode's
+        host cost and achieved rate from the whole iteration's wall time ``wall_s``."""
+        ctl = self.controller
+        ctl.target_cost.observe(out.target_tokens, out.target_s)
+        drafting = [it.num_draft > 0 for it in plan.items]
+        if any(drafting):
+            ctl.draft_cost.observe(sum(drafting), out.draft_s)
+        if sched.decode and not sched.prefill and (all(drafting) or not any(drafting)):
+            # (not a batch probe, not capped per request)
+            ctl.observe_iteration(
+                len(sched.decode), any(drafting), wall_s, committed, out.target_s + out.draft_s, probe
+            )
 
     def _plan(self, sched: Schedule, drafts: list[int]) -> StepPlan:
         """Items for the schedule; decoding sequence ``j`` drafts ``drafts[j]`` tokens (0 past
@@ -268,7 +286,8 @@ class LLMEngine:
         release, self._release = self._release, []
         return StepPlan(items, self.block_size if any_draft else 0, release)
 
-    def _commit(self, sched: Schedule, plan: StepPlan, out, done: list[Sequence]) -> None:
+    def _commit(self, sched: Schedule, plan: StepPlan, out, done: list[Sequence]) -> int:
+        """Accept, commit and stream the iteration's tokens; returns how many were committed."""
         st = self.stats
         drafted = any(it.num_draft for it in plan.items)
         if sched.decode:
@@ -280,10 +299,6 @@ class LLMEngine:
         else:
             st.prefill_s += out.target_s
         ctl = self.controller
-        if ctl is not None:
-            ctl.target_cost.observe(out.target_tokens, out.target_s)
-            if drafted:
-                ctl.draft_cost.observe(sum(1 for it in plan.items if it.num_draft), out.draft_s)
 
         def greedy(s: Sequence) -> bool:  # the target's choice is the argmax row
             early = s.request.min_new_tokens - len(s.output)  # rows before the minimum length
@@ -329,12 +344,7 @@ class LLMEngine:
                 self._finish(s, done)
             else:
                 self.blocks.truncate(s.seq_id, s.num_cached)  # roll back rejected positions
-        if ctl is not None and sched.decode and not sched.prefill:
-            drafting = [it.num_draft > 0 for it in plan.items]
-            if all(drafting) or not any(drafting):  # (not a probe, not capped per request)
-                ctl.observe_iteration(
-                    len(sched.decode), drafted, out.target_s + out.draft_s, st.committed - committed_before
-                )
+        return st.committed - committed_before
 
     def run(self) -> None:
         """Step until every queued request has finished, then hand the runner (every TP rank)
