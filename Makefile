@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # Measured on this CPU (2 threads, GSM8K 20 x 128): the model's own 4-bit weights (--weights int4)
-# are the fastest path (plain 77 tok/s, DFlash K=4 78); in bf16 (AMX) the shipped drafter at block
-# size 4 is 1.27x plain decoding (tau 1.53), ahead of HF and z-lab, behind prompt-lookup on GSM8K.
+# are the fastest path (plain 88 tok/s, DFlash K=4 99); in bf16 (AMX) the shipped drafter at block
+# size 4 is 1.26x plain decoding (tau 1.56), ahead of HF, prompt-lookup and z-lab in that run.
 # generate: int4 with the adaptive draft length; bench: the bf16 speedup table, then int4's.
 demo: $(STAMP)
 	$(BIN)/dflash-trt generate --prompt-from gsm8k:0 --max-new-tokens 96 --weights int4 --block-size 4
