@@ -181,25 +181,6 @@ def test_host_work_of_drafting_iterations_is_counted():
     assert back is not None and back <= BOUND, picks[:120]
 
 
-def fp32_cpu_target(n, it):
-    """This CPU's fp32 target at batch 1 (the engine's calibration): flat up to 3 tokens, then a
-    GEMM kernel change costs 50 % more."""
-    return 0.0395 if n <= 3 else 0.061
-
-
-def test_a_winning_drafter_is_not_locked_out_by_one_unlucky_iteration():
-    # batch 1, acceptance 0.41 per position: drafting 2 tokens commits 1.57 tokens per 48 ms
-    # against 1 per 40 ms plain (+30 %), but a single drafting iteration commits only one token
-    # 59 % of the time; the guard must wait for evidence instead of locking drafting out
-    draft = lambda s, it: 0.008  # noqa: E731
-    for seed in range(5):
-        ctl = calibrated(7, fp32_cpu_target, draft, 1)
-        picks: list = []
-        run(ctl, range(600), 1, fp32_cpu_target, draft, lambda it: 0.41, random.Random(seed), picks)
-        back = settled(picks, 0, want_draft=True)
-        assert back is not None and back <= BOUND, (seed, back, list(ctl.history)[:80])
-
-
 def test_exploration_cost_with_a_useless_drafter():
     # a short run (128 iterations: 32 requests x 64 tokens at batch 16) with a drafter that is
     # never accepted: the probes that keep drafting measured cost at most 2 % of plain decoding

@@ -33,10 +33,8 @@ Exploration keeps both options measured, at a bounded cost:
 
 Guard on what was achieved: the committed tokens per second of recent drafting and plain
 iterations (no prompt chunks in them, no probes; whole wall time) are tracked per batch size as
-decayed sums of tokens over decayed sums of seconds, used only with enough recent evidence
-(about five iterations of each option within the last 64: an iteration commits 1 or ``k + 1``
-tokens per sequence, so one unlucky drafting iteration must not lock drafting out); when the
-predicted choice
+decayed sums of tokens over decayed sums of seconds (one lucky or unlucky iteration moves it
+little: an iteration commits 1 or ``k + 1`` tokens per sequence); when the predicted choice
 achieved ``guard_margin`` less than the other option did, recently, at the same batch size, the
 other option is taken instead (the model may be wrong; the clock is not).
 """
@@ -151,31 +149,19 @@ class CostModel:
 class _Realised:
     """Committed tokens per second actually achieved, per batch size and mode: decayed sums of
     committed tokens over decayed sums of wall seconds (each observation multiplies the older
-    ones by ``decay``), so the rate is a ratio of sums, not a mean of per-iteration ratios.
+    ones by ``decay``), so the rate is a ratio of sums, not a mean of per-iteration ratios."""
 
-    A rate is returned only once its decayed observation count reaches ``min_weight`` (about
-    ``min_weight`` + 1 iterations): at batch 1 a drafting iteration commits 1 or ``k + 1``
-    tokens, so one or two of them say nothing, and a guard acting on them locked a winning
-    drafter out (it refused drafting after one unlucky iteration and never measured it again).
-    Evidence older than ``fresh`` iterations is dropped, so a verdict against the option the
-    guard keeps out expires and that option is measured again."""
-
-    def __init__(self, decay: float = 0.9, fresh: int = 64, min_weight: float = 4.0):
-        self.decay, self.fresh, self.min_weight = decay, fresh, min_weight
-        self.sums: dict[tuple[int, bool], tuple[float, float, float, int]] = {}  # key -> (tokens, s, n, iteration)
+    def __init__(self, decay: float = 0.75, fresh: int = 256):
+        self.decay, self.fresh = decay, fresh
+        self.sums: dict[tuple[int, bool], tuple[float, float, int]] = {}  # key -> (tokens, seconds, iteration)
 
     def observe(self, seqs: int, drafting: bool, tokens: int, seconds: float, now: int) -> None:
-        tok, sec, n, last = self.sums.get((seqs, drafting), (0.0, 0.0, 0.0, now))
-        if now - last > self.fresh:  # stale evidence is dropped, not mixed into the new
-            tok, sec, n = 0.0, 0.0, 0.0
-        d = self.decay
-        self.sums[(seqs, drafting)] = (d * tok + tokens, d * sec + seconds, d * n + 1.0, now)
+        tok, sec, _ = self.sums.get((seqs, drafting), (0.0, 0.0, now))
+        self.sums[(seqs, drafting)] = (self.decay * tok + tokens, self.decay * sec + seconds, now)
 
     def get(self, seqs: int, drafting: bool, now: int) -> float | None:
         r = self.sums.get((seqs, drafting))
-        if r is None or now - r[3] > self.fresh or r[2] < self.min_weight:
-            return None
-        return r[0] / r[1]
+        return r[0] / r[1] if r is not None and now - r[2] <= self.fresh else None
 
 
 class DraftLengthController:
