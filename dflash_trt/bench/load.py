@@ -455,7 +455,7 @@ def format_load_table(r: dict) -> str:
             f"{x['output_tokens_per_s']:>8.1f} {x['per_user_tokens_per_s']:>10.1f} "
             f"{_ms(x['ttft_p50_s']) + '/' + _ms(x['ttft_p99_s']):>16} "
             f"{_ms(x['tpot_p50_s']) + '/' + _ms(x['tpot_p99_s']):>16} "
-            f"{_ms(x.get('iteration_p50_s')) + '/' + _ms(x.get('iteration_max_s')):>16} "
+            f"{_ms(x['iteration_p50_s']) + '/' + _ms(x['iteration_max_s']):>16} "
             f"{x['mean_draft_tokens']:>11.2f} {x['tau']:>5.2f}  {note}"
         )
     return "\n".join(lines)

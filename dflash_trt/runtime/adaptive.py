@@ -221,9 +221,12 @@ class DraftLengthController:
             e += p
         return e
 
-    def rate(self, k: int, seqs: int) -> float:
-        """Predicted committed tokens per second of an iteration with ``k`` drafts."""
-        cost = self.target_cost(seqs * (k + 1)) + (self.draft_cost(seqs) if k else 0.0) + self.host_cost[k > 0](seqs)
+    def rate(self, k: int, seqs: int, optimistic: bool = False) -> float:
+        """Predicted committed tokens per second of an iteration with ``k`` drafts; with
+        ``optimistic`` a drafting iteration is charged the lowest plausible drafter and host
+        costs instead (the one-sequence drafter cost, plain decoding's host cost)."""
+        draft, host = (1, False) if optimistic else (seqs, k > 0)
+        cost = self.target_cost(seqs * (k + 1)) + (self.draft_cost(draft) if k else 0.0) + self.host_cost[host](seqs)
         return seqs * self.expected_committed(k) / max(cost, 1e-9)
 
     def choose(self, seqs: int, token_budget: int | None = None) -> tuple[int, bool]:
@@ -278,13 +281,8 @@ class DraftLengthController:
         return 0, False
 
     def _may_win(self, seqs: int, top: int) -> bool:
-        """Could drafting win at this batch size if its drafter and host costs were as low as
-        plausible (the one-sequence drafter cost, plain decoding's host cost)?"""
-        floor = self.draft_cost(1) + self.host_cost[False](seqs)
-        best = max(
-            seqs * self.expected_committed(k) / max(self.target_cost(seqs * (k + 1)) + floor, 1e-9)
-            for k in range(1, top + 1)
-        )
+        """Could drafting win at this batch size at its lowest plausible costs?"""
+        best = max(self.rate(k, seqs, optimistic=True) for k in range(1, top + 1))
         return best >= (1 - self.guard_margin) * self.rate(0, seqs)
 
     def observe_acceptance(self, num_draft: int, accepted: int) -> None:
@@ -303,7 +301,7 @@ class DraftLengthController:
         drafted: bool,
         seconds: float,
         committed: int,
-        forward_s: float | None = None,
+        forward_s: float,
         probe: bool = False,
     ) -> None:
         """A decode-only iteration (no prompt chunks) of ``seqs`` sequences, all drafting or
@@ -312,18 +310,18 @@ class DraftLengthController:
 
         ``forward_s`` (the seconds its target and drafter forwards took, as fed to the cost
         models) gives the host cost of the mode: ``seconds - forward_s``. The achieved-rate
-        guard is fed unless ``probe`` (a probe drafts the whole block to measure acceptance,
-        not at the length the model would choose)."""
+        guard is fed unless ``probe`` (a probe drafts to measure acceptance, not at the length
+        the model would choose)."""
         if seqs <= 0 or not seconds > 0:
             return
-        if forward_s is not None:
-            self.host_cost[drafted].observe(seqs, max(seconds - forward_s, 1e-6))
+        self.host_cost[drafted].observe(seqs, max(seconds - forward_s, 1e-6))
         if not probe:
             self.realised.observe(seqs, drafted, committed, seconds, self.iteration)
 
     def state(self) -> dict:
-        """The model as plain data: fitted costs (ms) per size (host costs per mode), acceptance per position, the
-        draft length chosen per iteration (with why: model, guard, explore, probe), overrides."""
+        """The model as plain data: fitted costs (ms) per size (host costs per mode), acceptance
+        per position, the draft length chosen per iteration (with why: model, guard, explore,
+        probe), overrides."""
         return {
             "target_cost_ms": [[x, y * 1e3] for x, y in zip(self.target_cost.xs, self.target_cost.ys)],
             "draft_cost_ms": [[x, y * 1e3] for x, y in zip(self.draft_cost.xs, self.draft_cost.ys)],
