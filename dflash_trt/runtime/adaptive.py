@@ -10,7 +10,8 @@ Model (measured, not assumed):
   forwards (planning, acceptance, commit, feature bookkeeping), per mode (drafting / plain):
   the whole iteration's wall time minus its forwards. A drafting iteration does more host work
   than a plain one; left out, the model over-rates drafting exactly where it barely pays;
-- ``q_k``: P(draft slot k accepted | slot k reached), counts that decay with every observation.
+- ``q_k``: P(draft slot k accepted | slot k reached), counts that decay with every observation,
+  each shrunk toward ``q_{k-1}`` (a slot seldom reached is estimated like the one before it).
 
 With ``S`` sequences decoding, ``k`` drafts each give ``E(k) = 1 + sum_{j<=k} prod_{i<=j} q_i``
 committed tokens per sequence, so the predicted rate is
@@ -33,10 +34,13 @@ Exploration keeps both options measured, at a bounded cost:
 
 Guard on what was achieved: the committed tokens per second of recent drafting and plain
 iterations (no prompt chunks in them, no probes; whole wall time) are tracked per batch size as
-decayed sums of tokens over decayed sums of seconds (one lucky or unlucky iteration moves it
-little: an iteration commits 1 or ``k + 1`` tokens per sequence); when the predicted choice
-achieved ``guard_margin`` less than the other option did, recently, at the same batch size, the
-other option is taken instead (the model may be wrong; the clock is not).
+sums of tokens over sums of seconds, used only with enough recent evidence (at least 4
+iterations and 16 sequence-iterations of each option within the last 64 iterations: an
+iteration commits 1 or ``k + 1`` tokens per sequence, so a few unlucky drafting iterations at
+batch 1 must not lock drafting out); when the predicted choice achieved ``guard_margin`` less
+than the other option did, recently, at the same batch size, the other option is taken instead
+(the model may be wrong; the clock is not). Once the evidence against an option is 64
+iterations old it lapses and the model's choice is measured again.
 """
 
 from __future__ import annotations
@@ -147,21 +151,38 @@ class CostModel:
 
 
 class _Realised:
-    """Committed tokens per second actually achieved, per batch size and mode: decayed sums of
-    committed tokens over decayed sums of wall seconds (each observation multiplies the older
-    ones by ``decay``), so the rate is a ratio of sums, not a mean of per-iteration ratios."""
+    """Committed tokens per second actually achieved, per batch size and mode: the sum of
+    committed tokens over the sum of wall seconds (a ratio of sums, not a mean of ratios) of
+    the most recent iterations of that kind at most ``fresh`` iterations old, taken until they
+    hold ``window`` iterations and ``window_seqs`` sequence-iterations (batch size x
+    iterations).
 
-    def __init__(self, decay: float = 0.75, fresh: int = 256):
-        self.decay, self.fresh = decay, fresh
-        self.sums: dict[tuple[int, bool], tuple[float, float, int]] = {}  # key -> (tokens, seconds, iteration)
+    A rate is returned only from at least ``min_count`` iterations holding ``min_seqs``
+    sequence-iterations: at batch 1 a drafting iteration commits 1 or ``k + 1`` tokens, so a
+    few of them say little (a guard acting on one unlucky iteration locked a winning drafter
+    out and never measured it again; with acceptance 0.41 and 2 drafts, 8 iterations commit
+    one token each 1.5 % of the time, 16 iterations lose by 10 % about 0.4 % of the time).
+    Each observation expires ``fresh`` iterations after it was made, so a verdict against the
+    option the guard keeps out lapses and the model's choice is measured again, and evidence
+    taken in a slow period (a spike) stops counting once it is old."""
+
+    def __init__(self, window: int = 8, window_seqs: int = 32, min_count: int = 4, min_seqs: int = 16, fresh: int = 64):
+        self.window, self.window_seqs, self.min_count, self.min_seqs = window, window_seqs, min_count, min_seqs
+        self.fresh = fresh
+        self.recent: dict[tuple[int, bool], deque] = {}  # key -> (iteration, tokens, seconds)
 
     def observe(self, seqs: int, drafting: bool, tokens: int, seconds: float, now: int) -> None:
-        tok, sec, _ = self.sums.get((seqs, drafting), (0.0, 0.0, now))
-        self.sums[(seqs, drafting)] = (self.decay * tok + tokens, self.decay * sec + seconds, now)
+        self.recent.setdefault((seqs, drafting), deque(maxlen=self.fresh)).append((now, tokens, seconds))
 
     def get(self, seqs: int, drafting: bool, now: int) -> float | None:
-        r = self.sums.get((seqs, drafting))
-        return r[0] / r[1] if r is not None and now - r[2] <= self.fresh else None
+        n = tok = sec = 0.0
+        for it, t, s in reversed(self.recent.get((seqs, drafting), ())):
+            if now - it > self.fresh or (n >= self.window and n * seqs >= self.window_seqs):
+                break
+            n, tok, sec = n + 1, tok + t, sec + s
+        if n < self.min_count or n * seqs < self.min_seqs:
+            return None
+        return tok / max(sec, 1e-9)
 
 
 class DraftLengthController:
@@ -170,7 +191,9 @@ class DraftLengthController:
     Args:
         max_draft: most draft tokens (drafter block size - 1).
         decay: decay of the acceptance counts per observed verify step.
-        prior: acceptance assumed before any evidence (pseudo-count 1).
+        prior: acceptance of the first draft position assumed before any evidence.
+        prior_weight: pseudo-observations behind each position's prior (the first position's
+            ``prior``, every later position's the estimate of the one before it).
         probe, max_probe: while plain decoding wins, iterations between one-sequence drafting probes.
         explore, max_explore: while drafting wins, iterations between plain-decoding iterations.
         guard_margin: the achieved-rate guard overrides the model when the predicted choice
@@ -182,6 +205,7 @@ class DraftLengthController:
         max_draft: int,
         decay: float = 0.98,
         prior: float = 0.5,
+        prior_weight: float = 1.0,
         probe: int = 8,
         max_probe: int = 256,
         explore: int = 16,
@@ -190,7 +214,7 @@ class DraftLengthController:
     ):
         self.max_draft = max_draft
         self.decay = decay
-        self.prior = prior
+        self.prior, self.prior_weight = prior, prior_weight
         self.reached = [0.0] * max_draft
         self.accepted = [0.0] * max_draft
         self.target_cost = CostModel()
@@ -210,8 +234,16 @@ class DraftLengthController:
         self.history: deque = deque(maxlen=4096)  # (iteration, seqs, draft tokens, why)
 
     def acceptance(self) -> list[float]:
-        """Current ``q_k`` estimates, k = 1..max_draft (the prior weighs one observation)."""
-        return [(a + self.prior) / (r + 1.0) for a, r in zip(self.accepted, self.reached)]
+        """Current ``q_k`` estimates, k = 1..max_draft: each position's decayed counts shrunk
+        toward the position before it (``prior_weight`` pseudo-observations of ``q_{k-1}``;
+        ``q_1`` toward ``prior``). A position seldom reached thus reads like the last one with
+        evidence, not like ``prior``: with a 0.5 prior on rarely reached positions, and a
+        couple of lucky acceptances there, long drafts looked better than they were."""
+        out, m = [], self.prior
+        for a, r in zip(self.accepted, self.reached):
+            m = (a + self.prior_weight * m) / (r + self.prior_weight)
+            out.append(m)
+        return out
 
     def expected_committed(self, k: int) -> float:
         """E(tokens committed per sequence) with ``k`` drafts (bonus token included)."""
@@ -269,9 +301,15 @@ class DraftLengthController:
         self.since_draft += 1
         if self.since_draft >= self.probe_every and top > 0:
             self.since_draft = 0
-            self.probe_every = min(2 * self.probe_every, self.max_probe)
+            may_win = self._may_win(seqs, top)
+            # a drafter predicted within half the guard margin of plain decoding keeps being
+            # probed often (such a probe costs little, and the estimate it refines may flip the
+            # choice); one further behind is probed ever more rarely
+            drafting = max(self.rate(k, seqs) for k in range(1, top + 1))
+            close = drafting >= (1 - self.guard_margin / 2) * self.rate(0, seqs)
+            self.probe_every = self.min_probe if close else min(2 * self.probe_every, self.max_probe)
             self.probes += 1
-            if self.probes % 2 or seqs == 1 or not self._may_win(seqs, top):
+            if self.probes % 2 or seqs == 1 or not may_win:
                 k = min(top, math.ceil(1 + 2 * (self.expected_committed(top) - 1) - 1e-9))
                 self.history.append((self.iteration, seqs, k, "probe"))
                 return k, True
