@@ -51,6 +51,13 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b|`` relative to the reference's scale (``max(1, max |b|)``): hidden states carry
+    activations in the hundreds, where one fp32 ulp is ~1e-4 and a batched GEMM may round
+    differently from a one-row one."""
+    return max_diff(a, b) / max(1.0, float(b.float().abs().max()))
+
+
 # --------------------------------------------------------------------------------------------
 # real SmolLM2 vs transformers
 # --------------------------------------------------------------------------------------------
@@ -180,14 +187,15 @@ def test_ragged_batch_equals_single(smollm2, prompt_ids):
         alone = full_forward(model, p + [int(nxt[b])], (2, 29))
         L = len(p)
         d = max(
-            max_diff(out.logits[b, 0], alone.logits[0, L - 1]),
-            max_diff(out.features[b, :L], alone.features[0, :L]),
-            max_diff(step.logits[b, 0], alone.logits[0, L]),
-            max_diff(step.features[b, 0], alone.features[0, L]),
+            rel_diff(out.logits[b, 0], alone.logits[0, L - 1]),
+            rel_diff(out.features[b, :L], alone.features[0, :L]),
+            rel_diff(step.logits[b, 0], alone.logits[0, L]),
+            rel_diff(step.features[b, 0], alone.features[0, L]),
         )
         worst = max(worst, d)
-    print(f"\nragged batch of {B} (lengths {lens.tolist()}) vs alone: max abs diff {worst:.3g}")
-    assert worst < 1e-4
+    print(f"\nragged batch of {B} (lengths {lens.tolist()}) vs alone: max relative diff {worst:.3g}")
+    # fp32 rounding is ~1e-7 relative; a wrong mask, position or slot moves logits by O(1)
+    assert worst < 1e-5
 
 
 # --------------------------------------------------------------------------------------------
