@@ -43,6 +43,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     _weights_flag(p)
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the target forward with torch.compile (inductor): faster steps after "
+        "tens of seconds of compiling per step shape on first use",
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -384,7 +390,9 @@ def cmd_generate(args) -> None:
         device=device,
         weights=args.weights,
     )
-    engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
+    engine = DFlashEngine(target.model, drafter, target.stop_token_ids, compile=args.compile)
+    if args.compile:
+        print("--compile: the first steps compile the target forward (a minute or two here)", file=sys.stderr)
     K = args.block_size or (drafter.cfg.block_size if drafter else 1)
     engine.check_block_size(K)
     tok = target.tokenizer
@@ -461,6 +469,7 @@ def _bench_settings(args) -> dict:
         seed=args.seed,
         device=args.device,
         prompts_file=args.prompts_file,
+        compile=args.compile,
     )
 
 

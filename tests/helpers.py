@@ -60,6 +60,18 @@ def check_same(model, prompt, ref, got) -> int:
     return 1
 
 
+def same_or_tie(model, prompt: list[int], ref: list[int], got: list[int], tie: float) -> int:
+    """0 if ``got == ref``; 1 if they first differ where ``model``'s top-2 margin is <= ``tie``
+    (printed); fails otherwise."""
+    k = first_divergence(ref, got)
+    if k is None:
+        return 0
+    margin = top2_margin(model, prompt + ref[:k])
+    print(f"  diverged at token {k}: top-2 margin {margin:.3f}")
+    assert margin <= tie, f"diverged at token {k} with top-2 margin {margin:.3f} (not a tie): {ref} vs {got}"
+    return 1
+
+
 class OracleRunner(ModelRunner):
     """Drafts ``continuations[seq_id]`` (prompt + its plain-decoding output) with every 5th
     position corrupted, so verify accepts long prefixes and rejects mid-block: exercises

@@ -12,7 +12,7 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
-from helpers import OracleRunner, plain_outputs
+from helpers import OracleRunner, plain_outputs, same_or_tie
 
 from dflash_trt.checkpoints.gguf_packed import _qk_inverse_rows, q4_1_codes
 from dflash_trt.checkpoints.loader import load_pair, load_target
@@ -31,18 +31,6 @@ BF16_TIE = 0.5
 #: a tie between two runs of the SAME packed model whose GEMMs differ only in their row count
 #: (1-row decode vs K-row verify): at most two bf16 steps of a logit in [16, 32)
 ROWS_TIE = 0.25
-
-
-def _same_or_tie(model, prompt: list[int], ref: list[int], got: list[int], tie: float) -> int:
-    """0 if ``got == ref``; 1 if they first differ where ``model``'s top-2 margin is <= ``tie``
-    (printed); fails otherwise."""
-    k = first_divergence(ref, got)
-    if k is None:
-        return 0
-    margin = top2_margin(model, prompt + ref[:k])
-    print(f"  diverged at token {k}: top-2 margin {margin:.3f}")
-    assert margin <= tie, f"diverged at token {k} with top-2 margin {margin:.3f} (not a tie): {ref} vs {got}"
-    return 1
 
 
 @pytest.fixture(scope="module")
@@ -224,13 +212,13 @@ def test_dflash_lossless_on_packed_path(int4_pair, prompts, fmt):
         stats = LoopStats(block)
         engine = DFlashEngine(target.model, drafter, target.stop_token_ids, runner_cls=OracleRunner)
         outs = [o.output_ids for o in engine.generate([Request(p, 20) for p in prompts], block, stats=stats)]
-        ties += sum(_same_or_tie(target.model, p, r, o, ROWS_TIE) for p, r, o in zip(prompts, ref, outs))
+        ties += sum(same_or_tie(target.model, p, r, o, ROWS_TIE) for p, r, o in zip(prompts, ref, outs))
         print(f"{fmt} oracle block {block}: tau {stats.tau:.2f}")
         assert stats.tau > 1.5
     stats = LoopStats(8)
     engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
     outs = [engine.generate([Request(p, 20)], 8, stats=stats)[0].output_ids for p in prompts]
-    ties += sum(_same_or_tie(target.model, p, r, o, ROWS_TIE) for p, r, o in zip(prompts, ref, outs))
+    ties += sum(same_or_tie(target.model, p, r, o, ROWS_TIE) for p, r, o in zip(prompts, ref, outs))
     print(f"{fmt} shipped drafter block 8: tau {stats.tau:.2f}; {ties} of {3 * len(prompts)} runs parted at a tie")
     assert ties <= len(prompts)
 
@@ -284,7 +272,7 @@ def test_builder_engine_round_trip(tmp_path, smollm2, fmt):
     plain = plain_outputs(target, [prompt], 16)
     engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
     got = engine.generate([Request(prompt, 16)], 4)[0].output_ids
-    assert _same_or_tie(target.model, prompt, plain[0], got, ROWS_TIE) == 0 or fmt == "int8"
+    assert same_or_tie(target.model, prompt, plain[0], got, ROWS_TIE) == 0 or fmt == "int8"
 
 
 def test_cli_weights_flag():
@@ -318,7 +306,7 @@ def test_service_serves_packed_weights(int4_target, prompts):
 
         ref = plain_outputs(int4_target, prompts, 20)
         got = [asyncio.run(answer(p)) for p in prompts]
-        ties = sum(_same_or_tie(int4_target.model, p, r, g, ROWS_TIE) for p, r, g in zip(prompts, ref, got))
+        ties = sum(same_or_tie(int4_target.model, p, r, g, ROWS_TIE) for p, r, g in zip(prompts, ref, got))
         assert ties <= 1
     finally:
         svc.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_trt.bench.peers import PEERS, PeerResult, run_peer
+from dflash_trt.bench.peers import PEERS, PeerResult, run_llama_cpp_isolated, run_peer
 from dflash_trt.errors import DFlashError
 from dflash_trt.prompts import chat_prompt_ids, load_prompts
 
@@ -98,6 +98,23 @@ def test_bad_peer_args(smollm2, prompts):
         run_peer("hf", smollm2.path, prompts, 0, torch.float32, smollm2.stop_token_ids)
     with pytest.raises(DFlashError, match="config.json"):
         run_peer("hf", smollm2.path / "missing", prompts, MAX_NEW, torch.float32, smollm2.stop_token_ids)
+
+
+def test_llama_cpp_crash_ends_the_peer_not_the_caller(tmp_path, monkeypatch, prompts):
+    """llama.cpp runs in a child process: when its native code dies (here a stand-in
+    ``llama_cpp`` package whose ``Llama()`` raises SIGSEGV in its own process, as ggml's AMX
+    repack did on an AMX Xeon), the caller gets a one-line DFlashError and keeps running."""
+    from dflash_trt.checkpoints.sources import default_target_gguf
+
+    fake = tmp_path / "llama_cpp"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "import os, signal\n\n\nclass Llama:\n    def __init__(self, **kw):\n"
+        "        os.kill(os.getpid(), signal.SIGSEGV)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(DFlashError, match=r"peer llama.cpp crashed \(exit code -11\)"):
+        run_llama_cpp_isolated(default_target_gguf(), prompts, MAX_NEW, (), 1)
 
 
 def test_llama_cpp_peer(smollm2, prompts, hf_result):

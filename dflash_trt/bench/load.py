@@ -326,6 +326,7 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
             max_num_tokens=cfg.max_num_tokens,
             tokens_per_block=cfg.tokens_per_block,
             kv_capacity_tokens=kv_cap,
+            compile=cfg.compile,
         )
         if mode not in engines:
             progress(

@@ -143,6 +143,19 @@ def run_llama_cpp(
     import numpy as np
 
     n_ctx = max(map(len, prompts)) + max_new_tokens + 8
+    # ggml's extra weight buffers (repacked layouts) off: on an AMX Xeon here the first eval on
+    # its AMX buffer of this file segfaulted (general protection fault in libggml-cpu); without
+    # it the weights stay in the file's Q4_1 / Q8_0 layout and ggml's AVX-512 dot products run
+    import llama_cpp.llama_cpp as capi
+
+    defaults = capi.llama_model_default_params
+
+    def model_params():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    capi.llama_model_default_params = model_params  # what Llama() builds its params from
     try:
         llm = llama_cpp.Llama(
             model_path=str(gguf),
@@ -187,6 +200,44 @@ def run_llama_cpp(
     return PeerResult("llama.cpp", outputs, sum(map(len, outputs)), pre + dec, sum(map(len, prompts)), pre, dec)
 
 
+def _llama_cpp_child(conn, *args) -> None:
+    try:
+        conn.send(("ok", run_llama_cpp(*args)))
+    except DFlashError as e:
+        conn.send(("error", str(e)))
+
+
+def run_llama_cpp_isolated(
+    gguf: Path, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple[int, ...], threads: int
+) -> PeerResult:
+    """:func:`run_llama_cpp` in a child process (``spawn``), so that a crash in llama.cpp's
+    native code (seen: a segfault in ggml's AMX weight repacking on an AMX Xeon) ends the peer,
+    not the benchmark.
+
+    Raises:
+        DFlashError: what :func:`run_llama_cpp` raises, or the child died (its exit code).
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_llama_cpp_child, args=(send, gguf, prompts, max_new_tokens, stop_token_ids, threads))
+    child.start()
+    send.close()
+    try:
+        status, value = recv.recv()
+    except EOFError:
+        child.join()
+        raise DFlashError(
+            f"peer llama.cpp crashed (exit code {child.exitcode}) on {gguf.name}: a fault in llama-cpp-python's "
+            "native code; rebuild it with `make peers`"
+        ) from None
+    child.join()
+    if status == "error":
+        raise DFlashError(value)
+    return value
+
+
 def run_peer(
     name: str,
     hf_dir: Path,
@@ -215,16 +266,16 @@ def run_peer(
             (``dflash.model.dflash_generate``, PyPI ``dflash``) runs with the same weights on
             the transformers target.
         block_size: block size for ``"zlab"`` (default: the drafter's).
-        gguf: the target's GGUF file, needed by ``"llama.cpp"`` (:func:`run_llama_cpp`, with
-            torch's thread count; ``dtype`` and ``device`` do not apply: llama.cpp runs the
-            file's own types on the CPU).
+        gguf: the target's GGUF file, needed by ``"llama.cpp"`` (:func:`run_llama_cpp` in a
+            child process, with torch's thread count; ``dtype`` and ``device`` do not apply:
+            llama.cpp runs the file's own types on the CPU).
 
     Returns:
         :class:`PeerResult` with new tokens only, their total and the timed wall seconds.
 
     Raises:
         DFlashError: unknown peer, no prompts or an empty prompt, ``max_new_tokens`` < 1,
-            or a checkpoint transformers cannot load.
+            a checkpoint transformers cannot load, or llama.cpp failing or crashing.
     """
     if name not in _PEER_KWARGS:
         raise DFlashError(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
@@ -237,7 +288,7 @@ def run_peer(
     if name == "llama.cpp":
         if gguf is None or Path(gguf).suffix != ".gguf":
             raise DFlashError("peer llama.cpp runs a GGUF target: use the default target or --target FILE.gguf")
-        return run_llama_cpp(Path(gguf), prompts, max_new_tokens, stop_token_ids, torch.get_num_threads())
+        return run_llama_cpp_isolated(Path(gguf), prompts, max_new_tokens, stop_token_ids, torch.get_num_threads())
 
     model = _load_model(hf_dir, dtype, device)
     gen_cfg = model.generation_config

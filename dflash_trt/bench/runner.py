@@ -46,6 +46,8 @@ class BenchConfig:
     seed: int = 0
     device: str | None = None
     prompts_file: str | None = None
+    #: ``--compile``: the target forward compiled by torch.compile (``runtime/compiled.py``)
+    compile: bool = False
 
     @property
     def prompt_set(self) -> str:
@@ -97,14 +99,22 @@ def _run_modes(
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
     """Run the benchmark and return the result dict (also written to ``cfg.json_out``).
 
+    A peer that fails (llama.cpp crashing in its native code) is reported under
+    ``peer_errors``; the rest of the result is kept.
+
     Raises:
-        DFlashError: unknown dataset or peer, bad checkpoints, impossible block size.
+        DFlashError: unknown dataset or peer, llama.cpp asked for but not installed, bad
+            checkpoints, impossible block size.
     """
-    from .peers import PEERS, run_peer
+    import importlib.util
+
+    from .peers import LLAMA_CPP_VERSION, PEERS
 
     for p in cfg.peers:
         if p not in PEERS:
             raise DFlashError(f"unknown peer {p!r}; choose from {', '.join(PEERS)}")
+    if "llama.cpp" in cfg.peers and importlib.util.find_spec("llama_cpp") is None:
+        raise DFlashError(f"peer llama.cpp needs llama-cpp-python=={LLAMA_CPP_VERSION}: run `make peers`")
     if cfg.max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
     sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
@@ -116,7 +126,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     target, drafter = load_models(
         cfg.target, cfg.drafter, cfg.engine, dtype, fp8_gemm=cfg.fp8_gemm, device=device, weights=cfg.weights
     )
-    engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
+    engine = DFlashEngine(target.model, drafter, target.stop_token_ids, compile=cfg.compile)
     K = cfg.block_size or drafter.cfg.block_size
     engine.check_block_size(K)
     prompts = [chat_prompt_ids(target.tokenizer, t) for t in texts]
@@ -132,21 +142,15 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     ar_tps = ar_tokens / ar_wall
     df_tps = df_tokens / df_wall
     decode_s = ar_stats.verify_s / max(ar_stats.verify_calls, 1)
-    peers = {}
+    peers, peer_errors = {}, {}
     for name in cfg.peers:
         progress(f"peer {name} ...")
-        res = run_peer(
-            name,
-            target.path,
-            prompts,
-            cfg.max_new_tokens,
-            dtype,
-            target.stop_token_ids,
-            device=device,
-            drafter=drafter,
-            block_size=K,
-            gguf=_gguf_of(cfg.target),
-        )
+        try:
+            res = _run_one_peer(name, target, prompts, cfg, dtype, device, drafter, K)
+        except DFlashError as e:  # the peer fails alone: what was measured is kept
+            progress(f"peer {name} failed: {e}")
+            peer_errors[name] = str(e)
+            continue
         peers[name] = {
             "tokens_per_s": res.tokens_per_s,
             "speedup_vs_ar": res.tokens_per_s / ar_tps,
@@ -174,6 +178,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         "drafter_layers": drafter.cfg.num_layers,
         "dtype": cfg.dtype,
         "weights": cfg.weights,
+        "compile": cfg.compile,
         "device": device_name(device),
         "threads": torch.get_num_threads(),
         "lossless": (df_out == ar_out) if cfg.temperature == 0 else None,
@@ -194,6 +199,8 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         "ar_decode_tokens_per_s": 1 / decode_s if decode_s > 0 else None,
         "ar_prefill_tokens_per_s": sum(map(len, prompts)) / ar_stats.prefill_s if ar_stats.prefill_s > 0 else None,
         "peers": peers,
+        # peers that failed (llama.cpp crashing, a missing package): name -> the one-line error
+        "peer_errors": peer_errors,
     }
     if cfg.json_out:
         write_json(cfg.json_out, result)
@@ -215,6 +222,23 @@ def _ties(r: dict) -> str:
         return ""
     worst = max(d["top2_margin"] for d in r["divergences"])
     return f" ({len(r['divergences'])} diverged, top-2 margin at divergence <= {worst:.2g})"
+
+
+def _run_one_peer(name: str, target, prompts, cfg: BenchConfig, dtype, device, drafter, K: int):
+    from .peers import run_peer
+
+    return run_peer(
+        name,
+        target.path,
+        prompts,
+        cfg.max_new_tokens,
+        dtype,
+        target.stop_token_ids,
+        device=device,
+        drafter=drafter,
+        block_size=K,
+        gguf=_gguf_of(cfg.target),
+    )
 
 
 def format_table(r: dict) -> str:
@@ -251,4 +275,5 @@ def format_table(r: dict) -> str:
     )
     acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
     lines.append(f"acceptance per draft position: {acc}")
+    lines += [f"peer {name} failed: {err}" for name, err in r.get("peer_errors", {}).items()]
     return "\n".join(lines)

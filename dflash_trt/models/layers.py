@@ -211,6 +211,8 @@ def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch
     if q.device.type == "cpu" and dtype != torch.float32:
         # CPU SDPA in bf16 measured 1.65x slower end to end (batch 16 decode) than upcasting to fp32
         q, keys, values = q.float(), keys.float(), values.float()
+    # head counts are static shapes (views by the model's config), so under torch.compile with
+    # dynamic shapes this is a Python bool, as SDPA requires
     gqa = q.shape[1] != keys.shape[1]
     if q.device.type == "cuda":
         # not cuDNN: it plans anew for every key length, and decoding changes it every step
@@ -233,34 +235,39 @@ def _paged_attention(q, k, v, kv, meta: AttentionMetadata) -> torch.Tensor:
     if meta.uniform and n == meta.mask.shape[0] * meta.mask.shape[2]:
         # S * Tq queries in sequence order, none padding: views, no gathers
         s, tq = meta.mask.shape[0], meta.mask.shape[2]
-        out = _sdpa(q[0].view(h, s, tq, d).transpose(0, 1), *_keys(k_pool, v_pool, meta, q.dtype), meta.mask)
+        keys = _keys(k_pool, v_pool, meta, q.dtype, k.shape[2])
+        out = _sdpa(q[0].view(h, s, tq, d).transpose(0, 1), *keys, meta.mask)
         return out.transpose(1, 2).reshape(1, n, h * d)
     qpad = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, h, d)])  # [N + 1, H, D]; row N pads
     if meta.groups:
         out = q.new_empty(n, h, d)
         for g in meta.groups:
-            out[g.query_out] = _attend(qpad, k_pool, v_pool, g)
+            out[g.query_out] = _attend(qpad, k_pool, v_pool, g, k.shape[2])
     else:
-        out = _attend(qpad, k_pool, v_pool, meta)
+        out = _attend(qpad, k_pool, v_pool, meta, k.shape[2])
     return out.reshape(1, n, h * d)
 
 
-def _keys(k_pool, v_pool, meta: AttentionMetadata, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's keys and values gathered from the pools: ``[S, Hkv, kv_len, D]``."""
+def _keys(k_pool, v_pool, meta: AttentionMetadata, dtype, hkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's keys and values gathered from the pools: ``[S, Hkv, kv_len, D]``
+    (``hkv``: the new keys' head count, a static shape where the pool's may be symbolic)."""
     s, n = meta.read_slots.shape
     flat = meta.read_slots.reshape(-1)
+    d = k_pool.shape[-1]
     # index_select, not pool[read_slots]: advanced indexing measured 4-7x slower on the CPU
     # (22 vs 5 us for 300 keys of a [8193, 3, 64] bf16 pool, 74 vs 10 us for 1,000)
-    keys = as_dtype(torch.index_select(k_pool, 0, flat), dtype).view(s, n, *k_pool.shape[1:]).transpose(1, 2)
-    values = as_dtype(torch.index_select(v_pool, 0, flat), dtype).view(s, n, *v_pool.shape[1:]).transpose(1, 2)
+    keys = as_dtype(torch.index_select(k_pool, 0, flat), dtype).view(s, n, hkv, d).transpose(1, 2)
+    values = as_dtype(torch.index_select(v_pool, 0, flat), dtype).view(s, n, hkv, d).transpose(1, 2)
     return keys, values
 
 
-def _attend(qpad: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def _attend(
+    qpad: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, hkv: int
+) -> torch.Tensor:
     """One padded SDPA over the sequences of ``meta``: ``[n_valid, H, D]`` in packed order."""
     h, d = qpad.shape[1], qpad.shape[2]
     qs = torch.index_select(qpad, 0, meta.query_index.reshape(-1)).view(*meta.query_index.shape, h, d)
-    out = _sdpa(qs.transpose(1, 2), *_keys(k_pool, v_pool, meta, qpad.dtype), meta.mask)  # [S, H, Tq, D]
+    out = _sdpa(qs.transpose(1, 2), *_keys(k_pool, v_pool, meta, qpad.dtype, hkv), meta.mask)  # [S, H, Tq, D]
     out = out.transpose(1, 2)
     if meta.query_rows is not None:
         return torch.index_select(out.reshape(-1, h, d), 0, meta.query_rows)  # a gather: no host sync

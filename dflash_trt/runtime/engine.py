@@ -47,6 +47,7 @@ class EngineConfig:
         max_num_tokens: most target tokens per iteration (verify blocks + prompt chunks).
         tokens_per_block: KV-cache block size in positions.
         kv_capacity_tokens: KV positions in the pools (target and drafter context alike).
+        compile: run the target forward compiled by torch.compile (``runtime/compiled.py``).
     """
 
     block_size: int | None = None
@@ -55,6 +56,7 @@ class EngineConfig:
     max_num_tokens: int = 2048
     tokens_per_block: int = 32
     kv_capacity_tokens: int = 65536
+    compile: bool = False
 
 
 def check_block_size(drafter: DFlashDrafter | None, block_size: int) -> None:
@@ -109,7 +111,9 @@ class LLMEngine:
             raise DFlashError(f"KV capacity {cfg.kv_capacity_tokens} is below one block of {cfg.tokens_per_block}")
         self.blocks = BlockManager(num_blocks, cfg.tokens_per_block)
         self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, cfg.max_num_tokens, reserve_extra=K)
-        self.runner = runner or ModelRunner(target, drafter if K > 1 else None, num_blocks, cfg.tokens_per_block)
+        self.runner = runner or ModelRunner(
+            target, drafter if K > 1 else None, num_blocks, cfg.tokens_per_block, compile=cfg.compile
+        )
         self.tp = tp
         self.stats = LoopStats(K)
         self.controller = DraftLengthController(K - 1) if cfg.adaptive and K > 1 else None

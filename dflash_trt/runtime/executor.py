@@ -55,6 +55,7 @@ class DFlashEngine:
         drafter: the DFlash drafter, or None for plain decoding only.
         stop_token_ids: default stop ids (the target's EOS ids).
         runner_cls: the :class:`ModelRunner` class (a test may substitute its own proposer).
+        compile: run the target forward compiled by torch.compile (``runtime/compiled.py``).
 
     Raises:
         DFlashError: from :meth:`generate` on impossible settings (block size above the
@@ -67,7 +68,9 @@ class DFlashEngine:
         drafter: DFlashDrafter | None,
         stop_token_ids: tuple[int, ...],
         runner_cls: type[ModelRunner] = ModelRunner,
+        compile: bool = False,
     ):
+        self.compile = compile
         self.target = target
         self.drafter = drafter
         self.stop_token_ids = tuple(stop_token_ids)
@@ -111,8 +114,11 @@ class DFlashEngine:
             tokens_per_block=tokens_per_block,
             max_num_tokens=max(sum(len(r.prompt_ids) for r in requests), K * n, 1),
             kv_capacity_tokens=max(need, 1) * tokens_per_block,
+            compile=self.compile,
         )
-        runner = self.runner_cls(self.target, self.drafter if K > 1 else None, max(need, 1), tokens_per_block)
+        runner = self.runner_cls(
+            self.target, self.drafter if K > 1 else None, max(need, 1), tokens_per_block, compile=self.compile
+        )
         engine = LLMEngine(self.target, self.drafter, self.stop_token_ids, cfg, runner=runner)
         for i, r in enumerate(requests):
             engine.add_request(r, on_tokens, seq_id=i)

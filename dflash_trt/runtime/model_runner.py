@@ -21,6 +21,7 @@ from ..models.drafter import DFlashDrafter, PagedBlocks, sliding_visible
 from ..models.layers import AttentionMetadata, argmax_last
 from ..models.target import TargetModel
 from .block_manager import slots_of
+from .compiled import compiled_forward
 from .kv_cache import PagedKVCache
 
 
@@ -212,15 +213,25 @@ class ModelRunner:
         num_blocks, tokens_per_block: KV pool geometry (same for target and drafter pools).
         tp: tensor-parallel group helper (``distributed.TPGroup``) or None; rank 0's drafts are
             broadcast so every rank verifies the same tokens.
+        compile: run the target forward through :func:`~.compiled.compiled_forward`.
 
     Memory: target pool ``2 * L * (num_blocks * tokens_per_block + 1) * Hkv * D`` elements,
     drafter pool likewise with the drafter's layer and head counts.
     """
 
     def __init__(
-        self, target: TargetModel, drafter: DFlashDrafter | None, num_blocks: int, tokens_per_block: int, tp=None
+        self,
+        target: TargetModel,
+        drafter: DFlashDrafter | None,
+        num_blocks: int,
+        tokens_per_block: int,
+        tp=None,
+        compile: bool = False,
     ):
         self.target, self.drafter, self.tp = target, drafter, tp
+        # the target forward: eager, or compiled by inductor (runtime/compiled.py)
+        self.forward = compiled_forward(target) if compile else target
+        self.compile = compile
         self.dtype = target.embed.weight.dtype
         self.device = target.embed.weight.device
         self.tpb = tokens_per_block
@@ -353,7 +364,6 @@ class ModelRunner:
             drafts = self.tp.broadcast(drafts)
         return drafts
 
-    @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepOutput:
         """Run one iteration: drafting for items with ``num_draft > 0``, then one target forward,
         then greedy acceptance on the device; one host copy at the end.
@@ -361,6 +371,11 @@ class ModelRunner:
         Returns:
             :class:`StepOutput`; features of every target position are kept for the drafter.
         """
+        # a compiled graph writes the KV pools: it runs under no_grad, not inference mode
+        with torch.no_grad() if self.compile else torch.inference_mode():
+            return self._step(plan)
+
+    def _step(self, plan: StepPlan) -> StepOutput:
         self.release(plan.release)
         items = plan.items
         out = StepOutput(drafts=[[] for _ in items], logits=[None] * len(items), accepted=[None] * len(items))
@@ -391,7 +406,7 @@ class ModelRunner:
             ids[torch.tensor(dst).to(self.device)] = drafts.view(-1)[torch.tensor(src).to(self.device)]
         rows = [o + n - it.num_logits + j for o, n, it in zip(offsets, lengths, items) for j in range(it.num_logits)]
         index = torch.tensor(rows, dtype=torch.long).to(self.device).unsqueeze(0)
-        res = self.target(ids.unsqueeze(0), meta, self.tcache.layers, self.capture, logits_index=index)
+        res = self.forward(ids.unsqueeze(0), meta, self.tcache.layers, self.capture, logits_index=index)
         best = argmax_last(res.logits[0])  # [R]
         first = list(accumulate([it.num_logits for it in items][:-1], initial=0))  # item -> its first row
         packed = [best]
