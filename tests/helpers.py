@@ -60,6 +60,12 @@ def check_same(model, prompt, ref, got) -> int:
     return 1
 
 
+#: a bf16 tie between two runs of the SAME model whose GEMMs differ only in their row count
+#: (1-row decode vs K-row verify) or their fusion (compiled vs eager): at most two bf16 steps of
+#: a logit in [16, 32)
+ROWS_TIE = 0.25
+
+
 def same_or_tie(model, prompt: list[int], ref: list[int], got: list[int], tie: float) -> int:
     """0 if ``got == ref``; 1 if they first differ where ``model``'s top-2 margin is <= ``tie``
     (printed); fails otherwise."""

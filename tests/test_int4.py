@@ -12,7 +12,7 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
-from helpers import OracleRunner, plain_outputs, same_or_tie
+from helpers import ROWS_TIE, OracleRunner, plain_outputs, same_or_tie
 
 from dflash_trt.checkpoints.gguf_packed import _qk_inverse_rows, q4_1_codes
 from dflash_trt.checkpoints.loader import load_pair, load_target
@@ -28,9 +28,6 @@ BF16 = torch.bfloat16
 #: bf16 top-2 logit margin below which the packed path and the reference may pick differently:
 #: logits of SmolLM2 reach ~20-30, where bf16 steps are 0.125-0.25
 BF16_TIE = 0.5
-#: a tie between two runs of the SAME packed model whose GEMMs differ only in their row count
-#: (1-row decode vs K-row verify): at most two bf16 steps of a logit in [16, 32)
-ROWS_TIE = 0.25
 
 
 @pytest.fixture(scope="module")

@@ -124,6 +124,14 @@ def _zlab_generator(target, drafter, dtype, device, stops: list[int], block_size
 LLAMA_CPP_VERSION = "0.3.36"
 
 
+def require_llama_cpp() -> None:
+    """Raises DFlashError when llama-cpp-python is not installed (``make peers``)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise DFlashError(f"peer llama.cpp needs llama-cpp-python=={LLAMA_CPP_VERSION}: run `make peers`")
+
+
 def run_llama_cpp(
     gguf: Path, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple[int, ...], threads: int
 ) -> PeerResult:
@@ -136,10 +144,8 @@ def run_llama_cpp(
     Raises:
         DFlashError: llama-cpp-python not installed (``make peers``), or a file it cannot load.
     """
-    try:
-        import llama_cpp
-    except ImportError:
-        raise DFlashError(f"peer llama.cpp needs llama-cpp-python=={LLAMA_CPP_VERSION}: run `make peers`") from None
+    require_llama_cpp()
+    import llama_cpp
     import numpy as np
 
     n_ctx = max(map(len, prompts)) + max_new_tokens + 8

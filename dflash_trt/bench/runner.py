@@ -106,15 +106,13 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         DFlashError: unknown dataset or peer, llama.cpp asked for but not installed, bad
             checkpoints, impossible block size.
     """
-    import importlib.util
-
-    from .peers import LLAMA_CPP_VERSION, PEERS
+    from .peers import PEERS, require_llama_cpp, run_peer
 
     for p in cfg.peers:
         if p not in PEERS:
             raise DFlashError(f"unknown peer {p!r}; choose from {', '.join(PEERS)}")
-    if "llama.cpp" in cfg.peers and importlib.util.find_spec("llama_cpp") is None:
-        raise DFlashError(f"peer llama.cpp needs llama-cpp-python=={LLAMA_CPP_VERSION}: run `make peers`")
+    if "llama.cpp" in cfg.peers:
+        require_llama_cpp()  # before minutes of benchmarking, not after
     if cfg.max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
     sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
@@ -146,7 +144,18 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     for name in cfg.peers:
         progress(f"peer {name} ...")
         try:
-            res = _run_one_peer(name, target, prompts, cfg, dtype, device, drafter, K)
+            res = run_peer(
+                name,
+                target.path,
+                prompts,
+                cfg.max_new_tokens,
+                dtype,
+                target.stop_token_ids,
+                device=device,
+                drafter=drafter,
+                block_size=K,
+                gguf=_gguf_of(cfg.target),
+            )
         except DFlashError as e:  # the peer fails alone: what was measured is kept
             progress(f"peer {name} failed: {e}")
             peer_errors[name] = str(e)
@@ -222,23 +231,6 @@ def _ties(r: dict) -> str:
         return ""
     worst = max(d["top2_margin"] for d in r["divergences"])
     return f" ({len(r['divergences'])} diverged, top-2 margin at divergence <= {worst:.2g})"
-
-
-def _run_one_peer(name: str, target, prompts, cfg: BenchConfig, dtype, device, drafter, K: int):
-    from .peers import run_peer
-
-    return run_peer(
-        name,
-        target.path,
-        prompts,
-        cfg.max_new_tokens,
-        dtype,
-        target.stop_token_ids,
-        device=device,
-        drafter=drafter,
-        block_size=K,
-        gguf=_gguf_of(cfg.target),
-    )
 
 
 def format_table(r: dict) -> str:
