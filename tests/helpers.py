@@ -7,7 +7,11 @@ import os
 import subprocess
 import sys
 
+import torch
+
+from dflash_trt.models.layers import AttentionMetadata
 from dflash_trt.runtime.executor import first_divergence, top2_margin
+from dflash_trt.runtime.kv_cache import KVCache
 from dflash_trt.runtime.model_runner import ModelRunner
 
 CLI = [sys.executable, "-m", "dflash_trt.cli"]
@@ -58,6 +62,31 @@ def check_same(model, prompt, ref, got) -> int:
     margin = top2_margin(model, prompt + ref[:i])
     assert margin < TIE, f"mismatch at new token {i} with top-2 margin {margin:.3g} (not a tie): {ref} vs {got}"
     return 1
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b|`` relative to the reference's scale (``max(1, max |b|)``): hidden states carry
+    activations in the hundreds, where one fp32 ulp is ~1e-4 and a batched GEMM may round
+    differently from a one-row one."""
+    return max_diff(a, b) / max(1.0, float(b.float().abs().max()))
+
+
+@torch.inference_mode()
+def full_features(model, ids: list[int], capture) -> torch.Tensor:
+    """Target features ``[len(ids), len(capture) * hidden]`` of ``ids`` from the runtime's own
+    target forward (``TargetModel.forward``, one causal prefill in the model's dtype)."""
+    cfg = model.cfg
+    S = len(ids)
+    cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, S, model.embed.weight.dtype)
+    pos = torch.arange(S).unsqueeze(0)
+    out = model(
+        torch.tensor([ids]), AttentionMetadata.causal(pos, S), cache.layers, tuple(capture), logits_index=pos[:, -1:]
+    )
+    return out.features[0].clone()
 
 
 #: a bf16 tie between two runs of the SAME model whose GEMMs differ only in their row count

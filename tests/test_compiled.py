@@ -2,16 +2,18 @@
 target in its 4-bit form: inductor really compiles the step (graphs counted), plain decoding on
 the compiled path equals the eager path except at numerical ties, and DFlash on the compiled
 path equals plain decoding on it token for token (oracle drafts: long acceptances and
-mid-block rejections), divergences only at ties between 1-row and K-row GEMMs."""
+mid-block rejections), divergences only at ties between 1-row and K-row GEMMs; the compiled
+drafter forward equals the eager one on the same context."""
 
 from __future__ import annotations
 
 import torch
-from helpers import ROWS_TIE, OracleRunner, plain_outputs, same_or_tie
+from helpers import ROWS_TIE, OracleRunner, full_features, plain_outputs, rel_diff, same_or_tie
 
 from dflash_trt.checkpoints.loader import load_pair
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
 from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
+from dflash_trt.runtime.model_runner import ModelRunner, StepItem
 
 
 def test_compiled_forward_is_lossless():
@@ -36,3 +38,26 @@ def test_compiled_forward_is_lossless():
     print(f"compiled DFlash (oracle drafts, block 4): tau {stats.tau:.2f}; {ties} parted at a tie")
     assert stats.tau > 1.5
     assert ties < len(prompts)
+
+    # the compiled drafter forward against the eager one: one draft call on the same context (a
+    # real answer's target features), its final hidden states recorded
+    ids = prompts[0] + ref[0]
+    feats = full_features(target.model, ids, drafter.cfg.target_layer_ids)
+    hidden, drafts = {}, {}
+    for compiled in (False, True):
+        runner = ModelRunner(target.model, drafter, -(-(len(ids) + 4) // 16), 16, compile=compiled)
+        forward = runner.draft_forward
+
+        def recorded(*args, forward=forward, compiled=compiled):
+            hidden[compiled] = forward(*args).clone()
+            return hidden[compiled]
+
+        runner.draft_forward = recorded
+        anchor = len(ids) - 8
+        runner.store_features(0, 0, feats[:anchor])
+        item = StepItem(0, [ids[anchor]], anchor, list(range(-(-(len(ids) + 4) // 16))), num_draft=3)
+        drafts[compiled] = runner.draft([item], 4)[0].tolist()
+    d = rel_diff(hidden[True], hidden[False])
+    print(f"compiled vs eager drafter forward: max relative difference {d:.2g}; drafts {drafts}")
+    assert hidden[True].shape == hidden[False].shape == (1, 4, target.model.cfg.hidden_size)
+    assert d < 0.02

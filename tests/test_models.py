@@ -15,6 +15,7 @@ import json
 
 import pytest
 import torch
+from helpers import max_diff, rel_diff
 
 from dflash_trt.checkpoints.loader import load_target
 from dflash_trt.checkpoints.sources import load_safetensors_dir
@@ -45,17 +46,6 @@ def full_forward(model: TargetModel, ids: list[int], capture: tuple[int, ...] = 
     T = len(ids)
     pos = torch.arange(T).unsqueeze(0)
     return model(torch.tensor([ids]), causal_meta(pos, T), new_cache(model, 1, T).layers, capture)
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max())
-
-
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max |a - b|`` relative to the reference's scale (``max(1, max |b|)``): hidden states carry
-    activations in the hundreds, where one fp32 ulp is ~1e-4 and a batched GEMM may round
-    differently from a one-row one."""
-    return max_diff(a, b) / max(1.0, float(b.float().abs().max()))
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import full_features
 
 from dflash_trt.checkpoints.loader import default_mask_token_id
 from dflash_trt.checkpoints.zlab import init_drafter, load_drafter
@@ -80,18 +81,6 @@ def rough_drafter(smollm2, layers: int, block: int, seed: int, sliding_window: i
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
     return model
-
-
-def full_features(model, ids: list[int], capture) -> torch.Tensor:
-    """Features from the runtime's own target forward (``TargetModel.forward``)."""
-    cfg = model.cfg
-    S = len(ids)
-    cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, S, torch.float32)
-    pos = torch.arange(S).unsqueeze(0)
-    out = model(
-        torch.tensor([ids]), AttentionMetadata.causal(pos, S), cache.layers, tuple(capture), logits_index=pos[:, -1:]
-    )
-    return out.features[0].clone()
 
 
 def inference_hidden(drafter, block_embeds, feats, anchor):

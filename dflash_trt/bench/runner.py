@@ -129,8 +129,9 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     engine.check_block_size(K)
     prompts = [chat_prompt_ids(target.tokenizer, t) for t in texts]
 
-    engine.generate([Request(prompts[0], 8, sampling)], K)  # warm-up, untimed
-    engine.generate([Request(prompts[0], 8, sampling)], 1)
+    warm_s = engine.warm_up(prompts[0], K, sampling)
+    if cfg.compile:
+        progress(f"compiled the target and drafter forwards in {warm_s:.0f} s (warm-up, untimed)")
     progress(f"plain decoding and DFlash (block size {K}), interleaved, on {len(prompts)} {cfg.prompt_set} prompts ...")
     runs = _run_modes(engine, prompts, cfg, [1, K], sampling)
     (ar_out, ar_wall, ar_stats), (df_out, df_wall, df_stats) = runs

@@ -1,4 +1,5 @@
-"""The target's forward compiled by torch.compile (inductor), for the CPU decode loop.
+"""The target's and the drafter's forwards compiled by torch.compile (inductor), for the CPU
+decode loop.
 
 A batch-1 decode step of the default 4-bit target is ~1,800 small eager ops around ~120 packed
 int4 GEMMs: at that size dispatch and Python, not bytes, set the step time. Inductor fuses the
@@ -8,6 +9,9 @@ KV pool writes in place, in one graph per step shape. Shapes are dynamic (token 
 length, sequences), so a run compiles a handful of graphs: the first decode step, the prompt
 prefill, and with a drafter the verify block; each costs tens of seconds on 2 cores the first
 time, and inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) shortens later processes.
+The drafter's forward (its context-K/V projection, block attention and MLPs; not the draft
+vocabulary's LM head and argmax, :meth:`DFlashDrafter.propose`) is compiled the same way: one
+graph for a prompt's context, one for the per-step context of a few tokens.
 
 The compiled forward is the same function as :meth:`TargetModel.forward`: greedy outputs agree
 with the eager forward except where fused kernels round differently at a numerical tie, and
@@ -21,22 +25,24 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
-from ..models.target import TargetModel
 
-
-def compiled_forward(model: TargetModel) -> Callable:
+def compiled_forward(model: nn.Module) -> Callable:
     """``model``'s forward compiled once per model (``torch.compile(dynamic=True)``), with the
-    signature of :meth:`TargetModel.forward` (``input_ids`` int64 ``[B, T]``, metadata, KV pools,
-    capture, logits_index) and its :class:`~dflash_trt.models.target.TargetOutput`.
+    signature and result of its ``forward``: :meth:`TargetModel.forward` (``input_ids`` int64
+    ``[B, T]``, metadata, KV pools, capture, logits_index; a
+    :class:`~dflash_trt.models.target.TargetOutput`) or :meth:`DFlashDrafter.forward` (block
+    embeddings ``[B, K, hidden]``, context features, metadata, KV pools; ``[B, K, hidden]``).
 
     Raises:
         nothing here: compilation happens on the first call; torch's errors surface there.
     """
     fn = model.__dict__.get("_compiled_forward")
     if fn is None:
-        # the undecorated forward: TargetModel.forward's inference_mode cannot wrap a graph
-        # that mutates the KV pools
-        fn = torch.compile(TargetModel.forward.__wrapped__.__get__(model), dynamic=True)
+        # the undecorated forward: a decorator's inference_mode (TargetModel.forward's) cannot
+        # wrap a graph that mutates the KV pools
+        forward = type(model).forward
+        fn = torch.compile(getattr(forward, "__wrapped__", forward).__get__(model), dynamic=True)
         model.__dict__["_compiled_forward"] = fn
     return fn

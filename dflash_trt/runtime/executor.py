@@ -9,6 +9,8 @@ decoding through the same code.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..models.drafter import DFlashDrafter
@@ -18,6 +20,7 @@ from .engine import EngineConfig, LLMEngine, check_block_size
 from .kv_cache import KVCache
 from .model_runner import ModelRunner
 from .request import LoopStats, Request, RequestOutput
+from .sampling import SamplingParams
 from .scheduler import TokenCallback
 
 __all__ = ["DFlashEngine", "LoopStats", "Request", "RequestOutput", "first_divergence", "top2_margin"]
@@ -55,7 +58,8 @@ class DFlashEngine:
         drafter: the DFlash drafter, or None for plain decoding only.
         stop_token_ids: default stop ids (the target's EOS ids).
         runner_cls: the :class:`ModelRunner` class (a test may substitute its own proposer).
-        compile: run the target forward compiled by torch.compile (``runtime/compiled.py``).
+        compile: run the target's and drafter's forwards compiled by torch.compile
+            (``runtime/compiled.py``).
 
     Raises:
         DFlashError: from :meth:`generate` on impossible settings (block size above the
@@ -78,6 +82,21 @@ class DFlashEngine:
 
     def check_block_size(self, block_size: int) -> None:
         check_block_size(self.drafter, block_size)
+
+    def warm_up(self, prompt_ids: list[int], block_size: int, sampling: SamplingParams | None = None) -> float:
+        """Untimed runs before a measured one: 8 tokens of ``prompt_ids`` at block size
+        ``block_size`` and at 1 (plain decoding); on the compiled path the same again on
+        ``prompt_ids[:-1]``, so that inductor compiles its dynamic-shape graphs (a second prompt
+        length, a second context length for the drafter) here rather than in the first timed run.
+
+        Returns:
+            seconds spent (on the compiled path, mostly compiling: report it apart from tok/s).
+        """
+        t = time.perf_counter()
+        for ids in [prompt_ids, prompt_ids[:-1]] if self.compile and len(prompt_ids) > 1 else [prompt_ids]:
+            for K in dict.fromkeys([block_size, 1]):
+                self.generate([Request(ids, 8, sampling or SamplingParams())], K)
+        return time.perf_counter() - t
 
     def generate(
         self,

@@ -213,7 +213,8 @@ class ModelRunner:
         num_blocks, tokens_per_block: KV pool geometry (same for target and drafter pools).
         tp: tensor-parallel group helper (``distributed.TPGroup``) or None; rank 0's drafts are
             broadcast so every rank verifies the same tokens.
-        compile: run the target forward through :func:`~.compiled.compiled_forward`.
+        compile: run the target's and the drafter's forwards through
+            :func:`~.compiled.compiled_forward`.
 
     Memory: target pool ``2 * L * (num_blocks * tokens_per_block + 1) * Hkv * D`` elements,
     drafter pool likewise with the drafter's layer and head counts.
@@ -229,8 +230,9 @@ class ModelRunner:
         compile: bool = False,
     ):
         self.target, self.drafter, self.tp = target, drafter, tp
-        # the target forward: eager, or compiled by inductor (runtime/compiled.py)
+        # the target's and drafter's forwards: eager, or compiled by inductor (runtime/compiled.py)
         self.forward = compiled_forward(target) if compile else target
+        self.draft_forward = compiled_forward(drafter) if compile and drafter is not None else drafter
         self.compile = compile
         self.dtype = target.embed.weight.dtype
         self.device = target.embed.weight.device
@@ -298,7 +300,11 @@ class ModelRunner:
             self._features.pop(s, None)
 
     # ---- the iteration ----
-    @torch.inference_mode()
+    def _grad_mode(self):
+        """inference mode, or no_grad on the compiled path (a compiled graph that writes the KV
+        pools cannot run in inference mode)."""
+        return torch.no_grad() if self.compile else torch.inference_mode()
+
     def draft(self, items: list[StepItem], block: int) -> torch.Tensor:
         """ONE drafter forward for all ``items``: each gets ``item.num_draft`` greedy draft tokens.
 
@@ -311,6 +317,10 @@ class ModelRunner:
             int64 ``[len(items), block - 1]`` on the device: row ``i`` starts with item ``i``'s
             ``num_draft`` tokens (the rest of the row is not verified). No host copy.
         """
+        with self._grad_mode():
+            return self._draft(items, block)
+
+    def _draft(self, items: list[StepItem], block: int) -> torch.Tensor:
         d, dev = self.drafter, self.device
         ctx = [self._take_features(it.seq_id, it.start) for it in items]
         tables = [it.table for it in items]
@@ -358,7 +368,7 @@ class ModelRunner:
                 positions=torch.cat([ctx_pos.to(dev).unsqueeze(0), blk.positions], dim=1),
                 write_slots=torch.cat([ctx_slots.to(dev).unsqueeze(0), blk.write_slots], dim=1),
             )
-            hidden = d(embeds.unsqueeze(0), feats.unsqueeze(0), meta, self.dcache.layers)
+            hidden = self.draft_forward(embeds.unsqueeze(0), feats.unsqueeze(0), meta, self.dcache.layers)
         drafts = d.propose(hidden.view(len(items), block, -1)[:, 1:], self.target.lm_head, self.tp is not None)
         if self.tp is not None:
             drafts = self.tp.broadcast(drafts)
@@ -371,8 +381,7 @@ class ModelRunner:
         Returns:
             :class:`StepOutput`; features of every target position are kept for the drafter.
         """
-        # a compiled graph writes the KV pools: it runs under no_grad, not inference mode
-        with torch.no_grad() if self.compile else torch.inference_mode():
+        with self._grad_mode():
             return self._step(plan)
 
     def _step(self, plan: StepPlan) -> StepOutput:
