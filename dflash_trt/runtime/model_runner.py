@@ -328,6 +328,13 @@ class ModelRunner:
         # packed order: every item's context tokens, then every item's block tokens
         ctx_pos, ctx_slots = _written(tables, [first for first, _ in ctx], [len(f) for _, f in ctx], self.tpb)
         feats = torch.cat([f for _, f in ctx])  # [N_ctx, F]; N_ctx may be 0
+        if self.compile and not self.kernels and len(feats) < 2:
+            # torch.compile specialises sizes 0 and 1: a context of 1 row (one token accepted)
+            # would compile a graph of its own mid-run; pad to 2 rows written to the spare slot
+            pad = 2 - len(feats)
+            feats = torch.cat([feats, feats.new_zeros(pad, feats.shape[1])])
+            ctx_pos = torch.cat([ctx_pos, torch.zeros(pad, dtype=torch.long)])
+            ctx_slots = torch.cat([ctx_slots, torch.full((pad,), self.spare_slot, dtype=torch.long)])
         ids = torch.full((len(items), block), d.cfg.mask_token_id, dtype=torch.long)
         ids[:, 0] = torch.tensor([it.tokens[0] for it in items])
         embeds = self.target.embed(ids.to(dev).view(-1))  # [S * B, hidden]
