@@ -27,6 +27,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+#: inductor options: ``cpp_wrapper`` generates the graph's kernel-calling wrapper in C++ instead
+#: of Python (a decode step calls ~500 kernels and packed GEMMs: measured here, int4 plain
+#: decoding 1.08x faster, 87.7 vs 81.2 tok/s, two compiled copies interleaved prompt by prompt
+#: in one process; compiling takes ~3x longer on a cold cache)
+OPTIONS = {"cpp_wrapper": True}
+
 
 def compiled_forward(model: nn.Module) -> Callable:
     """``model``'s forward compiled once per model (``torch.compile(dynamic=True)``), with the
@@ -43,6 +49,6 @@ def compiled_forward(model: nn.Module) -> Callable:
         # the undecorated forward: a decorator's inference_mode (TargetModel.forward's) cannot
         # wrap a graph that mutates the KV pools
         forward = type(model).forward
-        fn = torch.compile(getattr(forward, "__wrapped__", forward).__get__(model), dynamic=True)
+        fn = torch.compile(getattr(forward, "__wrapped__", forward).__get__(model), dynamic=True, options=OPTIONS)
         model.__dict__["_compiled_forward"] = fn
     return fn
