@@ -19,12 +19,12 @@ from dflash_trt.runtime.model_runner import ModelRunner, StepItem
 def test_compiled_forward_is_lossless(monkeypatch):
     from torch._dynamo.utils import counters
 
-    from dflash_trt.runtime import compiled
+    from dflash_trt.runtime import compiled as compiled_module
 
     # the same graphs through inductor's Python wrapper: the shipped C++ wrapper (cpp_wrapper)
     # passed this whole test too (session 11: 582 s on a cold inductor cache against ~200 s with
     # the Python wrapper), too slow for every `make test`
-    monkeypatch.setattr(compiled, "OPTIONS", {})
+    monkeypatch.setattr(compiled_module, "OPTIONS", {})
 
     target, drafter = load_pair(None, None, torch.bfloat16, weights="int4")
     prompts = [chat_prompt_ids(target.tokenizer, t) for t in mixed_prompts(2)]
