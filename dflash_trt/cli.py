@@ -399,7 +399,7 @@ def cmd_generate(args) -> None:
     if not ids:
         raise DFlashError("empty prompt")
     if args.compile:  # compile before the timed run: tok/s below is decoding, not compiling
-        print("--compile: compiling the target and drafter forwards (a minute or two here) ...", file=sys.stderr)
+        print("--compile: compiling the target and drafter forwards (minutes on a cold cache) ...", file=sys.stderr)
         print(f"--compile: compiled in {engine.warm_up(ids, K, sampling):.0f} s (untimed)", file=sys.stderr)
     if args.prompt_from:
         print(f"[{args.prompt_from}] {text}\n", flush=True)

@@ -83,7 +83,7 @@ class DFlashEngine:
     def check_block_size(self, block_size: int) -> None:
         check_block_size(self.drafter, block_size)
 
-    def warm_up(self, prompt_ids: list[int], block_size: int, sampling: SamplingParams | None = None) -> float:
+    def warm_up(self, prompt_ids: list[int], block_size: int, sampling: SamplingParams) -> float:
         """Untimed runs before a measured one: 8 tokens of ``prompt_ids`` at block size
         ``block_size`` and at 1 (plain decoding); on the compiled path the same again on
         ``prompt_ids[:-1]``, so that inductor compiles its dynamic-shape graphs (a second prompt
@@ -95,7 +95,7 @@ class DFlashEngine:
         t = time.perf_counter()
         for ids in [prompt_ids, prompt_ids[:-1]] if self.compile and len(prompt_ids) > 1 else [prompt_ids]:
             for K in dict.fromkeys([block_size, 1]):
-                self.generate([Request(ids, 8, sampling or SamplingParams())], K)
+                self.generate([Request(ids, 8, sampling)], K)
         return time.perf_counter() - t
 
     def generate(
