@@ -8,9 +8,19 @@ engine, training) run there unchanged."""
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+#: the background ``make image-cpu`` started at collection: ``proc``, ``log`` (path), ``started``
+IMAGE_BUILD: dict = {}
 
 # One intra-op thread in the test process: the models here are small, and on a 2-core machine
 # 2 threads ran up to ~15x slower whenever another process was busy (OpenMP barriers wait for a
@@ -22,6 +32,32 @@ torch.set_num_threads(1)
 # dflash_trt.kernels. Subprocesses inherit it; `kernels-aot` is run with it removed.
 if os.environ.get("DFLASH_TRT_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_finish(session):
+    """When the image tests are collected, start ``make image-cpu`` (niced, see the Makefile)
+    in the background right away: the build is mostly downloads and unpacking, and the other
+    tests use one core of two, so it overlaps them instead of adding ~9 min to ``make test``.
+    ``tests/test_image.py``'s ``image`` fixture waits for it (``IMAGE_BUILD``)."""
+    if session.config.option.collectonly or not shutil.which("podman"):
+        return
+    if any(item.path.name == "test_image.py" for item in session.items):
+        fd, log = tempfile.mkstemp(prefix="make-image-cpu-", suffix=".log")
+        proc = subprocess.Popen(
+            ["make", "image-cpu"], cwd=ROOT, stdout=fd, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        os.close(fd)  # the child has its own copy
+        IMAGE_BUILD.update(proc=proc, log=log, started=time.perf_counter())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop a background image build the session did not wait for (interrupted, deselected)."""
+    proc = IMAGE_BUILD.get("proc")
+    if proc is not None and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)  # make and the podman build it started
+        proc.wait(60)
+    if IMAGE_BUILD:
+        Path(IMAGE_BUILD["log"]).unlink(missing_ok=True)
 
 
 @pytest.fixture(autouse=True)

@@ -340,9 +340,10 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
             if tp is not None
             else LLMEngine(target.model, drafter if use_drafter else None, target.stop_token_ids, ecfg)
         )
-        warm = eng.add_request(Request(prompts[0], min(8, cfg.max_new_tokens), sampling))  # untimed
-        eng.run()
-        eng.result(warm)
+        # untimed; on the compiled path also a batch of three (batched graphs compile here)
+        warm_s = eng.warm_up(prompts[:3], sampling, min(8, cfg.max_new_tokens))
+        if cfg.compile:
+            progress(f"{mode}: compiled in {warm_s:.0f} s (warm-up, untimed)")
         engines[mode] = eng
         return eng
 

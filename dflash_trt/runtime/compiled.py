@@ -6,9 +6,11 @@ int4 GEMMs: at that size dispatch and Python, not bytes, set the step time. Indu
 elementwise work (norms, RoPE, residuals, SwiGLU, dtype casts) into generated C++ kernels and
 calls the GEMMs (it lowers ``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm``) and the
 KV pool writes in place, in one graph per step shape. Shapes are dynamic (token count, key
-length, sequences), so a run compiles a handful of graphs: the first decode step, the prompt
-prefill, and with a drafter the verify block; each costs tens of seconds on 2 cores the first
-time, and inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) shortens later processes.
+length, sequences), but torch.compile specialises sizes 0 and 1, so a run compiles a handful of
+graphs: the first decode step, the prompt prefill, with a drafter the verify block, and under
+in-flight batching the batched steps; each costs tens of seconds on 2 cores the first time, and
+inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) shortens later processes. Callers compile
+them in an untimed warm-up (:meth:`DFlashEngine.warm_up`, :meth:`LLMEngine.warm_up`).
 The drafter's forward (its context-K/V projection, block attention and MLPs; not the draft
 vocabulary's LM head and argmax, :meth:`DFlashDrafter.propose`) is compiled the same way: one
 graph for a prompt's context, one for the per-step context of a few tokens.
@@ -33,6 +35,14 @@ from torch import nn
 #: in one process; compiling takes ~3x longer on a cold cache)
 OPTIONS = {"cpp_wrapper": True}
 
+#: graphs dynamo may compile per function before it gives up and runs it eagerly (its default,
+#: 8, is exceeded by one process that serves an adaptive DFlash engine and a plain one on the
+#: same target: torch.compile specialises sizes 0 and 1 of every input, so batch of one,
+#: one-token steps, no logits rows and which layers are captured each add a graph; the start-up
+#: calibration's sweep reaches 8, and the plain engine's first graph then ran eager: a load
+#: benchmark's plain lane, measured at 43.8 against the compiled DFlash lane's 58.9 tok/s)
+RECOMPILE_LIMIT = 64
+
 
 def compiled_forward(model: nn.Module) -> Callable:
     """``model``'s forward compiled once per model (``torch.compile(dynamic=True)``), with the
@@ -49,6 +59,7 @@ def compiled_forward(model: nn.Module) -> Callable:
         # the undecorated forward: a decorator's inference_mode (TargetModel.forward's) cannot
         # wrap a graph that mutates the KV pools
         forward = type(model).forward
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         fn = torch.compile(getattr(forward, "__wrapped__", forward).__get__(model), dynamic=True, options=OPTIONS)
         model.__dict__["_compiled_forward"] = fn
     return fn

@@ -31,7 +31,7 @@ from .adaptive import DraftLengthController
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, StepItem, StepPlan
 from .request import LoopStats, Request, RequestOutput
-from .sampling import accepted_lengths, choose_tokens
+from .sampling import SamplingParams, accepted_lengths, choose_tokens
 from .scheduler import Schedule, Scheduler, Sequence, TokenCallback, callback, log
 
 
@@ -359,6 +359,47 @@ class LLMEngine:
             if self._release:
                 release, self._release = self._release, []
                 self._run(StepPlan([], release=release))
+
+    def warm_up(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: int = 8) -> float:
+        """Untimed requests before a measured run: ``prompts[0]`` alone, ``max_new_tokens``
+        tokens. On the compiled path (``EngineConfig.compile``) then all ``prompts`` at once,
+        and ``prompts[0]`` again joining them while they decode: torch.compile specialises a
+        batch of one sequence and the shape of the attention metadata (one prompt, uniform
+        decode blocks, prompts beside decode blocks), so these graphs compile here rather than
+        in the first timed iterations; the adaptive controller then starts afresh and is
+        calibrated again (what it measured meanwhile included compiling).
+
+        Args:
+            prompts: prompt token ids (at least one; two or more to warm batched steps up).
+            sampling: sampling parameters of the warm-up requests.
+            max_new_tokens: tokens generated per warm-up request.
+
+        Returns:
+            seconds spent (on the compiled path, mostly compiling: report it apart from tok/s).
+
+        Raises:
+            DFlashError: as :meth:`add_request` (empty prompt, ``max_new_tokens < 1``, ...).
+        """
+        t = time.perf_counter()
+        compiled = self.config.compile
+
+        def add(batch: list[list[int]]) -> list[int]:
+            return [self.add_request(Request(p, max_new_tokens, sampling)) for p in batch]
+
+        sids = add(prompts[:1])
+        self.run()
+        if compiled and len(prompts) > 1:
+            sids += add(prompts)
+            for _ in range(2):  # the batch decodes; then a request joins it (a prompt beside verify blocks)
+                self.step()
+            sids += add(prompts[:1])
+            self.run()
+        for sid in sids:
+            self.result(sid)
+        if compiled and self.controller is not None:
+            self.controller = DraftLengthController(self.block_size - 1)
+            self.calibrate()
+        return time.perf_counter() - t
 
     # ---- start-up cost measurement for the adaptive controller ----
     def calibrate(self, max_tokens: int = 256) -> None:
