@@ -366,9 +366,10 @@ def test_fp8_engine_runs_in_the_runtime(tmp_path, smollm2):
     want = xq @ target.model.layers[3].attn.qkv.weight.detach().t()
     got = qkv(x)
     assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
+    # 4 tokens: torch._scaled_mm has no fast CPU kernel (~90 % of this test's 9 min at 12 tokens)
     e8 = DFlashEngine(t8.model, d8, t8.stop_token_ids)
-    p8 = e8.generate([Request(ids, 12, greedy)], 1)[0].output_ids
-    assert e8.generate([Request(ids, 12, greedy)], 8)[0].output_ids == p8
+    p8 = e8.generate([Request(ids, 4, greedy)], 1)[0].output_ids
+    assert len(p8) == 4 and e8.generate([Request(ids, 4, greedy)], 8)[0].output_ids == p8
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
