@@ -3,8 +3,9 @@ target in its 4-bit form: inductor really compiles the step (graphs counted), pl
 the compiled path equals the eager path except at numerical ties, and DFlash on the compiled
 path equals plain decoding on it token for token (oracle drafts: long acceptances and
 mid-block rejections), divergences only at ties between 1-row and K-row GEMMs; the compiled
-drafter forward equals the eager one on the same context; in-flight batching compiles nothing
-after :meth:`LLMEngine.warm_up`."""
+drafter forward equals the eager one on the same context; under in-flight batching (a small
+random target) the compiled path never hits dynamo's recompile limit and DFlash equals plain
+decoding."""
 
 from __future__ import annotations
 
@@ -121,10 +122,10 @@ def test_in_flight_batching_compiled_is_lossless():
             for adaptive in (True, False)
         }
         warm = {adaptive: eng.warm_up(reqs[:3], SamplingParams(), 8) for adaptive, eng in engines.items()}
-        graphs = counters["stats"]["unique_graphs"]
-        outs, compiled_inside, later = {}, {}, {}
+        graphs = counters["stats"]
+        outs, compiled_after = {}, {}
         for adaptive, eng in engines.items():
-            g = counters["stats"]["unique_graphs"]
+            g0 = graphs["unique_graphs"]
             # the warm-up's pattern with other prompts and lengths: three requests at once, then
             # one joining while they decode (its prompt beside their verify blocks)
             sids = [eng.add_request(Request(p, 8 + 4 * i)) for i, p in enumerate(reqs[3:6])]
@@ -132,7 +133,7 @@ def test_in_flight_batching_compiled_is_lossless():
                 eng.step()
             sids.append(eng.add_request(Request(reqs[6], 20)))
             eng.run()
-            compiled_inside[adaptive], g = counters["stats"]["unique_graphs"] - g, counters["stats"]["unique_graphs"]
+            g1 = graphs["unique_graphs"]
             # then two joining at once: attention metadata of a shape the warm-up did not run
             # (two prompts beside decode blocks) compiles here; reported, not asserted
             sids += [eng.add_request(Request(p, 16)) for p in reqs[1:3]]
@@ -141,10 +142,9 @@ def test_in_flight_batching_compiled_is_lossless():
             sids += [eng.add_request(Request(p, 12)) for p in reqs[4:6]]
             eng.run()
             outs[adaptive] = [eng.result(s).output_ids for s in sids]
-            later[adaptive] = counters["stats"]["unique_graphs"] - g
-    drafted = engines[True].stats.draft_calls
-    print(f"warm-up {warm[True]:.0f} s / {warm[False]:.0f} s ({graphs} graphs in all)")
-    print(f"graphs compiled after it (DFlash engine: True): {compiled_inside}, then two joining at once {later}")
-    print(f"DFlash: {drafted} drafting steps")
+            compiled_after[adaptive] = (g1 - g0, graphs["unique_graphs"] - g1)
+    print(f"warm-up {warm[True]:.0f} s / {warm[False]:.0f} s; graphs compiled after it, same pattern / two joining")
+    print(f"at once: DFlash {compiled_after[True]}, plain {compiled_after[False]}")
+    print(f"DFlash: {engines[True].stats.draft_calls} drafting steps")
     assert [len(o) for o in outs[False]] == [8, 12, 16, 20, 16, 16, 12, 12]
     assert outs[True] == outs[False]

@@ -72,13 +72,12 @@ def image():
     if shutil.which("podman") is None:
         pytest.fail("podman is not installed: the image tests need it (apt-get install podman runc ..., see .ci/run)")
     build = IMAGE_BUILD.get("proc")
+    t = time.perf_counter()
     if build is not None:
-        t = time.perf_counter()
         code = build.wait(3600)
         out = Path(IMAGE_BUILD["log"]).read_text()
         took = f"{time.perf_counter() - IMAGE_BUILD['started']:.0f} s, {time.perf_counter() - t:.0f} s of it waited for"
     else:
-        t = time.perf_counter()
         proc = subprocess.run(["make", "image-cpu"], cwd=ROOT, capture_output=True, text=True, timeout=3600)
         code, out, took = proc.returncode, proc.stdout + proc.stderr, f"{time.perf_counter() - t:.0f} s"
     assert code == 0, f"make image-cpu failed:\n{out[-4000:]}"

@@ -340,7 +340,7 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
             if tp is not None
             else LLMEngine(target.model, drafter if use_drafter else None, target.stop_token_ids, ecfg)
         )
-        # untimed; on the compiled path also a batch of three (batched graphs compile here)
+        # untimed; on the compiled path also a batch and a request joining it (those graphs compile here)
         warm_s = eng.warm_up(prompts[:3], sampling, min(8, cfg.max_new_tokens))
         if cfg.compile:
             progress(f"{mode}: compiled in {warm_s:.0f} s (warm-up, untimed)")
