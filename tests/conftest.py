@@ -19,13 +19,20 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-#: the background ``make image-cpu`` started at collection: ``proc``, ``log`` (path), ``started``
+#: the background ``make image-cpu`` started at collection: ``log`` and ``rc`` (paths: its output
+#: and, once it has ended, its exit status), ``started`` (wall clock), and ``proc`` in the process
+#: that started it
 IMAGE_BUILD: dict = {}
+#: pytest-xdist's worker name (``gw0``, ``gw1`` ...), None in a run without workers
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 
 # One intra-op thread in the test process: the models here are small, and on a 2-core machine
 # 2 threads ran up to ~15x slower whenever another process was busy (OpenMP barriers wait for a
-# descheduled thread). CLI tests run the command in subprocesses with the default threads.
+# descheduled thread). Commands tests start run with the default threads, except under xdist.
 torch.set_num_threads(1)
+if WORKER is not None:
+    # `make test` runs two workers on the two cores: the commands tests start get one thread too
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Without a GPU the drafter kernels (Triton language) run through Triton's interpreter; Triton
 # picks interpreter or compiler when a kernel is defined, so this must precede any import of
@@ -36,28 +43,38 @@ if os.environ.get("DFLASH_TRT_TEST_DEVICE", "cpu") == "cpu":
 
 def pytest_collection_finish(session):
     """When the image tests are collected, start ``make image-cpu`` (niced, see the Makefile)
-    in the background right away: the build is mostly downloads and unpacking, and the other
-    tests use one core of two, so it overlaps them instead of adding ~9 min to ``make test``.
-    ``tests/test_image.py``'s ``image`` fixture waits for it (``IMAGE_BUILD``)."""
+    in the background right away: the build is mostly downloads and unpacking, so it overlaps
+    the other tests instead of adding ~9 min to ``make test``. With pytest-xdist every worker
+    collects every test; worker ``gw0`` starts the build and the others only learn its files
+    (named by the run's ``testrunuid``), so whichever worker runs ``tests/test_image.py`` waits
+    for the same build there (its ``image`` fixture, through the exit-status file)."""
     if session.config.option.collectonly or not shutil.which("podman"):
         return
-    if any(item.path.name == "test_image.py" for item in session.items):
-        fd, log = tempfile.mkstemp(prefix="make-image-cpu-", suffix=".log")
-        proc = subprocess.Popen(
-            ["make", "image-cpu"], cwd=ROOT, stdout=fd, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        os.close(fd)  # the child has its own copy
-        IMAGE_BUILD.update(proc=proc, log=log, started=time.perf_counter())
+    if not any(item.path.name == "test_image.py" for item in session.items):
+        return
+    run = getattr(session.config, "workerinput", {}).get("testrunuid", f"pid{os.getpid()}")
+    base = Path(tempfile.gettempdir()) / f"dflash-trt-make-image-cpu-{run}"
+    log, rc = base.with_suffix(".log"), base.with_suffix(".rc")
+    IMAGE_BUILD.update(log=log, rc=rc, started=time.time())
+    if WORKER not in (None, "gw0"):
+        return
+    # the exit status is written to a temporary name and renamed: a reader never sees it half-written
+    script = f'make image-cpu > "{log}" 2>&1; echo $? > "{rc}.tmp"; mv "{rc}.tmp" "{rc}"'
+    IMAGE_BUILD["proc"] = subprocess.Popen(["sh", "-c", script], cwd=ROOT, start_new_session=True)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Stop a background image build the session did not wait for (interrupted, deselected)."""
+    """Stop a background image build that nobody will wait for: at the end of a run without
+    workers, or when the run was interrupted (a worker that started it may finish its share
+    while another worker still waits for the image). Its files go with it."""
     proc = IMAGE_BUILD.get("proc")
-    if proc is not None and proc.poll() is None:
+    if proc is None or proc.poll() is not None:
+        return
+    if WORKER is None or exitstatus == pytest.ExitCode.INTERRUPTED:
         os.killpg(proc.pid, signal.SIGTERM)  # make and the podman build it started
         proc.wait(60)
-    if IMAGE_BUILD:
-        Path(IMAGE_BUILD["log"]).unlink(missing_ok=True)
+        for f in (IMAGE_BUILD["log"], IMAGE_BUILD["rc"]):
+            f.unlink(missing_ok=True)
 
 
 @pytest.fixture(autouse=True)

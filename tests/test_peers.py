@@ -134,3 +134,44 @@ def test_llama_cpp_peer(smollm2, prompts, hf_result):
         f"prefill {res.prefill_tokens_per_s:.0f} tok/s; same as hf {same}"
     )
     assert all(a[0] == b[0] for a, b in zip(res.outputs, hf_result.outputs))
+
+
+def test_interleaved_llama_cpp_crash_keeps_the_bench(tmp_path, monkeypatch):
+    """``bench --peers llama.cpp`` interleaves llama.cpp with our modes prompt by prompt in a
+    child process that stays up (:class:`LlamaCppSession`). A stand-in ``llama_cpp`` package
+    answers the first prompts (its warm-up and prompt 0: a fixed token sequence) and dies of
+    SIGSEGV on the next one, as native code does: the benchmark finishes with its own figures
+    and reports the peer's crash in one line."""
+    from dflash_trt.bench.runner import BenchConfig, run_bench
+
+    fake = tmp_path / "llama_cpp"
+    fake.mkdir()
+    (fake / "llama_cpp.py").write_text("def llama_model_default_params():\n    return None\n")
+    (fake / "__init__.py").write_text(
+        "import os, signal\n"
+        "import numpy as np\n"
+        "from . import llama_cpp\n"
+        "RESETS = 0\n"
+        "LOGITS = np.zeros(8, dtype=np.float32)\n"
+        "class Llama:\n"
+        "    def __init__(self, **kw):\n"
+        "        self.ctx = None\n"
+        "    def n_vocab(self):\n"
+        "        return 8\n"
+        "    def reset(self):\n"
+        "        global RESETS\n"
+        "        RESETS += 1\n"
+        "        if RESETS == 3:\n"
+        "            os.kill(os.getpid(), signal.SIGSEGV)\n"
+        "    def eval(self, ids):\n"
+        "        LOGITS[:] = 0\n"
+        "        LOGITS[len(ids) % 8] = 1\n"
+        "def llama_get_logits_ith(ctx, i):\n"
+        "    return LOGITS.ctypes.data_as(__import__('ctypes').POINTER(__import__('ctypes').c_float))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = BenchConfig(dataset="gsm8k", num_prompts=2, max_new_tokens=4, block_size=4, peers=("llama.cpp",))
+    r = run_bench(cfg, progress=lambda m: None)
+    assert r["ar_tokens"] == r["dflash_tokens"] == 8 and r["lossless"]
+    assert "llama.cpp" not in r["peers"]
+    assert r["peer_errors"]["llama.cpp"].startswith("peer llama.cpp crashed (exit code -11)")

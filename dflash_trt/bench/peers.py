@@ -7,7 +7,8 @@
 - ``llama.cpp``: llama-cpp-python (``make peers`` builds it from its sdist) on the target's own
   GGUF file, the same prompt token ids, greedy (argmax of its logits), ``n_threads`` = torch's
   thread count; prefill (one ``eval`` of the prompt) and decode (one ``eval`` per new token)
-  are timed apart.
+  are timed apart. It runs in a child process (:class:`LlamaCppSession`) that ``bench`` keeps up
+  and interleaves with our modes prompt by prompt.
 
 Each peer loads the HF checkpoint once (untimed), runs one short untimed warm-up generate, then
 times every prompt's ``generate`` call with :func:`time.perf_counter` (prefill included; tokenizing,
@@ -16,7 +17,9 @@ tensor building and post-processing are outside the timed region).
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,10 +135,11 @@ def require_llama_cpp() -> None:
         raise DFlashError(f"peer llama.cpp needs llama-cpp-python=={LLAMA_CPP_VERSION}: run `make peers`")
 
 
-def run_llama_cpp(
-    gguf: Path, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple[int, ...], threads: int
-) -> PeerResult:
-    """Greedy decoding with llama.cpp (llama-cpp-python) on ``gguf``, one prompt at a time.
+def _llama_cpp_generator(
+    gguf: Path, n_ctx: int, stop_token_ids: tuple[int, ...], threads: int
+) -> Callable[[list[int], int], tuple[list[int], float, float]]:
+    """Load ``gguf`` into llama.cpp (llama-cpp-python) and return ``one(prompt_ids, max_new_tokens)``:
+    greedy decoding of one prompt, ``(new token ids, prefill seconds, decode seconds)``.
 
     Per prompt: ``Llama.reset()``, one timed ``eval(prompt)`` (prefill), then argmax of the
     last logits, ``eval([token])`` per new token (decode) until ``max_new_tokens`` or a stop
@@ -146,13 +150,12 @@ def run_llama_cpp(
     """
     require_llama_cpp()
     import llama_cpp
-    import numpy as np
 
-    n_ctx = max(map(len, prompts)) + max_new_tokens + 8
     # ggml's extra weight buffers (repacked layouts) off: on an AMX Xeon here the first eval on
     # its AMX buffer of this file segfaulted (general protection fault in libggml-cpu); without
     # it the weights stay in the file's Q4_1 / Q8_0 layout and ggml's AVX-512 dot products run
     import llama_cpp.llama_cpp as capi
+    import numpy as np
 
     defaults = capi.llama_model_default_params
 
@@ -197,51 +200,113 @@ def run_llama_cpp(
             llm.eval([tok])
         return out, t1 - t0, time.perf_counter() - t1
 
-    one(prompts[0], min(WARMUP_NEW_TOKENS, max_new_tokens))  # warm-up, untimed
-    outputs, pre, dec = [], 0.0, 0.0
-    for p in prompts:
-        out, a, b = one(p, max_new_tokens)
-        outputs.append(out)
-        pre, dec = pre + a, dec + b
+    return one
+
+
+def _llama_cpp_serve(conn, *args) -> None:
+    """The child process of :class:`LlamaCppSession`: load the model, then answer
+    ``(prompt_ids, max_new_tokens)`` jobs until it receives None."""
+    try:
+        one = _llama_cpp_generator(*args)
+    except DFlashError as e:
+        conn.send(("error", str(e)))
+        return
+    conn.send(("ready", None))
+    while (job := conn.recv()) is not None:
+        conn.send(("ok", one(*job)))
+
+
+class LlamaCppSession:
+    """llama.cpp on a GGUF file in a child process (``spawn``) that stays up between prompts, so
+    that a benchmark can interleave it prompt by prompt with our own modes (a slow period of a
+    shared machine then falls on every mode alike), and so that a crash in llama.cpp's native
+    code (seen: a segfault in ggml's AMX weight repacking on an AMX Xeon) ends the peer, not the
+    benchmark. The child waits on its pipe between prompts: it uses no CPU while ours run.
+
+    Args:
+        gguf: the model file; n_ctx: llama.cpp's context length (longest prompt + new tokens);
+        stop_token_ids: a new token among these ends the prompt's generation (it is kept);
+        threads: llama.cpp's ``n_threads`` and ``n_threads_batch``.
+
+    Raises:
+        DFlashError: llama-cpp-python not installed (``make peers``), a file it cannot load,
+            or the child died (its exit code); also from :meth:`generate`.
+    """
+
+    def __init__(self, gguf: Path, n_ctx: int, stop_token_ids: tuple[int, ...], threads: int):
+        import multiprocessing
+
+        require_llama_cpp()
+        self.gguf = Path(gguf)
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child_end = ctx.Pipe()
+        args = (child_end, self.gguf, n_ctx, tuple(int(t) for t in stop_token_ids), threads)
+        self._child = ctx.Process(target=_llama_cpp_serve, args=args, daemon=True)
+        self._child.start()
+        child_end.close()  # the child's copy stays open: its death is our EOF
+        self._receive()
+
+    def _receive(self):
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            self._child.join()
+            raise DFlashError(
+                f"peer llama.cpp crashed (exit code {self._child.exitcode}) on {self.gguf.name}: a fault in "
+                "llama-cpp-python's native code; rebuild it with `make peers`"
+            ) from None
+        if status == "error":
+            self.close()
+            raise DFlashError(value)
+        return value
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float]:
+        """Greedy decoding of one prompt: ``(new token ids, prefill seconds, decode seconds)``."""
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # gone: _receive says how it ended
+            self._conn.send((list(prompt_ids), max_new_tokens))
+        return self._receive()
+
+    def close(self) -> None:
+        """Stop the child (idempotent)."""
+        if self._child.is_alive():
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                self._conn.send(None)
+            self._child.join(30)
+            if self._child.is_alive():
+                self._child.kill()
+                self._child.join()
+        self._conn.close()
+
+    def __enter__(self) -> LlamaCppSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def llama_cpp_result(prompts: list[list[int]], runs: list[tuple[list[int], float, float]]) -> PeerResult:
+    """The :class:`PeerResult` of :meth:`LlamaCppSession.generate` results, one per prompt."""
+    outputs = [r[0] for r in runs]
+    pre, dec = sum(r[1] for r in runs), sum(r[2] for r in runs)
     return PeerResult("llama.cpp", outputs, sum(map(len, outputs)), pre + dec, sum(map(len, prompts)), pre, dec)
 
 
-def _llama_cpp_child(conn, *args) -> None:
-    try:
-        conn.send(("ok", run_llama_cpp(*args)))
-    except DFlashError as e:
-        conn.send(("error", str(e)))
+def llama_cpp_context(prompts: list[list[int]], max_new_tokens: int) -> int:
+    """The context length a :class:`LlamaCppSession` needs for ``prompts``."""
+    return max(map(len, prompts)) + max_new_tokens + 8
 
 
 def run_llama_cpp_isolated(
     gguf: Path, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple[int, ...], threads: int
 ) -> PeerResult:
-    """:func:`run_llama_cpp` in a child process (``spawn``), so that a crash in llama.cpp's
-    native code (seen: a segfault in ggml's AMX weight repacking on an AMX Xeon) ends the peer,
-    not the benchmark.
+    """Every prompt through a :class:`LlamaCppSession` (after one short untimed warm-up).
 
     Raises:
-        DFlashError: what :func:`run_llama_cpp` raises, or the child died (its exit code).
+        DFlashError: as :class:`LlamaCppSession`.
     """
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    recv, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_llama_cpp_child, args=(send, gguf, prompts, max_new_tokens, stop_token_ids, threads))
-    child.start()
-    send.close()
-    try:
-        status, value = recv.recv()
-    except EOFError:
-        child.join()
-        raise DFlashError(
-            f"peer llama.cpp crashed (exit code {child.exitcode}) on {gguf.name}: a fault in llama-cpp-python's "
-            "native code; rebuild it with `make peers`"
-        ) from None
-    child.join()
-    if status == "error":
-        raise DFlashError(value)
-    return value
+    with LlamaCppSession(gguf, llama_cpp_context(prompts, max_new_tokens), stop_token_ids, threads) as llm:
+        llm.generate(prompts[0], min(WARMUP_NEW_TOKENS, max_new_tokens))  # warm-up, untimed
+        return llama_cpp_result(prompts, [llm.generate(p, max_new_tokens) for p in prompts])
 
 
 def run_peer(
@@ -272,7 +337,7 @@ def run_peer(
             (``dflash.model.dflash_generate``, PyPI ``dflash``) runs with the same weights on
             the transformers target.
         block_size: block size for ``"zlab"`` (default: the drafter's).
-        gguf: the target's GGUF file, needed by ``"llama.cpp"`` (:func:`run_llama_cpp` in a
+        gguf: the target's GGUF file, needed by ``"llama.cpp"`` (:func:`run_llama_cpp_isolated`: a
             child process, with torch's thread count; ``dtype`` and ``device`` do not apply:
             llama.cpp runs the file's own types on the CPU).
 

@@ -1,7 +1,10 @@
 """``dflash-trt bench``: plain decoding, DFlash and peers on the same real prompts, in one run.
 
 Every mode runs the same prompts one request at a time (batch 1), after one untimed warm-up
-request, in the same process and dtype; plain decoding and DFlash alternate prompt by prompt.
+request, in the same process and dtype; plain decoding and DFlash alternate prompt by prompt,
+and the llama.cpp peer (its own child process, idle meanwhile) takes its turn after them on each
+prompt, so a slow or fast period of a shared machine falls on all three alike; the transformers
+peers run after them.
 Throughput is committed new tokens over the wall time of the generate calls (prefill included).
 ``verify_cost_ratio`` and ``draft_cost_ratio`` are mean per-call wall times measured inside those
 same runs, relative to one plain decode forward.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,11 +81,17 @@ def device_name(device: torch.device | str = "cpu") -> str:
 
 
 def _run_modes(
-    engine: DFlashEngine, prompts: list[list[int]], cfg: BenchConfig, sizes: list[int], sampling: SamplingParams
+    engine: DFlashEngine,
+    prompts: list[list[int]],
+    cfg: BenchConfig,
+    sizes: list[int],
+    sampling: SamplingParams,
+    peer: Callable[[list[int]], None] | None = None,
 ) -> list[tuple[list[list[int]], float, LoopStats]]:
     """Every prompt at each block size in turn (plain decoding and DFlash interleaved prompt by
-    prompt, so that a slow period of a shared machine falls on both modes alike). Returns per
-    entry of ``sizes``: the outputs, the wall seconds of its generate calls, its loop statistics."""
+    prompt, so that a slow period of a shared machine falls on both modes alike), then
+    ``peer(prompt_ids)`` when given (a peer interleaved the same way). Returns per entry of
+    ``sizes``: the outputs, the wall seconds of its generate calls, its loop statistics."""
     from tqdm import tqdm
 
     outputs = [[] for _ in sizes]
@@ -93,7 +103,53 @@ def _run_modes(
             out = engine.generate([Request(ids, cfg.max_new_tokens, sampling)], k, stats=stats[i])[0]
             walls[i] += time.perf_counter() - t
             outputs[i].append(out.output_ids)
+        if peer is not None:
+            peer(ids)
     return list(zip(outputs, walls, stats))
+
+
+class _InterleavedLlamaCpp:
+    """The llama.cpp peer run prompt by prompt beside our modes (:class:`~.peers.LlamaCppSession`):
+    call it with each prompt; :meth:`result` after the last. A failure (no GGUF target, a crash)
+    is kept in ``error`` and ends the peer, not the benchmark."""
+
+    def __init__(self, cfg: BenchConfig, prompts: list[list[int]], stop_token_ids: tuple[int, ...]):
+        from .peers import WARMUP_NEW_TOKENS, LlamaCppSession, llama_cpp_context
+
+        self.max_new, self.runs, self.error, self.session = cfg.max_new_tokens, [], None, None
+        gguf = _gguf_of(cfg.target)
+        if gguf is None:
+            self.error = "peer llama.cpp runs a GGUF target: use the default target or --target FILE.gguf"
+            return
+        try:
+            ctx = llama_cpp_context(prompts, cfg.max_new_tokens)
+            self.session = LlamaCppSession(gguf, ctx, stop_token_ids, torch.get_num_threads())
+            self.session.generate(prompts[0], min(WARMUP_NEW_TOKENS, cfg.max_new_tokens))  # warm-up, untimed
+        except DFlashError as e:
+            self._fail(e)
+
+    def _fail(self, e: DFlashError) -> None:
+        self.error = str(e)
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+
+    def __call__(self, ids: list[int]) -> None:
+        if self.session is None:
+            return
+        try:
+            self.runs.append(self.session.generate(ids, self.max_new))
+        except DFlashError as e:
+            self._fail(e)
+
+    def result(self, prompts: list[list[int]]):
+        """The :class:`~.peers.PeerResult`, or None after a failure (``error`` says why)."""
+        from .peers import llama_cpp_result
+
+        if self.session is None:
+            return None
+        self.session.close()
+        return llama_cpp_result(prompts, self.runs)
 
 
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
@@ -132,8 +188,10 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     warm_s = engine.warm_up(prompts[0], K, sampling)
     if cfg.compile:
         progress(f"compiled the target and drafter forwards in {warm_s:.0f} s (warm-up, untimed)")
-    progress(f"plain decoding and DFlash (block size {K}), interleaved, on {len(prompts)} {cfg.prompt_set} prompts ...")
-    runs = _run_modes(engine, prompts, cfg, [1, K], sampling)
+    llama = _InterleavedLlamaCpp(cfg, prompts, target.stop_token_ids) if "llama.cpp" in cfg.peers else None
+    modes = f"plain decoding, DFlash (block size {K})" + (" and llama.cpp" if llama and llama.session else "")
+    progress(f"{modes}, interleaved, on {len(prompts)} {cfg.prompt_set} prompts ...")
+    runs = _run_modes(engine, prompts, cfg, [1, K], sampling, llama)
     (ar_out, ar_wall, ar_stats), (df_out, df_wall, df_stats) = runs
 
     ar_tokens = sum(map(len, ar_out))
@@ -142,7 +200,25 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     df_tps = df_tokens / df_wall
     decode_s = ar_stats.verify_s / max(ar_stats.verify_calls, 1)
     peers, peer_errors = {}, {}
-    for name in cfg.peers:
+
+    def record(res) -> None:
+        peers[res.name] = {
+            "tokens_per_s": res.tokens_per_s,
+            "speedup_vs_ar": res.tokens_per_s / ar_tps,
+            "identical_to_ar": res.outputs == ar_out if cfg.temperature == 0 else None,
+            # llama.cpp: prefill and decode timed apart (None for the transformers peers)
+            "prefill_tokens_per_s": res.prefill_tokens_per_s,
+            "decode_tokens_per_s": res.decode_tokens_per_s,
+        }
+
+    if llama is not None:
+        res = llama.result(prompts)
+        if res is None:
+            progress(f"peer llama.cpp failed: {llama.error}")
+            peer_errors["llama.cpp"] = llama.error
+        else:
+            record(res)
+    for name in [p for p in cfg.peers if p != "llama.cpp"]:
         progress(f"peer {name} ...")
         try:
             res = run_peer(
@@ -155,20 +231,12 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
                 device=device,
                 drafter=drafter,
                 block_size=K,
-                gguf=_gguf_of(cfg.target),
             )
         except DFlashError as e:  # the peer fails alone: what was measured is kept
             progress(f"peer {name} failed: {e}")
             peer_errors[name] = str(e)
             continue
-        peers[name] = {
-            "tokens_per_s": res.tokens_per_s,
-            "speedup_vs_ar": res.tokens_per_s / ar_tps,
-            "identical_to_ar": res.outputs == ar_out if cfg.temperature == 0 else None,
-            # llama.cpp: prefill and decode timed apart (None for the transformers peers)
-            "prefill_tokens_per_s": res.prefill_tokens_per_s,
-            "decode_tokens_per_s": res.decode_tokens_per_s,
-        }
+        record(res)
     divergences = []
     if cfg.temperature == 0:
         for i, (a, b) in enumerate(zip(ar_out, df_out)):
