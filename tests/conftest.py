@@ -63,6 +63,27 @@ def pytest_collection_finish(session):
     IMAGE_BUILD["proc"] = subprocess.Popen(["sh", "-c", script], cwd=ROOT, start_new_session=True)
 
 
+def _remove_image_build_files() -> None:
+    for f in (IMAGE_BUILD["log"], IMAGE_BUILD["rc"]):
+        f.unlink(missing_ok=True)
+
+
+def wait_for_image_build(timeout_s: float = 3600) -> tuple[int, str, str] | None:
+    """Wait for the ``make image-cpu`` started at collection (maybe by another xdist worker):
+    ``(exit status, its output, how long it took)``, its files removed; None when none was
+    started. Fails the test after ``timeout_s``."""
+    if not IMAGE_BUILD:
+        return None
+    t = time.time()
+    while not IMAGE_BUILD["rc"].exists():
+        if time.time() > t + timeout_s:
+            pytest.fail(f"make image-cpu (started at collection) ran over {timeout_s:.0f} s; log: {IMAGE_BUILD['log']}")
+        time.sleep(2)
+    code, out = int(IMAGE_BUILD["rc"].read_text()), IMAGE_BUILD["log"].read_text()
+    _remove_image_build_files()
+    return code, out, f"{time.time() - IMAGE_BUILD['started']:.0f} s, {time.time() - t:.0f} s of it waited for"
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Stop a background image build that nobody will wait for: at the end of a run without
     workers, or when the run was interrupted (a worker that started it may finish its share
@@ -73,8 +94,7 @@ def pytest_sessionfinish(session, exitstatus):
     if WORKER is None or exitstatus == pytest.ExitCode.INTERRUPTED:
         os.killpg(proc.pid, signal.SIGTERM)  # make and the podman build it started
         proc.wait(60)
-        for f in (IMAGE_BUILD["log"], IMAGE_BUILD["rc"]):
-            f.unlink(missing_ok=True)
+        _remove_image_build_files()
 
 
 @pytest.fixture(autouse=True)

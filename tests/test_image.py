@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from conftest import IMAGE_BUILD
+from conftest import wait_for_image_build
 from helpers import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,18 +71,11 @@ def image():
     the background at collection, waited for here, or (when there is none) a build run now."""
     if shutil.which("podman") is None:
         pytest.fail("podman is not installed: the image tests need it (apt-get install podman runc ..., see .ci/run)")
-    t = time.time()
-    if IMAGE_BUILD:  # started at collection (conftest), maybe by another xdist worker
-        rc = IMAGE_BUILD["rc"]
-        while not rc.exists():
-            if time.time() > t + 3600:
-                pytest.fail(f"make image-cpu (started at collection) ran over an hour; log: {IMAGE_BUILD['log']}")
-            time.sleep(2)
-        code, out = int(rc.read_text()), IMAGE_BUILD["log"].read_text()
-        took = f"{time.time() - IMAGE_BUILD['started']:.0f} s, {time.time() - t:.0f} s of it waited for"
-        for f in (rc, IMAGE_BUILD["log"]):
-            f.unlink(missing_ok=True)
+    build = wait_for_image_build()
+    if build is not None:
+        code, out, took = build
     else:
+        t = time.time()
         proc = subprocess.run(["make", "image-cpu"], cwd=ROOT, capture_output=True, text=True, timeout=3600)
         code, out, took = proc.returncode, proc.stdout + proc.stderr, f"{time.time() - t:.0f} s"
     assert code == 0, f"make image-cpu failed:\n{out[-4000:]}"

@@ -148,7 +148,7 @@ def test_interleaved_llama_cpp_crash_keeps_the_bench(tmp_path, monkeypatch):
     fake.mkdir()
     (fake / "llama_cpp.py").write_text("def llama_model_default_params():\n    return None\n")
     (fake / "__init__.py").write_text(
-        "import os, signal\n"
+        "import ctypes, os, signal\n"
         "import numpy as np\n"
         "from . import llama_cpp\n"
         "RESETS = 0\n"
@@ -167,7 +167,7 @@ def test_interleaved_llama_cpp_crash_keeps_the_bench(tmp_path, monkeypatch):
         "        LOGITS[:] = 0\n"
         "        LOGITS[len(ids) % 8] = 1\n"
         "def llama_get_logits_ith(ctx, i):\n"
-        "    return LOGITS.ctypes.data_as(__import__('ctypes').POINTER(__import__('ctypes').c_float))\n"
+        "    return LOGITS.ctypes.data_as(ctypes.POINTER(ctypes.c_float))\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = BenchConfig(dataset="gsm8k", num_prompts=2, max_new_tokens=4, block_size=4, peers=("llama.cpp",))

@@ -291,21 +291,37 @@ def llama_cpp_result(prompts: list[list[int]], runs: list[tuple[list[int], float
     return PeerResult("llama.cpp", outputs, sum(map(len, outputs)), pre + dec, sum(map(len, prompts)), pre, dec)
 
 
-def llama_cpp_context(prompts: list[list[int]], max_new_tokens: int) -> int:
-    """The context length a :class:`LlamaCppSession` needs for ``prompts``."""
-    return max(map(len, prompts)) + max_new_tokens + 8
+def open_llama_cpp(
+    gguf: Path | None, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple[int, ...], threads: int
+) -> LlamaCppSession:
+    """A :class:`LlamaCppSession` sized for ``prompts`` (context: the longest prompt plus
+    ``max_new_tokens``), after one short untimed warm-up generate on ``prompts[0]``.
+
+    Raises:
+        DFlashError: ``gguf`` is not a GGUF file (llama.cpp runs the target's own file), or as
+            :class:`LlamaCppSession`.
+    """
+    if gguf is None or Path(gguf).suffix != ".gguf":
+        raise DFlashError("peer llama.cpp runs a GGUF target: use the default target or --target FILE.gguf")
+    n_ctx = max(map(len, prompts)) + max_new_tokens + 8
+    llm = LlamaCppSession(Path(gguf), n_ctx, stop_token_ids, threads)
+    try:
+        llm.generate(prompts[0], min(WARMUP_NEW_TOKENS, max_new_tokens))  # warm-up, untimed
+    except DFlashError:
+        llm.close()
+        raise
+    return llm
 
 
 def run_llama_cpp_isolated(
-    gguf: Path, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple[int, ...], threads: int
+    gguf: Path | None, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple[int, ...], threads: int
 ) -> PeerResult:
-    """Every prompt through a :class:`LlamaCppSession` (after one short untimed warm-up).
+    """Every prompt through :func:`open_llama_cpp`'s session, one after the other.
 
     Raises:
-        DFlashError: as :class:`LlamaCppSession`.
+        DFlashError: as :func:`open_llama_cpp`.
     """
-    with LlamaCppSession(gguf, llama_cpp_context(prompts, max_new_tokens), stop_token_ids, threads) as llm:
-        llm.generate(prompts[0], min(WARMUP_NEW_TOKENS, max_new_tokens))  # warm-up, untimed
+    with open_llama_cpp(gguf, prompts, max_new_tokens, stop_token_ids, threads) as llm:
         return llama_cpp_result(prompts, [llm.generate(p, max_new_tokens) for p in prompts])
 
 
@@ -357,9 +373,7 @@ def run_peer(
     if any(len(p) == 0 for p in prompts):
         raise DFlashError(f"peer {name}: empty prompt")
     if name == "llama.cpp":
-        if gguf is None or Path(gguf).suffix != ".gguf":
-            raise DFlashError("peer llama.cpp runs a GGUF target: use the default target or --target FILE.gguf")
-        return run_llama_cpp_isolated(Path(gguf), prompts, max_new_tokens, stop_token_ids, torch.get_num_threads())
+        return run_llama_cpp_isolated(gguf, prompts, max_new_tokens, stop_token_ids, torch.get_num_threads())
 
     model = _load_model(hf_dir, dtype, device)
     gen_cfg = model.generation_config

@@ -109,30 +109,21 @@ def _run_modes(
 
 
 class _InterleavedLlamaCpp:
-    """The llama.cpp peer run prompt by prompt beside our modes (:class:`~.peers.LlamaCppSession`):
-    call it with each prompt; :meth:`result` after the last. A failure (no GGUF target, a crash)
-    is kept in ``error`` and ends the peer, not the benchmark."""
+    """The llama.cpp peer run prompt by prompt beside our modes (:func:`~.peers.open_llama_cpp`):
+    call it with each prompt, then :meth:`result`. A failure (no GGUF target, a crash) is kept in
+    ``error`` and ends the peer, not the benchmark."""
 
     def __init__(self, cfg: BenchConfig, prompts: list[list[int]], stop_token_ids: tuple[int, ...]):
-        from .peers import WARMUP_NEW_TOKENS, LlamaCppSession, llama_cpp_context
+        from .peers import open_llama_cpp
 
-        self.max_new, self.runs, self.error, self.session = cfg.max_new_tokens, [], None, None
-        gguf = _gguf_of(cfg.target)
-        if gguf is None:
-            self.error = "peer llama.cpp runs a GGUF target: use the default target or --target FILE.gguf"
-            return
+        self.prompts, self.max_new = prompts, cfg.max_new_tokens
+        self.runs: list[tuple[list[int], float, float]] = []
+        self.session, self.error = None, None
         try:
-            ctx = llama_cpp_context(prompts, cfg.max_new_tokens)
-            self.session = LlamaCppSession(gguf, ctx, stop_token_ids, torch.get_num_threads())
-            self.session.generate(prompts[0], min(WARMUP_NEW_TOKENS, cfg.max_new_tokens))  # warm-up, untimed
+            gguf = _gguf_of(cfg.target)
+            self.session = open_llama_cpp(gguf, prompts, cfg.max_new_tokens, stop_token_ids, torch.get_num_threads())
         except DFlashError as e:
-            self._fail(e)
-
-    def _fail(self, e: DFlashError) -> None:
-        self.error = str(e)
-        if self.session is not None:
-            self.session.close()
-            self.session = None
+            self.error = str(e)
 
     def __call__(self, ids: list[int]) -> None:
         if self.session is None:
@@ -140,16 +131,17 @@ class _InterleavedLlamaCpp:
         try:
             self.runs.append(self.session.generate(ids, self.max_new))
         except DFlashError as e:
-            self._fail(e)
+            self.session.close()
+            self.error, self.session = str(e), None
 
-    def result(self, prompts: list[list[int]]):
+    def result(self):
         """The :class:`~.peers.PeerResult`, or None after a failure (``error`` says why)."""
         from .peers import llama_cpp_result
 
         if self.session is None:
             return None
         self.session.close()
-        return llama_cpp_result(prompts, self.runs)
+        return llama_cpp_result(self.prompts, self.runs)
 
 
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
@@ -212,7 +204,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         }
 
     if llama is not None:
-        res = llama.result(prompts)
+        res = llama.result()
         if res is None:
             progress(f"peer llama.cpp failed: {llama.error}")
             peer_errors["llama.cpp"] = llama.error
