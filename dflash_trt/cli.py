@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from .errors import DFlashError
+from .runtime.ngram import DEFAULT_MAX_N, check_lookup
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,7 +50,25 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="compile the target forward with torch.compile (inductor): faster steps after "
         "tens of seconds of compiling per step shape on first use",
     )
+    p.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        default=0,
+        metavar="N",
+        help="merge prompt-lookup tokens into DFlash's drafts wherever the context's last N.."
+        "--prompt-lookup-max tokens occurred before in it (vLLM's ngram method; lossless); 0 = off",
+    )
+    p.add_argument("--prompt-lookup-max", type=int, default=DEFAULT_MAX_N, metavar="N")
     p.add_argument("--seed", type=int, default=0)
+
+
+def _prompt_lookup(args) -> tuple[int, int] | None:
+    """``(min_n, max_n)`` from ``--prompt-lookup-min/max``, None when off; raises
+    :class:`DFlashError` on impossible lengths."""
+    if not args.prompt_lookup_min:
+        return None
+    check_lookup(args.prompt_lookup_min, args.prompt_lookup_max)
+    return args.prompt_lookup_min, args.prompt_lookup_max
 
 
 def _weights_flag(p: argparse.ArgumentParser) -> None:
@@ -390,7 +409,9 @@ def cmd_generate(args) -> None:
         device=device,
         weights=args.weights,
     )
-    engine = DFlashEngine(target.model, drafter, target.stop_token_ids, compile=args.compile)
+    engine = DFlashEngine(
+        target.model, drafter, target.stop_token_ids, compile=args.compile, prompt_lookup=_prompt_lookup(args)
+    )
     K = args.block_size or (drafter.cfg.block_size if drafter else 1)
     engine.check_block_size(K)
     tok = target.tokenizer
@@ -420,9 +441,13 @@ def cmd_generate(args) -> None:
     out = engine.generate([Request(ids, args.max_new_tokens, sampling)], K, on_tokens=on_tokens, stats=stats)[0]
     wall = time.perf_counter() - t
     print()
+    lookup_note = ""
+    if args.prompt_lookup_min:
+        lookup_note = f" ({stats.lookup_steps} of {stats.verify_steps} steps with prompt lookup)"
     print(
         f"[{len(out.output_ids)} tokens in {wall:.2f} s: {len(out.output_ids) / wall:.1f} tok/s | "
-        f"block size {K} | tau {stats.tau:.2f} | {args.dtype}{f' + {args.weights} weights' if args.weights else ''} | "
+        f"block size {K} | tau {stats.tau:.2f}{lookup_note} | "
+        f"{args.dtype}{f' + {args.weights} weights' if args.weights else ''} | "
         f"{device.type if device.type == 'cuda' else f'{torch.get_num_threads()} threads'} | "
         f"finish: {out.finish_reason}]"
     )
@@ -471,6 +496,7 @@ def _bench_settings(args) -> dict:
         device=args.device,
         prompts_file=args.prompts_file,
         compile=args.compile,
+        prompt_lookup=_prompt_lookup(args),
     )
 
 

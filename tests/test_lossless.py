@@ -11,8 +11,10 @@ from __future__ import annotations
 import pytest
 from helpers import OracleRunner, check_same
 
+from dflash_trt.errors import DFlashError
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
 from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
+from dflash_trt.runtime.ngram import NgramIndex
 
 MAX_NEW = 24
 
@@ -51,3 +53,60 @@ def test_high_acceptance_rollback(smollm2, random_drafter, prompts, reference, b
     ties = sum(check_same(smollm2.model, p, r, o) for p, r, o in zip(prompts, reference, outs))
     print(f"oracle block {block_size}: tau {stats.tau:.2f}, {ties} ties")
     assert stats.tau > 2.0
+
+
+def _lookup_reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Prompt lookup by brute force: the latest earlier occurrence of the longest suffix."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        tail = tokens[-n:]
+        for i in range(len(tokens) - n - 1, -1, -1):
+            if tokens[i : i + n] == tail:
+                return tokens[i + n : i + n + k]
+    return []
+
+
+def test_ngram_index_matches_brute_force(prompts, reference):
+    """NgramIndex (incremental dictionary) proposes what a brute-force scan finds, at every
+    prefix of real prompt + answer token streams, for several n-gram ranges."""
+    checked = found = 0
+    for min_n, max_n in [(1, 4), (2, 3), (3, 5)]:
+        for p, r in zip(prompts[:5], reference[:5]):
+            index = NgramIndex(min_n, max_n)
+            seq = p + r
+            for t in range(len(p), len(seq) + 1):
+                index.extend(seq[:t])
+                want = _lookup_reference(seq[:t], min_n, max_n, 3)
+                assert index.propose(3) == want, (min_n, max_n, t)
+                checked += 1
+                found += bool(want)
+    print(f"{checked} lookups checked, {found} with a match")
+    assert found > 0
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_prompt_lookup_is_lossless(smollm2, random_drafter, prompts, reference, batch):
+    """Prompt-lookup tokens merged into the drafter's blocks (``runtime/ngram.py``) keep the
+    output equal to plain decoding, alone and under batching. The drafter is random (its own
+    drafts are almost never accepted), so a tau above 1 means lookup tokens were verified and
+    accepted; steps whose lookup covers every draft token skip the drafter's forward."""
+    engine = DFlashEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, prompt_lookup=(1, 4))
+    plain = DFlashEngine(smollm2.model, random_drafter, smollm2.stop_token_ids)
+    stats, alone = LoopStats(4), LoopStats(4)
+    outs = []
+    for i in range(0, len(prompts), batch):
+        chunk = [Request(p, MAX_NEW) for p in prompts[i : i + batch]]
+        outs += [o.output_ids for o in engine.generate(chunk, 4, stats=stats)]
+        plain.generate(chunk, 4, stats=alone)
+    ties = sum(check_same(smollm2.model, p, r, o) for p, r, o in zip(prompts, reference, outs))
+    print(
+        f"batch {batch}: tau {stats.tau:.2f} with lookup ({stats.lookup_steps} of {stats.verify_steps} steps), "
+        f"{alone.tau:.2f} without; {ties} ties"
+    )
+    assert stats.lookup_steps > 0
+    assert stats.tau > alone.tau + 0.05
+
+
+def test_prompt_lookup_rejects_impossible_lengths(smollm2, random_drafter, prompts):
+    engine = DFlashEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, prompt_lookup=(3, 2))
+    with pytest.raises(DFlashError, match="prompt lookup needs"):
+        engine.generate([Request(prompts[0], 4)], 4)

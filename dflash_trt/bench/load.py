@@ -327,6 +327,7 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
             tokens_per_block=cfg.tokens_per_block,
             kv_capacity_tokens=kv_cap,
             compile=cfg.compile,
+            prompt_lookup=cfg.prompt_lookup if mode == "dflash" else None,
         )
         if mode not in engines:
             progress(

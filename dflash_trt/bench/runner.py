@@ -52,6 +52,8 @@ class BenchConfig:
     prompts_file: str | None = None
     #: ``--compile``: the target forward compiled by torch.compile (``runtime/compiled.py``)
     compile: bool = False
+    #: ``--prompt-lookup-min/max``: prompt-lookup tokens merged into DFlash's drafts (``runtime/ngram.py``)
+    prompt_lookup: tuple[int, int] | None = None
 
     @property
     def prompt_set(self) -> str:
@@ -81,24 +83,23 @@ def device_name(device: torch.device | str = "cpu") -> str:
 
 
 def _run_modes(
-    engine: DFlashEngine,
+    modes: list[tuple[DFlashEngine, int]],
     prompts: list[list[int]],
     cfg: BenchConfig,
-    sizes: list[int],
     sampling: SamplingParams,
     peer: Callable[[list[int]], None] | None = None,
 ) -> list[tuple[list[list[int]], float, LoopStats]]:
-    """Every prompt at each block size in turn (plain decoding and DFlash interleaved prompt by
-    prompt, so that a slow period of a shared machine falls on both modes alike), then
-    ``peer(prompt_ids)`` when given (a peer interleaved the same way). Returns per entry of
-    ``sizes``: the outputs, the wall seconds of its generate calls, its loop statistics."""
+    """Every prompt in each mode (an engine and its block size) in turn (plain decoding and
+    DFlash interleaved prompt by prompt, so that a slow period of a shared machine falls on
+    every mode alike), then ``peer(prompt_ids)`` when given (a peer interleaved the same way).
+    Returns per mode: the outputs, the wall seconds of its generate calls, its loop statistics."""
     from tqdm import tqdm
 
-    outputs = [[] for _ in sizes]
-    walls = [0.0 for _ in sizes]
-    stats = [LoopStats(k) for k in sizes]
+    outputs = [[] for _ in modes]
+    walls = [0.0 for _ in modes]
+    stats = [LoopStats(k) for _, k in modes]
     for ids in tqdm(prompts, desc="prompts (plain + DFlash)", unit="prompt", leave=False, disable=None):
-        for i, k in enumerate(sizes):
+        for i, (engine, k) in enumerate(modes):
             t = time.perf_counter()
             out = engine.generate([Request(ids, cfg.max_new_tokens, sampling)], k, stats=stats[i])[0]
             walls[i] += time.perf_counter() - t
@@ -181,10 +182,19 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     if cfg.compile:
         progress(f"compiled the target and drafter forwards in {warm_s:.0f} s (warm-up, untimed)")
     llama = _InterleavedLlamaCpp(cfg, prompts, target.stop_token_ids) if "llama.cpp" in cfg.peers else None
-    modes = f"plain decoding, DFlash (block size {K})" + (" and llama.cpp" if llama and llama.session else "")
-    progress(f"{modes}, interleaved, on {len(prompts)} {cfg.prompt_set} prompts ...")
-    runs = _run_modes(engine, prompts, cfg, [1, K], sampling, llama)
-    (ar_out, ar_wall, ar_stats), (df_out, df_wall, df_stats) = runs
+    modes = [(engine, 1), (engine, K)]
+    names = f"plain decoding, DFlash (block size {K})"
+    if cfg.prompt_lookup is not None:  # a third mode: DFlash with prompt-lookup tokens merged in
+        lookup = DFlashEngine(
+            target.model, drafter, target.stop_token_ids, compile=cfg.compile, prompt_lookup=cfg.prompt_lookup
+        )
+        lookup.warm_up(prompts[0], K, sampling)
+        modes.append((lookup, K))
+        names += f", DFlash + prompt lookup (n-grams {cfg.prompt_lookup[0]}-{cfg.prompt_lookup[1]})"
+    names += " and llama.cpp" if llama and llama.session else ""
+    progress(f"{names}, interleaved, on {len(prompts)} {cfg.prompt_set} prompts ...")
+    runs = _run_modes(modes, prompts, cfg, sampling, llama)
+    (ar_out, ar_wall, ar_stats), (df_out, df_wall, df_stats) = runs[:2]
 
     ar_tokens = sum(map(len, ar_out))
     df_tokens = sum(map(len, df_out))
@@ -268,6 +278,8 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         # plain decoding's one-token steps and its prompt prefills (beside llama.cpp's)
         "ar_decode_tokens_per_s": 1 / decode_s if decode_s > 0 else None,
         "ar_prefill_tokens_per_s": sum(map(len, prompts)) / ar_stats.prefill_s if ar_stats.prefill_s > 0 else None,
+        # DFlash + prompt lookup (--prompt-lookup-min), None when not run
+        "prompt_lookup": _lookup_result(cfg, runs[2], ar_out, ar_tps) if len(runs) > 2 else None,
         "peers": peers,
         # peers that failed (llama.cpp crashing, a missing package): name -> the one-line error
         "peer_errors": peer_errors,
@@ -275,6 +287,24 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     if cfg.json_out:
         write_json(cfg.json_out, result)
     return result
+
+
+def _lookup_result(cfg: BenchConfig, run, ar_out: list[list[int]], ar_tps: float) -> dict:
+    """The DFlash + prompt-lookup mode's figures beside plain decoding's."""
+    out, wall, st = run
+    tps = sum(map(len, out)) / wall
+    return {
+        "min_n": cfg.prompt_lookup[0],
+        "max_n": cfg.prompt_lookup[1],
+        "tokens_per_s": tps,
+        "speedup": tps / ar_tps,
+        "tau": st.tau,
+        "acceptance_per_position": st.acceptance_per_position,
+        # verify steps whose drafts began with prompt-lookup tokens
+        "lookup_step_share": st.lookup_steps / max(st.verify_steps, 1),
+        "lossless": out == ar_out if cfg.temperature == 0 else None,
+        "divergences": sum(a != b for a, b in zip(out, ar_out)) if cfg.temperature == 0 else None,
+    }
 
 
 def _gguf_of(target: str | None) -> Path | None:
@@ -305,6 +335,13 @@ def format_table(r: dict) -> str:
             f"tau {r['tau']:.2f}, lossless {r['lossless']}" + _ties(r),
         )
     )
+    lk = r.get("prompt_lookup")
+    if lk:
+        share = lk["lookup_step_share"]
+        note = f"tau {lk['tau']:.2f}, prompt lookup in {share:.0%} of steps, lossless {lk['lossless']}"
+        if lk["divergences"]:
+            note += f" ({lk['divergences']} diverged)"
+        rows.append((f"DFlash + lookup {lk['min_n']}-{lk['max_n']} (ours)", lk["tokens_per_s"], lk["speedup"], note))
     for name, p in r["peers"].items():
         note = "" if p.get("identical_to_ar") is None else f"same tokens as ours: {p['identical_to_ar']}"
         if p.get("decode_tokens_per_s"):

@@ -30,6 +30,7 @@ from ..models.target import TargetModel
 from .adaptive import DraftLengthController
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, StepItem, StepPlan
+from .ngram import NgramIndex, check_lookup
 from .request import LoopStats, Request, RequestOutput
 from .sampling import SamplingParams, accepted_lengths, choose_tokens
 from .scheduler import Schedule, Scheduler, Sequence, TokenCallback, callback, log
@@ -48,6 +49,9 @@ class EngineConfig:
         tokens_per_block: KV-cache block size in positions.
         kv_capacity_tokens: KV positions in the pools (target and drafter context alike).
         compile: run the target forward compiled by torch.compile (``runtime/compiled.py``).
+        prompt_lookup: ``(min_n, max_n)``: prompt-lookup tokens (``ngram.py``) replace the
+            drafter's first draft tokens wherever the context's last ``n`` tokens occurred
+            before; None: the drafter's alone.
     """
 
     block_size: int | None = None
@@ -57,6 +61,7 @@ class EngineConfig:
     tokens_per_block: int = 32
     kv_capacity_tokens: int = 65536
     compile: bool = False
+    prompt_lookup: tuple[int, int] | None = None
 
 
 def check_block_size(drafter: DFlashDrafter | None, block_size: int) -> None:
@@ -103,8 +108,11 @@ class LLMEngine:
                 f"max_num_tokens ({cfg.max_num_tokens}) must be >= the block size ({K}) "
                 f"and max_batch_size ({cfg.max_batch_size}) >= 1"
             )
+        if cfg.prompt_lookup is not None:
+            check_lookup(*cfg.prompt_lookup)
         self.block_size = K
         self.config = cfg
+        self._ngrams: dict[int, NgramIndex] = {}  # seq_id -> its prompt-lookup index
         self.stop_token_ids = tuple(stop_token_ids)
         num_blocks = cfg.kv_capacity_tokens // cfg.tokens_per_block
         if num_blocks < 1:
@@ -188,6 +196,7 @@ class LLMEngine:
     # ---- the iteration ----
     def _finish(self, seq: Sequence, done: list[Sequence]) -> None:
         self.scheduler.remove(seq)
+        self._ngrams.pop(seq.seq_id, None)
         self._release.append(seq.seq_id)
         done.append(seq)
         if self._listeners:
@@ -286,7 +295,14 @@ class LLMEngine:
             any_draft |= nd > 0
             span = self.block_size if nd else 1  # the drafter writes a whole block
             table = self.blocks.ensure(s.seq_id, s.num_cached + span)
-            items.append(StepItem(s.seq_id, [s.tokens[-1]], s.num_cached, list(table), num_draft=nd, num_logits=1 + nd))
+            item = StepItem(s.seq_id, [s.tokens[-1]], s.num_cached, list(table), num_draft=nd, num_logits=1 + nd)
+            if nd and self.config.prompt_lookup is not None:
+                index = self._ngrams.get(s.seq_id)
+                if index is None:
+                    index = self._ngrams[s.seq_id] = NgramIndex(*self.config.prompt_lookup)
+                index.extend(s.tokens)
+                item.lookup = index.propose(nd)
+            items.append(item)
         release, self._release = self._release, []
         return StepPlan(items, self.block_size if any_draft else 0, release)
 
@@ -342,6 +358,7 @@ class LLMEngine:
             s.accepted_lengths.append(acc)
             s.num_cached += acc + 1
             st.record_verify(len(drafts), acc, len(kept))
+            st.lookup_steps += bool(plan.items[i].lookup)
             if ctl is not None and drafts:
                 ctl.observe_acceptance(len(drafts), acc)
             if s.finished:

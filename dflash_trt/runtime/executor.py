@@ -60,6 +60,8 @@ class DFlashEngine:
         runner_cls: the :class:`ModelRunner` class (a test may substitute its own proposer).
         compile: run the target's and drafter's forwards compiled by torch.compile
             (``runtime/compiled.py``).
+        prompt_lookup: ``(min_n, max_n)``: merge prompt-lookup tokens into the drafter's blocks
+            (:class:`~dflash_trt.runtime.engine.EngineConfig`); None: the drafter's alone.
 
     Raises:
         DFlashError: from :meth:`generate` on impossible settings (block size above the
@@ -73,8 +75,10 @@ class DFlashEngine:
         stop_token_ids: tuple[int, ...],
         runner_cls: type[ModelRunner] = ModelRunner,
         compile: bool = False,
+        prompt_lookup: tuple[int, int] | None = None,
     ):
         self.compile = compile
+        self.prompt_lookup = prompt_lookup
         self.target = target
         self.drafter = drafter
         self.stop_token_ids = tuple(stop_token_ids)
@@ -134,6 +138,7 @@ class DFlashEngine:
             max_num_tokens=max(sum(len(r.prompt_ids) for r in requests), K * n, 1),
             kv_capacity_tokens=max(need, 1) * tokens_per_block,
             compile=self.compile,
+            prompt_lookup=self.prompt_lookup,
         )
         runner = self.runner_cls(
             self.target, self.drafter if K > 1 else None, max(need, 1), tokens_per_block, compile=self.compile

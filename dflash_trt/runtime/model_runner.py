@@ -38,6 +38,8 @@ class StepItem:
             decoding step).
         num_logits: logits wanted for the last ``num_logits`` target positions of this item
             (prefill: 1 on the chunk that ends the prompt, else 0; decode: ``1 + num_draft``).
+        lookup: decode only: prompt-lookup tokens (``ngram.py``) that replace the drafter's
+            first ``len(lookup) <= num_draft`` draft tokens; empty: the drafter's alone.
     """
 
     seq_id: int
@@ -46,6 +48,7 @@ class StepItem:
     table: list[int]
     num_draft: int = 0
     num_logits: int = 0
+    lookup: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -381,6 +384,22 @@ class ModelRunner:
             drafts = self.tp.broadcast(drafts)
         return drafts
 
+    def _drafts(self, items: list[StepItem], block: int) -> torch.Tensor:
+        """:meth:`draft`'s ``[len(items), block - 1]`` with each item's prompt-lookup tokens
+        written over its first draft tokens; without the drafter's forward when every item's
+        lookup covers all of its draft tokens (the drafter ingests the skipped context at its
+        next forward)."""
+        lookups = [it.lookup[: it.num_draft] for it in items]
+        if all(len(lk) == it.num_draft for lk, it in zip(lookups, items)):
+            rows = [lk + [0] * (block - 1 - len(lk)) for lk in lookups]
+            return torch.tensor(rows, dtype=torch.long).to(self.device)
+        drafts = self.draft(items, block)
+        at = [(r, j, t) for r, lk in enumerate(lookups) for j, t in enumerate(lk)]
+        if at:
+            r, j, t = (torch.tensor(x, dtype=torch.long).to(self.device) for x in zip(*at))
+            drafts[r, j] = t
+        return drafts
+
     def step(self, plan: StepPlan) -> StepOutput:
         """Run one iteration: drafting for items with ``num_draft > 0``, then one target forward,
         then greedy acceptance on the device; one host copy at the end.
@@ -399,7 +418,7 @@ class ModelRunner:
             return out
         clock = _Clock(self.device)
         drafting = [i for i, it in enumerate(items) if it.num_draft > 0]
-        drafts = self.draft([items[i] for i in drafting], plan.draft_block) if drafting else None
+        drafts = self._drafts([items[i] for i in drafting], plan.draft_block) if drafting else None
         k = drafts.shape[1] if drafting else 0  # draft columns per drafting item
         clock.mark()
         lengths = [len(it.tokens) + it.num_draft for it in items]

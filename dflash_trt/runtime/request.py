@@ -71,7 +71,8 @@ class LoopStats:
 
     ``tau`` is the mean number of tokens committed per verify step (bonus included);
     ``acceptance_per_position[k-1]`` is P(draft slot k accepted | slot k reached).
-    Times are wall seconds.
+    ``lookup_steps`` counts the verify steps whose drafts began with prompt-lookup tokens
+    (``ngram.py``). Times are wall seconds.
     """
 
     block_size: int
@@ -86,6 +87,7 @@ class LoopStats:
     verify_s: float = 0.0
     verify_calls: int = 0
     prefill_s: float = 0.0
+    lookup_steps: int = 0
 
     def __post_init__(self) -> None:
         self.reached = [0] * max(self.block_size - 1, 0)
@@ -126,6 +128,7 @@ class LoopStats:
             "verify_s",
             "verify_calls",
             "prefill_s",
+            "lookup_steps",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.reached = [a + b for a, b in zip(self.reached, other.reached)]

@@ -1,0 +1,71 @@
+"""Prompt-lookup (n-gram) draft tokens from a sequence's own context, merged into DFlash's.
+
+Prompt lookup (Saxena 2023; vLLM's ``ngram`` method with ``prompt_lookup_min`` /
+``prompt_lookup_max``; HF ``prompt_lookup_num_tokens``): when the context's last ``n`` tokens
+occurred earlier in the same context, the tokens that followed that earlier occurrence are a
+guess for what follows now. Here it is merged into DFlash's block, not run instead of it: a
+DFlash drafter predicts every block position in parallel from the context alone (position 2
+is not conditioned on position 1's draft), so any draft position may be replaced without
+touching the others. Where a match exists, its continuation replaces the drafter's first
+tokens; the rest of the block stays the drafter's. The target verifies the block as always, so
+the output is unchanged (lossless); only the acceptance length moves.
+
+Measured on this project's default target (SmolLM2-135M-Instruct, bf16, greedy, 20 GSM8K
+answers of 128 tokens, 3 draft tokens): a match of 2 to 4 tokens exists at 35 % of verify steps
+and then 1.35 of its 3 tokens are accepted on average, against ~0.56 accepted DFlash drafts per
+step with the shipped drafter.
+"""
+
+from __future__ import annotations
+
+from ..errors import DFlashError
+
+#: the longest n-gram looked up (vLLM's default ``prompt_lookup_max`` is 5; 4 measured as well here)
+DEFAULT_MAX_N = 4
+
+
+def check_lookup(min_n: int, max_n: int) -> None:
+    """Raise a one-line :class:`DFlashError` unless ``1 <= min_n <= max_n``."""
+    if min_n < 1 or max_n < min_n:
+        raise DFlashError(f"prompt lookup needs 1 <= min n-gram ({min_n}) <= max n-gram ({max_n})")
+
+
+class NgramIndex:
+    """The n-grams of one sequence's tokens (prompt and committed output), for prompt lookup.
+
+    Every n-gram (``min_n <= n <= max_n``) that has at least one token after it is kept with
+    the position right after its latest occurrence, so a lookup is ``max_n - min_n + 1``
+    dictionary reads and indexing ``t`` new tokens costs ``t * (max_n - min_n + 1)`` inserts.
+
+    Args:
+        min_n, max_n: n-gram lengths looked up, longest first.
+
+    Raises:
+        DFlashError: ``min_n < 1`` or ``max_n < min_n``.
+    """
+
+    def __init__(self, min_n: int, max_n: int = DEFAULT_MAX_N):
+        check_lookup(min_n, max_n)
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self._after: dict[tuple[int, ...], int] = {}  # n-gram -> position right after its latest occurrence
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index ``tokens[len(self.tokens):]``: ``tokens`` is the sequence so far (it only grows)."""
+        old = len(self.tokens)
+        self.tokens.extend(tokens[old:])
+        toks = self.tokens
+        # an n-gram ending right before position e is indexed once token e exists
+        for e in range(max(old, 1), len(toks)):
+            for n in range(self.min_n, min(self.max_n, e) + 1):
+                self._after[tuple(toks[e - n : e])] = e
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
+        matching suffix (``max_n`` down to ``min_n`` tokens); ``[]`` when none occurred."""
+        toks, L = self.tokens, len(self.tokens)
+        for n in range(min(self.max_n, L), self.min_n - 1, -1):
+            e = self._after.get(tuple(toks[L - n :]))
+            if e is not None:
+                return toks[e : e + k]
+        return []
