@@ -50,6 +50,11 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="compile the target forward with torch.compile (inductor): faster steps after "
         "tens of seconds of compiling per step shape on first use",
     )
+    _lookup_flags(p)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _lookup_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prompt-lookup-min",
         type=int,
@@ -59,7 +64,6 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--prompt-lookup-max tokens occurred before in it (vLLM's ngram method; lossless); 0 = off",
     )
     p.add_argument("--prompt-lookup-max", type=int, default=DEFAULT_MAX_N, metavar="N")
-    p.add_argument("--seed", type=int, default=0)
 
 
 def _prompt_lookup(args) -> tuple[int, int] | None:
@@ -696,6 +700,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel ranks the server starts itself (under mpiexec: the job size)"
     )
+    _lookup_flags(p)
 
 
 def _serve_config(args):
@@ -717,6 +722,7 @@ def _serve_config(args):
         fp8_gemm=args.fp8_gemm,
         tp_size=args.tp,
         weights=args.weights,
+        prompt_lookup=_prompt_lookup(args),
     )
 
 

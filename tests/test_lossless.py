@@ -110,3 +110,34 @@ def test_prompt_lookup_rejects_impossible_lengths(smollm2, random_drafter, promp
     engine = DFlashEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, prompt_lookup=(3, 2))
     with pytest.raises(DFlashError, match="prompt lookup needs"):
         engine.generate([Request(prompts[0], 4)], 4)
+
+
+def test_service_with_prompt_lookup(smollm2, prompts, reference):
+    """``serve --prompt-lookup-min 2`` (``ServeConfig.prompt_lookup``, passed through JSON as the
+    TP workers and the Triton model get it): the service streams plain decoding's tokens and its
+    engine verified prompt-lookup drafts."""
+    import asyncio
+    import dataclasses
+    import json
+
+    from dflash_trt.runtime.sampling import SamplingParams
+    from dflash_trt.serving.service import EngineService, Finished, ServeConfig
+
+    cfg = ServeConfig(
+        dtype="fp32", device="cpu", block_size=4, kv_capacity=4096, max_batch_size=4, prompt_lookup=(2, 4)
+    )
+    svc = EngineService(ServeConfig(**json.loads(json.dumps(dataclasses.asdict(cfg)))))
+    try:
+
+        async def answer(p):
+            async for item in svc.stream(svc.request(p, MAX_NEW, SamplingParams())):
+                if isinstance(item, Finished):
+                    return item.output.output_ids
+
+        got = [asyncio.run(answer(p)) for p in prompts[:4]]
+        ties = sum(check_same(smollm2.model, p, r, g) for p, r, g in zip(prompts, reference, got))
+        stats = svc.engine.stats
+        print(f"service: tau {stats.tau:.2f}, lookup {stats.lookup_steps} of {stats.verify_steps} steps, {ties} ties")
+        assert stats.lookup_steps > 0
+    finally:
+        svc.close()

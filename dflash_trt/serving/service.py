@@ -43,6 +43,8 @@ class ServeConfig:
         tp_size: tensor-parallel ranks the service starts itself (no MPI: the other ranks are
             child processes, :func:`~dflash_trt.runtime.distributed.spawn_tp`); under
             ``mpiexec -n N`` the job's N ranks are used instead.
+        prompt_lookup: ``(min_n, max_n)``: prompt-lookup tokens merged into the drafter's
+            blocks (``runtime/ngram.py``); None: the drafter's alone.
     """
 
     target: str | None = None
@@ -60,6 +62,7 @@ class ServeConfig:
     fp8_gemm: bool = False
     tp_size: int = 1
     weights: str | None = None
+    prompt_lookup: tuple[int, int] | None = None
 
 
 @dataclass
@@ -149,6 +152,7 @@ class EngineService:
             max_num_tokens=cfg.max_num_tokens,
             tokens_per_block=cfg.tokens_per_block,
             kv_capacity_tokens=cap,
+            prompt_lookup=tuple(cfg.prompt_lookup) if cfg.prompt_lookup else None,  # a list after JSON
         )
         self.worker = False
         if self.tp is None:
