@@ -239,14 +239,20 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
             peer_errors[name] = str(e)
             continue
         record(res)
-    divergences = []
-    if cfg.temperature == 0:
-        for i, (a, b) in enumerate(zip(ar_out, df_out)):
+
+    def divergences(out: list[list[int]]) -> list[dict] | None:
+        """Greedy runs that differ from plain decoding: the first differing token and the
+        target's top-2 logit gap there (a gap near the dtype's resolution is a numerical tie
+        between 1-row and K-row GEMMs); None when sampling."""
+        if cfg.temperature != 0:
+            return None
+        found = []
+        for i, (a, b) in enumerate(zip(ar_out, out)):
             k = first_divergence(a, b)
             if k is not None:
-                divergences.append(
-                    {"prompt": i, "token": k, "top2_margin": top2_margin(target.model, prompts[i] + a[:k])}
-                )
+                found.append({"prompt": i, "token": k, "top2_margin": top2_margin(target.model, prompts[i] + a[:k])})
+        return found
+
     result = {
         "dataset": cfg.prompt_set,
         "num_prompts": len(prompts),
@@ -262,9 +268,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         "device": device_name(device),
         "threads": torch.get_num_threads(),
         "lossless": (df_out == ar_out) if cfg.temperature == 0 else None,
-        # greedy runs that differ: first differing token and the target's top-2 logit gap there
-        # (a gap near the dtype's resolution is a numerical tie between 1-row and K-row GEMMs)
-        "divergences": divergences if cfg.temperature == 0 else None,
+        "divergences": divergences(df_out),
         "tau": df_stats.tau,
         "acceptance_per_position": df_stats.acceptance_per_position,
         "ar_tokens": ar_tokens,
@@ -279,7 +283,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         "ar_decode_tokens_per_s": 1 / decode_s if decode_s > 0 else None,
         "ar_prefill_tokens_per_s": sum(map(len, prompts)) / ar_stats.prefill_s if ar_stats.prefill_s > 0 else None,
         # DFlash + prompt lookup (--prompt-lookup-min), None when not run
-        "prompt_lookup": _lookup_result(cfg, runs[2], ar_out, ar_tps) if len(runs) > 2 else None,
+        "prompt_lookup": _lookup_result(cfg, runs[2], ar_out, ar_tps, divergences) if len(runs) > 2 else None,
         "peers": peers,
         # peers that failed (llama.cpp crashing, a missing package): name -> the one-line error
         "peer_errors": peer_errors,
@@ -289,8 +293,9 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     return result
 
 
-def _lookup_result(cfg: BenchConfig, run, ar_out: list[list[int]], ar_tps: float) -> dict:
-    """The DFlash + prompt-lookup mode's figures beside plain decoding's."""
+def _lookup_result(cfg: BenchConfig, run, ar_out: list[list[int]], ar_tps: float, divergences: Callable) -> dict:
+    """The DFlash + prompt-lookup mode's figures beside plain decoding's (``divergences``:
+    :func:`run_bench`'s, outputs -> the divergence records)."""
     out, wall, st = run
     tps = sum(map(len, out)) / wall
     return {
@@ -303,7 +308,7 @@ def _lookup_result(cfg: BenchConfig, run, ar_out: list[list[int]], ar_tps: float
         # verify steps whose drafts began with prompt-lookup tokens
         "lookup_step_share": st.lookup_steps / max(st.verify_steps, 1),
         "lossless": out == ar_out if cfg.temperature == 0 else None,
-        "divergences": sum(a != b for a, b in zip(out, ar_out)) if cfg.temperature == 0 else None,
+        "divergences": divergences(out),
     }
 
 
@@ -338,9 +343,7 @@ def format_table(r: dict) -> str:
     lk = r.get("prompt_lookup")
     if lk:
         share = lk["lookup_step_share"]
-        note = f"tau {lk['tau']:.2f}, prompt lookup in {share:.0%} of steps, lossless {lk['lossless']}"
-        if lk["divergences"]:
-            note += f" ({lk['divergences']} diverged)"
+        note = f"tau {lk['tau']:.2f}, lookup in {share:.0%} of steps, lossless {lk['lossless']}" + _ties(lk)
         rows.append((f"DFlash + lookup {lk['min_n']}-{lk['max_n']} (ours)", lk["tokens_per_s"], lk["speedup"], note))
     for name, p in r["peers"].items():
         note = "" if p.get("identical_to_ar") is None else f"same tokens as ours: {p['identical_to_ar']}"

@@ -265,7 +265,7 @@ class LLMEngine:
         ctl = self.controller
         ctl.target_cost.observe(out.target_tokens, out.target_s)
         drafting = [it.num_draft > 0 for it in plan.items]
-        if any(drafting):
+        if out.drafter_ran:  # (not when prompt-lookup tokens filled every draft position)
             ctl.draft_cost.observe(sum(drafting), out.draft_s)
         if sched.decode and not sched.prefill and (all(drafting) or not any(drafting)):
             # (not a batch probe, not capped per request)
@@ -300,8 +300,7 @@ class LLMEngine:
                 index = self._ngrams.get(s.seq_id)
                 if index is None:
                     index = self._ngrams[s.seq_id] = NgramIndex(*self.config.prompt_lookup)
-                index.extend(s.tokens)
-                item.lookup = index.propose(nd)
+                item.lookup = index.propose(s.tokens, nd)
             items.append(item)
         release, self._release = self._release, []
         return StepPlan(items, self.block_size if any_draft else 0, release)
@@ -309,11 +308,10 @@ class LLMEngine:
     def _commit(self, sched: Schedule, plan: StepPlan, out, done: list[Sequence]) -> int:
         """Accept, commit and stream the iteration's tokens; returns how many were committed."""
         st = self.stats
-        drafted = any(it.num_draft for it in plan.items)
         if sched.decode:
             st.verify_s += out.target_s
             st.verify_calls += 1
-            if drafted:
+            if out.drafter_ran:
                 st.draft_s += out.draft_s
                 st.draft_calls += 1
         else:

@@ -81,6 +81,8 @@ class StepOutput:
         draft_s, target_s: wall seconds of the drafter and target forwards (CUDA: event
             timings, read after the iteration's one synchronisation).
         target_tokens: tokens in the target forward.
+        drafter_ran: the drafter's forward ran (False when nothing was drafted, or when
+            prompt-lookup tokens filled every draft position).
     """
 
     drafts: list[list[int]]
@@ -90,6 +92,7 @@ class StepOutput:
     draft_s: float = 0.0
     target_s: float = 0.0
     target_tokens: int = 0
+    drafter_ran: bool = False
 
 
 def _written(
@@ -384,21 +387,22 @@ class ModelRunner:
             drafts = self.tp.broadcast(drafts)
         return drafts
 
-    def _drafts(self, items: list[StepItem], block: int) -> torch.Tensor:
+    def _drafts(self, items: list[StepItem], block: int) -> tuple[torch.Tensor, bool]:
         """:meth:`draft`'s ``[len(items), block - 1]`` with each item's prompt-lookup tokens
-        written over its first draft tokens; without the drafter's forward when every item's
-        lookup covers all of its draft tokens (the drafter ingests the skipped context at its
-        next forward)."""
+        written over its first draft tokens, and whether the drafter's forward ran: not when
+        every item's lookup covers all of its draft tokens (the drafter ingests the skipped
+        context at its next forward)."""
         lookups = [it.lookup[: it.num_draft] for it in items]
+        if not any(lookups):
+            return self.draft(items, block), True
         if all(len(lk) == it.num_draft for lk, it in zip(lookups, items)):
             rows = [lk + [0] * (block - 1 - len(lk)) for lk in lookups]
-            return torch.tensor(rows, dtype=torch.long).to(self.device)
+            return torch.tensor(rows, dtype=torch.long).to(self.device), False
         drafts = self.draft(items, block)
-        at = [(r, j, t) for r, lk in enumerate(lookups) for j, t in enumerate(lk)]
-        if at:
-            r, j, t = (torch.tensor(x, dtype=torch.long).to(self.device) for x in zip(*at))
-            drafts[r, j] = t
-        return drafts
+        at = [(r, j, t) for r, lk in enumerate(lookups) for j, t in enumerate(lk)]  # (row, column, token)
+        r, j, t = torch.tensor(at, dtype=torch.long).to(self.device).unbind(1)
+        drafts[r, j] = t
+        return drafts, True
 
     def step(self, plan: StepPlan) -> StepOutput:
         """Run one iteration: drafting for items with ``num_draft > 0``, then one target forward,
@@ -418,7 +422,9 @@ class ModelRunner:
             return out
         clock = _Clock(self.device)
         drafting = [i for i, it in enumerate(items) if it.num_draft > 0]
-        drafts = self._drafts([items[i] for i in drafting], plan.draft_block) if drafting else None
+        drafts = None
+        if drafting:
+            drafts, out.drafter_ran = self._drafts([items[i] for i in drafting], plan.draft_block)
         k = drafts.shape[1] if drafting else 0  # draft columns per drafting item
         clock.mark()
         lengths = [len(it.tokens) + it.num_draft for it in items]

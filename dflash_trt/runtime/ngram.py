@@ -47,25 +47,22 @@ class NgramIndex:
     def __init__(self, min_n: int, max_n: int = DEFAULT_MAX_N):
         check_lookup(min_n, max_n)
         self.min_n, self.max_n = min_n, max_n
-        self.tokens: list[int] = []
+        self._indexed = 0  # tokens of the sequence indexed so far
         self._after: dict[tuple[int, ...], int] = {}  # n-gram -> position right after its latest occurrence
 
-    def extend(self, tokens: list[int]) -> None:
-        """Index ``tokens[len(self.tokens):]``: ``tokens`` is the sequence so far (it only grows)."""
-        old = len(self.tokens)
-        self.tokens.extend(tokens[old:])
-        toks = self.tokens
-        # an n-gram ending right before position e is indexed once token e exists
-        for e in range(max(old, 1), len(toks)):
-            for n in range(self.min_n, min(self.max_n, e) + 1):
-                self._after[tuple(toks[e - n : e])] = e
-
-    def propose(self, k: int) -> list[int]:
+    def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
-        matching suffix (``max_n`` down to ``min_n`` tokens); ``[]`` when none occurred."""
-        toks, L = self.tokens, len(self.tokens)
+        matching suffix of ``tokens`` (``max_n`` down to ``min_n`` tokens); ``[]`` when none
+        occurred. ``tokens`` is the sequence so far: it only grows between calls, and what is
+        new since the last call is indexed first."""
+        L = len(tokens)
+        # an n-gram ending right before position e is indexed once token e exists
+        for e in range(max(self._indexed, 1), L):
+            for n in range(self.min_n, min(self.max_n, e) + 1):
+                self._after[tuple(tokens[e - n : e])] = e
+        self._indexed = L
         for n in range(min(self.max_n, L), self.min_n - 1, -1):
-            e = self._after.get(tuple(toks[L - n :]))
+            e = self._after.get(tuple(tokens[L - n :]))
             if e is not None:
-                return toks[e : e + k]
+                return tokens[e : e + k]
         return []
