@@ -97,6 +97,22 @@ def pytest_sessionfinish(session, exitstatus):
         _remove_image_build_files()
 
 
+def pytest_terminal_summary(terminalreporter):
+    """List the numerical differences that tests recorded (``record_property("max_abs_diff",
+    ...)``, e.g. the Triton kernels against their references), so ``make test`` reports them;
+    the properties travel from xdist workers with the test reports."""
+    lines = [
+        f"{r.nodeid}: {value}"
+        for r in terminalreporter.stats.get("passed", [])
+        for name, value in r.user_properties
+        if name == "max_abs_diff"
+    ]
+    if lines:
+        terminalreporter.write_sep("-", "max abs differences recorded by tests")
+        for line in sorted(lines):
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(autouse=True)
 def _seeded():
     """Every test starts from the same torch and ``random`` state, so a test's random inputs
