@@ -93,6 +93,8 @@ def test_bench_json(tmp_path):
         "4",
         "--peers",
         "hf",
+        "--prompt-lookup-min",
+        "2",
         "--json",
         str(out),
         "--plot",
@@ -126,7 +128,10 @@ def test_bench_json(tmp_path):
     assert len(r["acceptance_per_position"]) == 3
     assert 1.0 <= r["tau"] <= 4.0
     assert r["peers"]["hf"]["tokens_per_s"] > 0 and r["peers"]["hf"]["identical_to_ar"] is True
-    assert "plain decoding" in proc.stdout and "peer: hf" in proc.stdout
+    lk = r["prompt_lookup"]  # the third mode, DFlash with prompt-lookup tokens merged in (fp32: exact)
+    assert lk["tokens_per_s"] > 0 and lk["lossless"] is True and len(lk["acceptance_per_position"]) == 3
+    assert (lk["min_n"], lk["max_n"]) == (2, 4) and 0 <= lk["lookup_step_share"] <= 1
+    assert "plain decoding" in proc.stdout and "peer: hf" in proc.stdout and "DFlash + lookup" in proc.stdout
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -171,16 +171,25 @@ def test_d2t_format_roundtrip_and_zlab_reference(smollm2, d2t_drafter, tmp_path)
     path = save_drafter(d, tmp_path / "d")
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 4096
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     sd = load_file(str(path / "model.safetensors"))
     assert sd["d2t"].dtype == torch.int64 and torch.equal(sd["d2t"] + torch.arange(4096), ids)
     back = load_drafter(path)
     assert back.cfg.draft_vocab_size == 4096 and torch.equal(back.draft_token_ids(), ids)
+    # saved in bf16 (as the shipped drafters are), the weights are bf16 and d2t stays int64: a bf16
+    # d2t keeps integers exactly only up to 256, and these offsets reach tens of thousands
+    half = load_file(str(save_drafter(d, tmp_path / "bf16", dtype=torch.bfloat16) / "model.safetensors"))
+    assert half["fc.weight"].dtype == torch.bfloat16 and half["d2t"].dtype == torch.int64
+    assert torch.equal(half["d2t"] + torch.arange(4096), ids) and int(half["d2t"].max()) > 256
+    # a float d2t in a file is refused, not cast (cast, it would still look sorted and distinct)
+    half["d2t"] = half["d2t"].to(torch.bfloat16)
+    save_file(half, str(tmp_path / "bf16" / "model.safetensors"))
+    assert "d2t must be a 1-D int64 tensor, got torch.bfloat16" in error_line(
+        run("generate", "--prompt", "hi", "--drafter", str(tmp_path / "bf16"))
+    )
     # a corrupt d2t (not sorted distinct ids) is a one-line error
     sd["d2t"][5] = -10
-    from safetensors.torch import save_file
-
     save_file(sd, str(path / "model.safetensors"))
     assert "d2t does not map" in error_line(run("generate", "--prompt", "hi", "--drafter", str(path)))
     # the z-lab reference (which drafts over the full vocabulary) still loads our drafter

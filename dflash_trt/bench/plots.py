@@ -9,8 +9,9 @@ from pathlib import Path
 def plot_bench(result: dict, out: str | Path) -> Path:
     """Write a two-panel PNG for a :func:`dflash_trt.bench.runner.run_bench` result.
 
-    Left: output tokens/s of plain decoding, DFlash and each peer. Right: P(draft position k
-    accepted | position k reached) for k = 1..block_size-1. Returns the path written.
+    Left: output tokens/s of plain decoding, DFlash, DFlash + prompt lookup (when the result has
+    it) and each peer. Right: P(draft position k accepted | position k reached) for
+    k = 1..block_size-1, per DFlash mode. Returns the path written.
     """
     import matplotlib
 
@@ -19,25 +20,39 @@ def plot_bench(result: dict, out: str | Path) -> Path:
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    names = ["plain (ours)", f"DFlash K={result['block_size']}"] + [f"{n} (peer)" for n in result["peers"]]
-    tps = [result["ar_tokens_per_s"], result["dflash_tokens_per_s"]] + [
-        p["tokens_per_s"] for p in result["peers"].values()
+    k = result["block_size"]
+    # (label, tokens/s, colour, acceptance per position or None) per mode
+    modes = [
+        ("plain (ours)", result["ar_tokens_per_s"], "#888888", None),
+        (f"DFlash K={k}", result["dflash_tokens_per_s"], "#1f77b4", result["acceptance_per_position"]),
     ]
+    lk = result.get("prompt_lookup")
+    if lk:
+        modes.append((f"DFlash K={k}\n+ lookup", lk["tokens_per_s"], "#ff7f0e", lk["acceptance_per_position"]))
+    modes += [(f"{n} (peer)", p["tokens_per_s"], "#bbbbbb", None) for n, p in result["peers"].items()]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    bars = a.bar(names, tps, color=["#888888", "#1f77b4"] + ["#bbbbbb"] * len(result["peers"]))
+    bars = a.bar([m[0] for m in modes], [m[1] for m in modes], color=[m[2] for m in modes])
     a.bar_label(bars, fmt="%.1f")
     a.margins(y=0.12)
     a.set_ylabel("output tokens / s")
     a.set_title(
         f"{result['dataset']}, {result['num_prompts']} prompts, {result['dtype']}, {result['device']}", fontsize=9
     )
-    a.tick_params(axis="x", labelrotation=15)
-    acc = result["acceptance_per_position"]
-    b.bar(range(1, len(acc) + 1), acc, color="#1f77b4")
+    a.tick_params(axis="x", labelrotation=20)
+    drafting = [m for m in modes if m[3] is not None]
+    width = 0.8 / len(drafting)
+    for i, (label, _, colour, acc) in enumerate(drafting):
+        at = [x + (i - (len(drafting) - 1) / 2) * width for x in range(1, len(acc) + 1)]
+        b.bar(at, acc, width=width, color=colour, label=label.replace("\n", " "))
     b.set_ylim(0, 1)
+    b.set_xticks(range(1, k))
     b.set_xlabel("draft position k")
     b.set_ylabel("P(accepted | reached)")
-    b.set_title(f"tau {result['tau']:.2f} (tokens per verify step)", fontsize=9)
+    title = f"tau {result['tau']:.2f} (tokens per verify step)"
+    if lk:
+        title = f"tau {result['tau']:.2f}, with prompt lookup {lk['tau']:.2f} (tokens per verify step)"
+        b.legend(fontsize=8)
+    b.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

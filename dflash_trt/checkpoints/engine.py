@@ -21,7 +21,7 @@ from ..quantization.formats import dequantize_fp8, dequantize_nvfp4
 from . import trtllm as L
 from .loader import LoadedTarget, parse_dtype, with_tokenizer
 from .sources import load_safetensors_file, read_json, sha256_file
-from .zlab import drafter_config_from_json
+from .zlab import check_d2t, drafter_config_from_json
 
 #: ``engine.json`` ``format`` / ``version`` (written by :mod:`..build.builder`)
 ENGINE_FORMAT = "dflash-trt-engine"
@@ -321,6 +321,7 @@ def load_engine(
     if dcfg.draft_vocab_size is not None:  # the draft vocabulary, int64, beside the weights
         if d2t is None:
             raise DFlashError(f"engine drafter declares draft_vocab_size {dcfg.draft_vocab_size} but has no d2t")
+        check_d2t(d2t, dcfg.vocab_size, f"engine drafter {d}")
         dsd["d2t"] = d2t
     drafter.load_state_dict(dsd, strict=True)
     drafter = drafter.to(cdt).eval()

@@ -207,17 +207,24 @@ def load_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32) ->
     for k, t in sd.items():
         if k in own and own[k].shape != t.shape:
             raise DFlashError(f"drafter {path}: {k} has shape {tuple(t.shape)}, config wants {tuple(own[k].shape)}")
+    if model.d2t is not None:  # checked as stored: a float d2t would be cast silently by the load
+        check_d2t(sd["d2t"], cfg.vocab_size, f"drafter {path}")
     model.load_state_dict({k: sd[k] for k in own}, strict=True)
-    if model.d2t is not None:
-        check_d2t(model.d2t, cfg.vocab_size, f"drafter {path}")
     return model.to(dtype).eval()
 
 
 def check_d2t(d2t: torch.Tensor, vocab_size: int, what: str) -> None:
-    """Raises DFlashError unless ``arange(N) + d2t`` are strictly increasing target ids in
-    ``0 .. vocab_size - 1`` (the EAGLE-3 / speculators draft-vocabulary mapping)."""
+    """Raises DFlashError unless ``d2t`` is a 1-D integer tensor and ``arange(N) + d2t`` are
+    strictly increasing target ids in ``0 .. vocab_size - 1`` (the EAGLE-3 / speculators
+    draft-vocabulary mapping). A floating-point ``d2t`` is refused, not cast: bf16 holds integers
+    exactly only up to 256, so a bf16 copy maps most draft ids to the wrong target tokens while
+    still looking sorted and distinct."""
     if d2t.dtype not in (torch.int64, torch.int32) or d2t.dim() != 1:
-        raise DFlashError(f"{what}: d2t must be a 1-D integer tensor, got {d2t.dtype} {tuple(d2t.shape)}")
+        lost = " (a float d2t has lost its offsets; rebuild it from the draft vocabulary)"
+        raise DFlashError(
+            f"{what}: d2t must be a 1-D int64 tensor, got {d2t.dtype} {tuple(d2t.shape)}"
+            + (lost if d2t.is_floating_point() else "")
+        )
     ids = torch.arange(d2t.numel()) + d2t.cpu().long()
     if d2t.numel() and (int(ids[0]) < 0 or int(ids[-1]) >= vocab_size or bool((ids[1:] <= ids[:-1]).any())):
         raise DFlashError(f"{what}: d2t does not map draft ids to distinct, sorted target ids below {vocab_size}")
@@ -233,7 +240,8 @@ def save_drafter(
     """Write ``model`` as a z-lab drafter directory, atomically (:func:`~dflash_trt.atomic.atomic_dir`).
 
     Args:
-        dtype: dtype of the saved weights (None: as they are).
+        dtype: dtype of the saved floating-point weights (None: as they are); integer buffers
+            (``d2t``) keep their dtype.
         replace: replace an existing ``out`` (else that is an error).
         extra: more files for the same directory, ``{name: write(path)}`` (a training
             checkpoint's optimizer state), written before it appears.
@@ -247,7 +255,10 @@ def save_drafter(
     if out.exists() and not replace:
         raise DFlashError(f"output {out} already exists")
     with atomic_dir(out, replace=replace) as tmp:
-        sd = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in model.state_dict().items()}
+        sd = {
+            k: (v.to(dtype) if dtype and v.is_floating_point() else v).contiguous()
+            for k, v in model.state_dict().items()
+        }
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_json(tmp / "config.json", drafter_config_to_json(model.cfg))
         for name, write in (extra or {}).items():

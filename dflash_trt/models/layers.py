@@ -214,12 +214,40 @@ def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch
     # head counts are static shapes (views by the model's config), so under torch.compile with
     # dynamic shapes this is a Python bool, as SDPA requires
     gqa = q.shape[1] != keys.shape[1]
+    if q.device.type == "cpu" and torch.compiler.is_compiling():
+        return _matmul_attention(q, keys, values, mask).to(dtype)
     if q.device.type == "cuda":
         # not cuDNN: it plans anew for every key length, and decoding changes it every step
         # (measured on an H200: 2.8x slower plain decoding at batch 1 and 64 than without it)
         with sdpa_kernel(_CUDA_SDPA):
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa).to(dtype)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa).to(dtype)
+
+
+def _matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention as two batched matmuls and a softmax, for inductor to fuse on the CPU.
+
+    Under ``torch.compile`` on the CPU, inductor's SDPA measured 2.5-4x slower than this for
+    decode and verify shapes (30 layers, 9:3 heads, 100-600 keys: 4.3 vs 1.1 ms at 100 keys, one
+    thread), and slower than eager SDPA; eagerly, SDPA stays faster, so only the compiled path
+    uses this. The query heads that share a K/V head are stacked into one matmul (no GQA expand).
+
+    Args:
+        q: ``[S, H, Tq, D]`` fp32 queries.
+        keys, values: ``[S, Hkv, L, D]`` fp32 (``H`` a multiple of ``Hkv``).
+        mask: bool ``[S or 1, 1, Tq, L]``, true where a query may attend; no row fully false.
+
+    Returns:
+        ``[S, H, Tq, D]`` fp32.
+    """
+    s, h, tq, d = q.shape
+    hkv, length = keys.shape[1], keys.shape[2]
+    g = h // hkv
+    qg = q.reshape(s, hkv, g * tq, d)  # head h = kv head h // g, as enable_gqa
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+    visible = mask.unsqueeze(2).expand(mask.shape[0], 1, g, tq, length).reshape(mask.shape[0], 1, g * tq, length)
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.matmul(probs, values).view(s, h, tq, d)
 
 
 def _paged_attention(q, k, v, kv, meta: AttentionMetadata) -> torch.Tensor:
