@@ -5,7 +5,8 @@ Plugins (namespace ``dflash``), one per kernel of ``dflash_trt.kernels``:
 
 - ``dflash::context_kv``: fused target features' stacked K/V GEMM output ``[T, L*2*Hkv*D]``,
   k_norm ``[L, D]``, RoPE inverse frequencies ``[D/2]`` fp32, positions / slots ``[T]`` int64 and
-  the drafter's K / V pools ``[L, P, Hkv, D]`` -> the same pools, written in place (aliased);
+  the drafter's K / V pools ``[L, P, Hkv, D]``, attribute ``eps`` (k_norm) -> the same pools,
+  written in place (aliased);
 - ``dflash::block_attention``: queries ``[S*B, Hq, D]``, one layer's K / V pool ``[P, Hkv, D]``,
   block tables ``[S, max_blocks]`` int32, kv lengths ``[S]`` int32 -> ``[S*B, Hq*D]``;
 - ``dflash::accept``: drafts ``[S, K]`` int64, target tokens ``[S, K+1]`` int64, draft counts
@@ -19,8 +20,10 @@ installed. The builder names the plugins and the variants a drafter needs in
 
 Status: TensorRT cannot be installed on the machines this project is developed on, so this file
 has never been imported under TensorRT; what is tested is the kernels themselves (Triton
-interpreter vs torch references) and their AOT compile to cubins and PTX for sm_90a, sm_100a
-and sm_103a. Loading it without TensorRT raises ImportError with that message.
+interpreter vs torch references), their AOT compile to cubins and PTX for sm_90a, sm_100a
+and sm_103a, and this file under a stand-in of the ``tensorrt.plugin`` API
+(``tests/test_kernels.py``: each AOT implementation picks a compiled variant and passes as many
+int32 extras as its kernel declares). Loading it without TensorRT raises ImportError with that message.
 """
 
 from __future__ import annotations
@@ -122,22 +125,24 @@ def context_kv_desc(
     slots: trtp.TensorDesc,
     k_pools: trtp.TensorDesc,
     v_pools: trtp.TensorDesc,
+    eps: float,
 ) -> tuple[trtp.TensorDesc, trtp.TensorDesc]:
-    """The pools, written in place (outputs alias inputs 5 and 6)."""
+    """The pools, written in place (outputs alias inputs 5 and 6); ``eps`` is the drafter's
+    ``rms_norm_eps`` (it picks the compiled variant: the kernels take it as a constant)."""
     return k_pools.aliased(), v_pools.aliased()
 
 
 @trtp.autotune("dflash::context_kv")
-def context_kv_autotune(kv, k_norm, inv_freq, positions, slots, k_pools, v_pools, outputs):
+def context_kv_autotune(kv, k_norm, inv_freq, positions, slots, k_pools, v_pools, eps, outputs):
     return [trtp.AutoTuneCombination("BF16, BF16, FP32, INT64, INT64, BF16, BF16, BF16, BF16", "LINEAR")]
 
 
 @trtp.aot_impl("dflash::context_kv")
-def context_kv_aot(kv, k_norm, inv_freq, positions, slots, k_pools, v_pools, outputs, tactic):
+def context_kv_aot(kv, k_norm, inv_freq, positions, slots, k_pools, v_pools, eps, outputs, tactic):
     num_layers, _, hkv, d = (x.constant_value for x in k_pools.shape_expr)
     # strides: kv row, pool layer, pool slot, pool head
     strides = [kv.shape_expr[1], k_pools.shape_expr[1] * hkv * d, hkv * d, d]
-    return _aot(context_kv_variant(d, hkv), (kv.shape_expr[0], k_pools.shape_expr[0]), strides)
+    return _aot(context_kv_variant(d, hkv, eps), (kv.shape_expr[0], k_pools.shape_expr[0]), strides)
 
 
 # ------------------------------------------------------------------------ dflash::accept

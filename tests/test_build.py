@@ -260,7 +260,15 @@ def test_engine_directory_layout(built, smollm2):
     plugins = json.loads((out / "trtllm" / "plugins.json").read_text())
     assert plugins["plugins"] == ["dflash::context_kv", "dflash::block_attention", "dflash::accept"]
     abi = pytest.importorskip("dflash_trt.kernels.plugin_abi")
-    assert set(plugins["kernels"]) <= {s.name for s in abi.specs()}
+    assert set(plugins["kernels"]) <= {s.name for s in abi.specs()} == abi.variant_names()
+    # the k_norm eps is compiled into the context-K/V kernel: the variant is the drafter's own
+    eps = json.loads((default_drafter_path(smollm2, True) / "config.json").read_text())["rms_norm_eps"]
+    assert plugins["rms_norm_eps"] == eps and abi.context_kv_variant(64, 3, eps) in plugins["kernels"]
+    assert "_eps1e-05" in abi.context_kv_variant(64, 3, eps)
+    expect_unsupported = (
+        [] if plugins["tokens_per_block"] == 32 else [f"tokens_per_block {plugins['tokens_per_block']}"]
+    )
+    assert [u.split(":")[0] for u in plugins["unsupported"]] == expect_unsupported
 
 
 def test_tp_shards_reassemble_to_modelopt_quantization(built, smollm2):

@@ -148,3 +148,53 @@ def test_parse_device():
     else:
         with pytest.raises(DFlashError, match="visible"):
             parse_device(f"cuda:{torch.cuda.device_count()}")
+
+
+def test_upload_is_one_packed_copy_that_restores_every_tensor():
+    """The iteration's host inputs (attention metadata with a verify group beside a prompt-chunk
+    group, token ids, int32 counts) go to the device as one packed int64 buffer; run here with
+    the packing forced on the CPU: every tensor comes back with its values, shape and dtype."""
+    from dflash_trt.runtime.model_runner import _packed_meta, upload_meta
+
+    tables = [[3, 1], [0, 6], [2, 4]]
+    # sequence 1 is a 40-token prompt chunk (its own group), 0 and 2 verify blocks of 5 tokens
+    meta = _packed_meta([20, 0, 50], [5, 40, 5], [0, 5, 45], [5, 40, 5], tables, 32, 7 * 32)
+    assert meta.groups is not None and len(meta.groups) == 2
+    ids = torch.arange(50)
+    counts = torch.tensor([4, 0, 2], dtype=torch.int32)
+    got, got_ids, got_counts = upload_meta(torch.device("cpu"), meta, ids, counts, pack=True)
+    assert got is not meta  # the packed path ran (without pack it returns the same objects)
+    for a, b in [(meta, got)] + list(zip(meta.groups, got.groups)) + [(ids, got_ids), (counts, got_counts)]:
+        pairs = [(a, b)] if isinstance(a, torch.Tensor) else [(getattr(a, k), getattr(b, k)) for k in vars(a)]
+        for x, y in pairs:
+            if isinstance(x, torch.Tensor):
+                assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+            elif not isinstance(x, list):
+                assert x == y
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])  # CUDA only: nothing to see on a CPU
+def test_a_greedy_iteration_synchronises_once(device):
+    """A decode iteration with drafts (in-flight batch of 3, greedy) waits for the device once:
+    the copy of its results (argmax, drafts, accepted counts). The metadata goes up in one
+    non-blocking copy (``upload``); a plain ``.to(device)`` would synchronise each time."""
+    import warnings
+
+    model = tiny_target(device)
+    drafter = init_drafter(model.cfg, 1, 4, MASK, seed=0).to(device)
+    cfg = EngineConfig(block_size=4, max_batch_size=3, max_num_tokens=64, tokens_per_block=8, kv_capacity_tokens=320)
+    engine = LLMEngine(model, drafter, (), cfg)
+    for p in prompts(3, seed=4):
+        engine.add_request(Request(p, 30))
+    for _ in range(4):  # prompts in, first verify blocks (device tables built)
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, syncs

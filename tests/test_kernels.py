@@ -16,6 +16,7 @@ import os
 import random
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -226,7 +227,7 @@ def test_runtime_drafts_through_kernels_equal_torch_modules(smollm2, window, mon
     assert (torch_hidden[0][0] - torch_hidden[-1][0]).abs().max() > 1e-2
 
 
-def test_kernels_aot_writes_cubins_and_ptx(tmp_path):
+def test_kernels_aot_writes_cubins_and_ptx(tmp_path, monkeypatch):
     out = tmp_path / "cubins"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "dflash_trt.cli", "kernels-aot", "--out", str(out)]  # sm_90a, sm_100a, sm_103a
@@ -244,3 +245,85 @@ def test_kernels_aot_writes_cubins_and_ptx(tmp_path):
         assert sum(e["variant"].startswith(kernel) for e in m["cubins"]) >= 2  # >= one per arch
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert again.returncode != 0 and "already exists" in again.stderr and len(again.stderr.splitlines()) == 1
+    plugins_launch_what_was_compiled(out, m, monkeypatch)
+
+
+class _Dim(int):
+    """A TensorRT shape expression of a known size (``constant_value``; arithmetic as an int)."""
+
+    @property
+    def constant_value(self) -> int:
+        return int(self)
+
+
+def _stand_in_tensorrt() -> tuple[types.ModuleType, types.ModuleType]:
+    """``tensorrt`` / ``tensorrt.plugin`` stand-ins with the parts of the quickly deployable
+    plugin API that ``plugins/dflash_plugins.py`` touches (TensorRT does not install here):
+    the decorators register the functions by name, the launch objects record what is set."""
+    trt, trtp = types.ModuleType("tensorrt"), types.ModuleType("tensorrt.plugin")
+    trt.int32, trt.plugin = "int32", trtp
+    trtp.registered = {}
+
+    def decorator(kind):
+        return lambda name: lambda fn: trtp.registered.setdefault((kind, name), fn)
+
+    trtp.register, trtp.autotune, trtp.aot_impl = decorator("register"), decorator("autotune"), decorator("aot")
+    trtp.TensorDesc = object
+    trtp.KernelLaunchParams = types.SimpleNamespace
+    trtp.SymIntExprs = lambda n: [None] * n
+    trtp.SymInt32 = int
+    return trt, trtp
+
+
+def plugins_launch_what_was_compiled(out, manifest, monkeypatch):
+    """The TensorRT plugins' AOT implementations, called as TensorRT would for SmolLM2's drafter
+    shapes, pick a kernel that ``kernels-aot`` compiled (the variant of the drafter's k_norm
+    eps included) and pass exactly as many int32 extras as that kernel declares."""
+    import importlib.util
+
+    from dflash_trt.kernels import plugin_abi
+
+    trt, trtp = _stand_in_tensorrt()
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    monkeypatch.setenv("DFLASH_TRT_KERNELS_DIR", str(out))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 3))
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "plugins", "dflash_plugins.py")
+    spec = importlib.util.spec_from_file_location("dflash_plugins_under_test", path)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    assert {n for _, n in trtp.registered} == {"dflash::context_kv", "dflash::block_attention", "dflash::accept"}
+
+    def desc(*dims):
+        return types.SimpleNamespace(shape_expr=[_Dim(x) for x in dims], dtype="bf16")
+
+    extras = {s.name: len(s.extras) for s in plugin_abi.specs()}
+    entries = {e["variant"]: e for e in manifest["cubins"] if e["arch"] == "sm_103a"}
+    aot = {n: fn for (kind, n), fn in trtp.registered.items() if kind == "aot"}
+    s_, t, L, hkv, d, pages, k = 5, 40, 2, 3, 64, 64, 4
+    ctx_kv = [desc(t, L * 2 * hkv * d), desc(L, d), desc(d // 2), desc(t), desc(t)]
+    ctx_kv += [desc(L, pages * 32, hkv, d)] * 2  # K and V pools
+    calls = {
+        "context_kv_d64_h3_eps1e-05": aot["dflash::context_kv"](*ctx_kv, 9.999999747378752e-06, None, 0),
+        "context_kv_d64_h3_eps1e-06": aot["dflash::context_kv"](*ctx_kv, 1e-6, None, 0),
+        "block_attention_d64_g3_b4": aot["dflash::block_attention"](
+            desc(s_ * k, 3 * hkv, d),
+            desc(pages * 32, hkv, d),
+            desc(pages * 32, hkv, d),
+            desc(s_, 8),
+            desc(s_),
+            k,
+            32,
+            0,
+            None,
+            0,
+        ),
+        "accept_k16": aot["dflash::accept"](desc(s_, k), desc(s_, k + 1), desc(s_), None, 0),
+    }
+    for variant, (entry, ptx, launch, extra) in calls.items():
+        assert entry == entries[variant]["entry"] and ptx == (out / entries[variant]["ptx"]).read_text(), variant
+        assert len(extra) == extras[variant] and None not in extra, variant
+        assert launch.block_x == 32 * entries[variant]["num_warps"]
+    with pytest.raises(RuntimeError, match="32 tokens per KV block"):
+        aot["dflash::block_attention"](
+            desc(s_ * k, 9, d), desc(512, hkv, d), desc(512, hkv, d), desc(s_, 8), desc(s_), k, 16, 0, None, 0
+        )

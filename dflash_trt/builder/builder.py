@@ -362,18 +362,33 @@ def llm_api_yaml(bc: BuildConfig, dcfg: DrafterConfig) -> str:
 
 
 def plugins_json(bc: BuildConfig, dcfg: DrafterConfig) -> dict:
-    """``trtllm/plugins.json``: the TensorRT plugins of the drafter and the kernel variants
-    (:mod:`dflash_trt.kernels.plugin_abi` names) this drafter's shapes launch."""
-    from ..kernels.plugin_abi import ACCEPT_VARIANT, block_attention_variant, context_kv_variant
+    """``trtllm/plugins.json``: the TensorRT plugins of the drafter, their attributes and the
+    kernel variants (:mod:`dflash_trt.kernels.plugin_abi` names) this drafter's shapes launch.
+    ``unsupported`` lists, one line each, what ``dflash-trt kernels-aot`` does not compile for
+    this build (a variant, or a KV-cache block size other than the kernels'): empty when the
+    plugins can run it; the torch runtime is unaffected either way."""
+    from ..kernels import plugin_abi as abi
 
     d, hkv, g = dcfg.head_dim, dcfg.num_kv_heads, dcfg.num_heads // dcfg.num_kv_heads
+    kernels = [
+        abi.context_kv_variant(d, hkv, dcfg.rms_norm_eps),
+        abi.block_attention_variant(d, g, bc.block_size),
+        abi.ACCEPT_VARIANT,
+    ]
+    unsupported = [f"kernel variant {k} is not compiled ahead of time" for k in kernels if k not in abi.variant_names()]
+    if bc.tokens_per_block != abi.AOT_TOKENS_PER_BLOCK:
+        unsupported.append(
+            f"tokens_per_block {bc.tokens_per_block}: the AOT kernels read {abi.AOT_TOKENS_PER_BLOCK} per KV block"
+        )
     return {
         "library": "plugins/dflash_plugins.py",
         "plugins": ["dflash::context_kv", "dflash::block_attention", "dflash::accept"],
-        "kernels": [context_kv_variant(d, hkv), block_attention_variant(d, g, bc.block_size), ACCEPT_VARIANT],
+        "kernels": kernels,
         "kernels_dir": "DFLASH_TRT_KERNELS_DIR (from: dflash-trt kernels-aot --out DIR)",
         "tokens_per_block": bc.tokens_per_block,
         "sliding_window": dcfg.sliding_window or 0,
+        "rms_norm_eps": dcfg.rms_norm_eps,
+        "unsupported": unsupported,
     }
 
 

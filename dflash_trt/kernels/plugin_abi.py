@@ -49,19 +49,37 @@ def block_attention_variant(head_dim: int, group: int, block: int) -> str:
     return f"block_attention_d{head_dim}_g{group}_b{block}"
 
 
-def context_kv_variant(head_dim: int, kv_heads: int) -> str:
-    """Name of the context-K/V variant for ``head_dim`` and ``kv_heads``."""
-    return f"context_kv_d{head_dim}_h{kv_heads}"
+def context_kv_variant(head_dim: int, kv_heads: int, eps: float) -> str:
+    """Name of the context-K/V variant for ``head_dim``, ``kv_heads`` and the k_norm RMSNorm
+    ``eps`` (compiled in as a constant; written to one significant digit, so a config's fp32
+    round trip of 1e-5, 9.9999997e-06, names the same variant)."""
+    return f"context_kv_d{head_dim}_h{kv_heads}_eps{eps:.0e}"
 
 
 #: the acceptance variant (up to 16 draft tokens)
 ACCEPT_VARIANT = "accept_k16"
 
 
+#: the shapes compiled ahead of time: (head dim, KV heads, query heads per KV head)
+AOT_SHAPES = ((64, 3, 3), (128, 8, 4))
+#: block sizes, KV-cache tokens per block and k_norm epsilons compiled ahead of time
+AOT_BLOCKS, AOT_TOKENS_PER_BLOCK, AOT_EPS = (4, 8, 16), 32, (1e-5, 1e-6)
+
+
+def variant_names() -> set[str]:
+    """Names of every variant :func:`specs` compiles (needs no triton)."""
+    names = {ACCEPT_VARIANT}
+    for d, hkv, g in AOT_SHAPES:
+        names |= {block_attention_variant(d, g, b) for b in AOT_BLOCKS}
+        names |= {context_kv_variant(d, hkv, eps) for eps in AOT_EPS}
+    return names
+
+
 def specs() -> list[KernelSpec]:
-    """Every variant compiled ahead of time: head dim 64 with 3 KV heads and 9 query heads
-    (SmolLM2-135M) and head dim 128 with 8 KV heads and 32 query heads (Llama-3.1-8B, Qwen3-8B);
-    block sizes 4, 8, 16; 32 tokens per KV block; bf16 activations, fp32 accumulation."""
+    """Every variant compiled ahead of time (:data:`AOT_SHAPES` ...): head dim 64 with 3 KV heads
+    and 9 query heads (SmolLM2-135M) and head dim 128 with 8 KV heads and 32 query heads
+    (Llama-3.1-8B, Qwen3-8B); block sizes 4, 8, 16; 32 tokens per KV block; k_norm eps 1e-5 and
+    1e-6; bf16 activations, fp32 accumulation. Names as :func:`variant_names`."""
     if triton is None:
         raise ImportError("the drafter kernels need triton")
     from .acceptance import _accept_kernel
@@ -69,15 +87,15 @@ def specs() -> list[KernelSpec]:
     from .context_kv import _context_kv_kernel
 
     out = []
-    for d, hkv, g in ((64, 3, 3), (128, 8, 4)):
-        for b in (4, 8, 16):
+    for d, hkv, g in AOT_SHAPES:
+        for b in AOT_BLOCKS:
             rows = max(16, 1 << (g * b - 1).bit_length())
             const = {
                 "SCALE": d**-0.5,
                 "B": b,
                 "G": g,
                 "D": d,
-                "TPB": 32,
+                "TPB": AOT_TOKENS_PER_BLOCK,
                 "ROWS": rows,
                 "BLOCK_N": 32,
                 "PREC": "tf32",
@@ -95,26 +113,29 @@ def specs() -> list[KernelSpec]:
                     "(num sequences, num KV heads)",
                 )
             )
-        const = {"EPS": 1e-6, "L": 1, "HKV": hkv, "HKV_P": 1 << (hkv - 1).bit_length(), "D": d}
-        out.append(
-            KernelSpec(
-                context_kv_variant(d, hkv),
-                _context_kv_kernel,
-                {
-                    "KV": "*bf16",
-                    "KNorm": "*bf16",
-                    "InvFreq": "*fp32",
-                    "Pos": "*i64",
-                    "Slots": "*i64",
-                    "KPin": "*bf16",
-                    "VPin": "*bf16",
-                },
-                dict.fromkeys(["stride_kv_row", "stride_pool_layer", "stride_pool_slot", "stride_pool_head"], "i32"),
-                {"KP": "*bf16", "VP": "*bf16"},
-                const,
-                "(num tokens, drafter layers)",
+        for eps in AOT_EPS:
+            const = {"EPS": eps, "L": 1, "HKV": hkv, "HKV_P": 1 << (hkv - 1).bit_length(), "D": d}
+            out.append(
+                KernelSpec(
+                    context_kv_variant(d, hkv, eps),
+                    _context_kv_kernel,
+                    {
+                        "KV": "*bf16",
+                        "KNorm": "*bf16",
+                        "InvFreq": "*fp32",
+                        "Pos": "*i64",
+                        "Slots": "*i64",
+                        "KPin": "*bf16",
+                        "VPin": "*bf16",
+                    },
+                    dict.fromkeys(
+                        ["stride_kv_row", "stride_pool_layer", "stride_pool_slot", "stride_pool_head"], "i32"
+                    ),
+                    {"KP": "*bf16", "VP": "*bf16"},
+                    const,
+                    "(num tokens, drafter layers)",
+                )
             )
-        )
     out.append(
         KernelSpec(
             ACCEPT_VARIANT,

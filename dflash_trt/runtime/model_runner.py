@@ -105,6 +105,51 @@ def _written(
     return torch.cat(pos + empty), torch.cat([slots_of(t, p, tpb) for t, p in zip(tables, pos)] + empty)
 
 
+def upload(device: torch.device, *host: torch.Tensor, pack: bool | None = None) -> list[torch.Tensor]:
+    """Host tensors on ``device`` with ONE host-to-device copy, never a synchronisation.
+
+    A plain ``.to("cuda")`` of a pageable CPU tensor waits for the device (PyTorch copies and
+    then synchronises the stream), so an iteration that moved its metadata tensor by tensor
+    waited on the GPU ~20 times. Here every tensor is flattened into one int64 buffer (bool and
+    int32 values are exact in int64), pinned, copied ``non_blocking``, and split back into
+    views of the original shapes and dtypes on the device (the dtype casts are device kernels).
+
+    Args:
+        device: the target device; on the CPU the tensors are returned as they are unless
+            ``pack`` is True (which runs the packing on the CPU, for tests).
+        host: CPU tensors of integer or bool dtype, any shapes.
+
+    Returns:
+        The tensors in the same order, shapes and dtypes, on ``device``.
+    """
+    if not host or (pack is None and device.type == "cpu"):
+        return list(host)
+    flat = torch.cat([t.reshape(-1).to(torch.long) for t in host])
+    if device.type == "cuda":
+        flat = flat.pin_memory()  # the caching host allocator keeps it until the copy is done
+    flat = flat.to(device, non_blocking=True)
+    out, at = [], 0
+    for t in host:
+        out.append(flat[at : at + t.numel()].view(t.shape).to(t.dtype))
+        at += t.numel()
+    return out
+
+
+def upload_meta(device: torch.device, meta: AttentionMetadata, *host: torch.Tensor, pack: bool | None = None) -> tuple:
+    """:func:`upload` of every tensor of ``meta`` (and of its groups) together with ``host``:
+    ``(meta on device, *host on device)``, one copy for the whole iteration's inputs."""
+    metas = [meta] + (meta.groups or [])
+    names = [[f.name for f in dataclasses.fields(m) if isinstance(getattr(m, f.name), torch.Tensor)] for m in metas]
+    flat = upload(device, *[getattr(m, n) for m, ns in zip(metas, names) for n in ns], *host, pack=pack)
+    moved, at = [], 0
+    for m, ns in zip(metas, names):
+        moved.append(dataclasses.replace(m, **dict(zip(ns, flat[at : at + len(ns)]))))
+        at += len(ns)
+    if meta.groups:
+        moved[0].groups = moved[1:]
+    return (moved[0], *flat[at:])
+
+
 def _kernels_wanted(device: torch.device) -> bool:
     """Whether drafting runs the drafter kernels on ``device`` (:func:`dflash_trt.kernels.ops.use_triton`)."""
     try:
@@ -127,11 +172,11 @@ def _packed_meta(
     tables: list[list[int]],
     tpb: int,
     spare_slot: int,
-    device,
     window: int | None = None,
     causal: bool = True,
 ) -> AttentionMetadata:
-    """Attention metadata for ``S`` sequences packed into one row.
+    """Attention metadata for ``S`` sequences packed into one row, on the host (CPU tensors;
+    :func:`upload_meta` moves it to the device with the iteration's other inputs in one copy).
 
     Sequence ``i`` contributes tokens at positions ``starts[i] .. starts[i] + lengths[i] - 1``
     (all written to its slots); its queries are its last ``query_len`` tokens, whose index in the
@@ -144,24 +189,22 @@ def _packed_meta(
     qlen = query_len if isinstance(query_len, list) else [query_len] * S
     ends = [s + n for s, n in zip(starts, lengths)]
     positions, write = _written(tables, starts, lengths, tpb)
-    to = lambda x: x.to(device)  # noqa: E731
     short = [i for i in range(S) if qlen[i] <= SHORT_QUERIES]
     groups = None
     if 0 < len(short) < S:
         long = [i for i in range(S) if qlen[i] > SHORT_QUERIES]
         groups = [
-            _group_meta(idx, ends, query_from, qlen, tables, tpb, spare_slot, to, window, causal)
-            for idx in (short, long)
+            _group_meta(idx, ends, query_from, qlen, tables, tpb, spare_slot, window, causal) for idx in (short, long)
         ]
         base = AttentionMetadata(None, None, None, max(ends))
     else:
-        base = _group_meta(list(range(S)), ends, query_from, qlen, tables, tpb, spare_slot, to, window, causal)
-    base.positions, base.write_slots = to(positions).unsqueeze(0), to(write).unsqueeze(0)
+        base = _group_meta(list(range(S)), ends, query_from, qlen, tables, tpb, spare_slot, window, causal)
+    base.positions, base.write_slots = positions.unsqueeze(0), write.unsqueeze(0)
     base.max_position, base.groups = max(ends) - 1, groups
     return base
 
 
-def _group_meta(idx: list[int], ends, query_from, qlen, tables, tpb, spare_slot, to, window, causal):
+def _group_meta(idx: list[int], ends, query_from, qlen, tables, tpb, spare_slot, window, causal):
     """Paged attention metadata (read slots, mask, query gathers) of the sequences ``idx``.
 
     Sequence ``i`` reads keys ``lo_i .. ends[i] - 1``: ``lo_i`` is 0, or with a sliding
@@ -199,13 +242,13 @@ def _group_meta(idx: list[int], ends, query_from, qlen, tables, tpb, spare_slot,
     return AttentionMetadata(
         None,
         None,
-        to(mask.unsqueeze(1)),
+        mask.unsqueeze(1),
         kv_len,
-        read_slots=to(read),
-        query_index=to(qidx),
-        query_valid=to(qvalid),
-        query_rows=to(torch.cat(rows)),
-        query_out=to(torch.cat(out)),
+        read_slots=read,
+        query_index=qidx,
+        query_valid=qvalid,
+        query_rows=torch.cat(rows),
+        query_out=torch.cat(out),
         uniform=all(qlen[i] == tq and query_from[i] == r * tq for r, i in enumerate(idx)),
     )
 
@@ -343,23 +386,22 @@ class ModelRunner:
             ctx_slots = torch.cat([ctx_slots, torch.full((pad,), self.spare_slot, dtype=torch.long)])
         ids = torch.full((len(items), block), d.cfg.mask_token_id, dtype=torch.long)
         ids[:, 0] = torch.tensor([it.tokens[0] for it in items])
-        embeds = self.target.embed(ids.to(dev).view(-1))  # [S * B, hidden]
         if self.kernels:  # the drafter kernels over the paged pools (dflash_trt.kernels)
             bpos, bslots = _written(tables, starts, [block] * len(items), self.tpb)
             width = max(len(t) for t in tables)
             bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
             lens = [s + block for s in starts]
-            paged = PagedBlocks(
-                bslots.to(dev), bt.to(dev), torch.tensor(lens, dtype=torch.int32).to(dev), block, self.tpb
+            ids, bslots, bt, lens_t, ctx_pos, ctx_slots, bpos = upload(
+                dev, ids, bslots, bt, torch.tensor(lens, dtype=torch.int32), ctx_pos, ctx_slots, bpos
             )
             hidden = d.forward_paged(
-                embeds,
+                self.target.embed(ids.view(-1)),  # [S * B, hidden]
                 feats,
-                ctx_pos.to(dev),
-                ctx_slots.to(dev),
-                bpos.to(dev),
+                ctx_pos,
+                ctx_slots,
+                bpos,
                 max(lens) - 1,
-                paged,
+                PagedBlocks(bslots, bt, lens_t, block, self.tpb),
                 self.dcache.k,
                 self.dcache.v,
             )
@@ -372,15 +414,16 @@ class ModelRunner:
                 tables,
                 self.tpb,
                 self.spare_slot,
-                dev,
                 d.cfg.sliding_window,
                 causal=False,
             )
             meta = dataclasses.replace(
                 blk,
-                positions=torch.cat([ctx_pos.to(dev).unsqueeze(0), blk.positions], dim=1),
-                write_slots=torch.cat([ctx_slots.to(dev).unsqueeze(0), blk.write_slots], dim=1),
+                positions=torch.cat([ctx_pos.unsqueeze(0), blk.positions], dim=1),
+                write_slots=torch.cat([ctx_slots.unsqueeze(0), blk.write_slots], dim=1),
             )
+            meta, ids = upload_meta(dev, meta, ids)
+            embeds = self.target.embed(ids.view(-1))  # [S * B, hidden]
             hidden = self.draft_forward(embeds.unsqueeze(0), feats.unsqueeze(0), meta, self.dcache.layers)
         drafts = d.propose(hidden.view(len(items), block, -1)[:, 1:], self.target.lm_head, self.tp is not None)
         if self.tp is not None:
@@ -397,10 +440,10 @@ class ModelRunner:
             return self.draft(items, block), True
         if all(len(lk) == it.num_draft for lk, it in zip(lookups, items)):
             rows = [lk + [0] * (block - 1 - len(lk)) for lk in lookups]
-            return torch.tensor(rows, dtype=torch.long).to(self.device), False
+            return upload(self.device, torch.tensor(rows, dtype=torch.long))[0], False
         drafts = self.draft(items, block)
         at = [(r, j, t) for r, lk in enumerate(lookups) for j, t in enumerate(lk)]  # (row, column, token)
-        r, j, t = torch.tensor(at, dtype=torch.long).to(self.device).unbind(1)
+        r, j, t = upload(self.device, torch.tensor(at, dtype=torch.long))[0].unbind(1)
         drafts[r, j] = t
         return drafts, True
 
@@ -437,25 +480,27 @@ class ModelRunner:
             [it.table for it in items],
             self.tpb,
             self.spare_slot,
-            self.device,
         )
         flat = [x for it in items for x in it.tokens + [0] * it.num_draft]
-        ids = torch.tensor(flat, dtype=torch.long).to(self.device)
-        if drafting:  # drafts go into the packed input on the device
+        rows = [o + n - it.num_logits + j for o, n, it in zip(offsets, lengths, items) for j in range(it.num_logits)]
+        first = list(accumulate([it.num_logits for it in items][:-1], initial=0))  # item -> its first row
+        host = [torch.tensor(flat, dtype=torch.long), torch.tensor(rows, dtype=torch.long)]
+        if drafting:  # where the drafts go in the packed input; target rows and counts for acceptance
+            n_draft = [items[i].num_draft for i in drafting]
             src = [r * k + j for r, i in enumerate(drafting) for j in range(items[i].num_draft)]
             dst = [offsets[i] + len(items[i].tokens) + j for i in drafting for j in range(items[i].num_draft)]
-            ids[torch.tensor(dst).to(self.device)] = drafts.view(-1)[torch.tensor(src).to(self.device)]
-        rows = [o + n - it.num_logits + j for o, n, it in zip(offsets, lengths, items) for j in range(it.num_logits)]
-        index = torch.tensor(rows, dtype=torch.long).to(self.device).unsqueeze(0)
-        res = self.forward(ids.unsqueeze(0), meta, self.tcache.layers, self.capture, logits_index=index)
+            tgt = [[first[i] + min(j, n) for j in range(k + 1)] for i, n in zip(drafting, n_draft)]
+            host += [torch.tensor(x, dtype=torch.long) for x in (src, dst, tgt)]
+            host.append(torch.tensor(n_draft, dtype=torch.int32))
+        meta, ids, index, *acc_in = upload_meta(self.device, meta, *host)  # the iteration's one host -> device copy
+        if drafting:  # drafts go into the packed input on the device
+            src, dst, tgt, n_draft_t = acc_in
+            ids[dst] = drafts.view(-1)[src]
+        res = self.forward(ids.unsqueeze(0), meta, self.tcache.layers, self.capture, logits_index=index.unsqueeze(0))
         best = argmax_last(res.logits[0])  # [R]
-        first = list(accumulate([it.num_logits for it in items][:-1], initial=0))  # item -> its first row
         packed = [best]
         if drafting:  # the longest matching prefix per drafting item, on the device
-            n_draft = [items[i].num_draft for i in drafting]
-            tgt = [[first[i] + min(j, n) for j in range(k + 1)] for i, n in zip(drafting, n_draft)]
-            target = best[torch.tensor(tgt).to(self.device)]
-            acc = ops.accept(drafts, target, torch.tensor(n_draft, dtype=torch.int32).to(self.device))
+            acc = ops.accept(drafts, best[tgt], n_draft_t)
             packed += [drafts.view(-1), acc.long()]
         clock.mark()
         host = torch.cat(packed).tolist()  # the iteration's one device -> host copy
