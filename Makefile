@@ -25,9 +25,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # Measured on this CPU (2 threads, GSM8K 20 x 128, one run each): in bf16 (AMX) the shipped drafter at
-# block size 4 is 1.32x plain decoding (tau 1.56) and, with prompt lookup merged into its drafts
-# (--prompt-lookup-min 2), 1.70x (tau 1.93), ahead of HF (0.95x), HF prompt-lookup (1.40x) and
-# z-lab (1.12x) in that run; the model's own 4-bit weights (--weights int4) are the fastest path
+# block size 4 is 1.34x plain decoding (tau 1.59) and, with prompt lookup merged into its drafts
+# (--prompt-lookup-min 2), 1.72x (tau 1.95), ahead of HF (0.98x), HF prompt-lookup (1.48x) and
+# z-lab (1.20x) in that run; the model's own 4-bit weights (--weights int4) are the fastest path
 # (eager plain ~55 tok/s here; --compile ~100-120 after a first compile of minutes, not in the demo).
 # generate: int4; bench: the bf16 table with the peers, then int4's; DFlash with prompt lookup.
 demo: $(STAMP)
