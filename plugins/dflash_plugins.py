@@ -32,7 +32,12 @@ import json
 import os
 from pathlib import Path
 
-from dflash_trt.kernels.plugin_abi import ACCEPT_VARIANT, block_attention_variant, context_kv_variant
+from dflash_trt.kernels.plugin_abi import (
+    ACCEPT_VARIANT,
+    AOT_TOKENS_PER_BLOCK,
+    block_attention_variant,
+    context_kv_variant,
+)
 
 try:
     import tensorrt as trt
@@ -108,8 +113,10 @@ def block_attention_autotune(q, k_pool, v_pool, block_tables, kv_lens, block, to
 def block_attention_aot(q, k_pool, v_pool, block_tables, kv_lens, block, tokens_per_block, window, outputs, tactic):
     hq, d = q.shape_expr[1].constant_value, q.shape_expr[2].constant_value
     hkv = k_pool.shape_expr[1].constant_value
-    if tokens_per_block != 32:
-        raise RuntimeError(f"the AOT block attention is compiled for 32 tokens per KV block, not {tokens_per_block}")
+    if tokens_per_block != AOT_TOKENS_PER_BLOCK:
+        raise RuntimeError(
+            f"AOT block attention is compiled for {AOT_TOKENS_PER_BLOCK} tokens per KV block, got {tokens_per_block}"
+        )
     strides = [hq * d, d, hkv * d, d, block_tables.shape_expr[1]]  # q row, q head, k slot, k head, table
     grid = (kv_lens.shape_expr[0], k_pool.shape_expr[1])
     return _aot(block_attention_variant(d, hq // hkv, block), grid, strides + [window])

@@ -171,15 +171,14 @@ class DFlashDrafter(nn.Module):
         """
         from ..kernels import ops
 
+        # first: it moves RoPE's tables and inv_freq to the device once (no copy per draft)
+        cos, sin = self.rope(block_positions.view(1, -1), block_embeds.dtype, max_position)
         if ctx_features.shape[0]:  # context K/V of ALL layers: one GEMM, one kernel launch
             w, b, knorm = self._stacked_kv()
             h = self.hidden_norm(self.fc(ctx_features))
             kv = w(h) if isinstance(w, PackedLinear) else F.linear(h, w, b)
-            inv_freq = getattr(self, "_inv_freq_dev", None)  # rope.inv_freq is a CPU attribute:
-            if inv_freq is None or inv_freq.device != kv.device:  # copied once, not every draft (a sync)
-                inv_freq = self._inv_freq_dev = self.rope.inv_freq.to(kv.device)
+            inv_freq = self.rope.inv_freq  # fp32 [D / 2]
             ops.context_kv(kv, knorm, self.cfg.rms_norm_eps, inv_freq, ctx_positions, ctx_slots, k_pools, v_pools)
-        cos, sin = self.rope(block_positions.view(1, -1), block_embeds.dtype, max_position)
         x = block_embeds
         window = self.cfg.sliding_window or 0
         for i, layer in enumerate(self.layers):

@@ -94,7 +94,7 @@ class RotaryEmbedding(nn.Module):
         self._build(max_positions)
 
     def _build(self, n: int) -> None:
-        t = torch.arange(n, dtype=torch.float32)
+        t = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
         freqs = torch.outer(t, self.inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos_table = emb.cos()
@@ -108,6 +108,7 @@ class RotaryEmbedding(nn.Module):
             self._build(max(need, 2 * self.cos_table.shape[0]))
         if self.cos_table.device != positions.device:  # plain attributes: .to(device) does not move them
             self.cos_table, self.sin_table = self.cos_table.to(positions.device), self.sin_table.to(positions.device)
+            self.inv_freq = self.inv_freq.to(positions.device)  # moved once, with the tables
         cos = self.cos_table[positions].to(dtype).unsqueeze(1)
         sin = self.sin_table[positions].to(dtype).unsqueeze(1)
         return cos, sin

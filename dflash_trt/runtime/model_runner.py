@@ -122,7 +122,7 @@ def upload(device: torch.device, *host: torch.Tensor, pack: bool | None = None) 
     Returns:
         The tensors in the same order, shapes and dtypes, on ``device``.
     """
-    if not host or (pack is None and device.type == "cpu"):
+    if not host or not _packs(device, pack):
         return list(host)
     flat = torch.cat([t.reshape(-1).to(torch.long) for t in host])
     if device.type == "cuda":
@@ -135,9 +135,17 @@ def upload(device: torch.device, *host: torch.Tensor, pack: bool | None = None) 
     return out
 
 
+def _packs(device: torch.device, pack: bool | None) -> bool:
+    """Whether :func:`upload` packs and copies (off the CPU, or when a test forces it)."""
+    return device.type != "cpu" if pack is None else pack
+
+
 def upload_meta(device: torch.device, meta: AttentionMetadata, *host: torch.Tensor, pack: bool | None = None) -> tuple:
     """:func:`upload` of every tensor of ``meta`` (and of its groups) together with ``host``:
-    ``(meta on device, *host on device)``, one copy for the whole iteration's inputs."""
+    ``(meta on device, *host on device)``, one copy for the whole iteration's inputs. On the
+    CPU (nothing to copy) ``meta`` and ``host`` are returned as they are."""
+    if not _packs(device, pack):
+        return (meta, *host)
     metas = [meta] + (meta.groups or [])
     names = [[f.name for f in dataclasses.fields(m) if isinstance(getattr(m, f.name), torch.Tensor)] for m in metas]
     flat = upload(device, *[getattr(m, n) for m, ns in zip(metas, names) for n in ns], *host, pack=pack)
