@@ -184,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
         help='JSONL prompts instead of ShareGPT\'s: {"prompt": ...} or {"messages": [...]} '
         "per line (all of them unless --num-prompts is given)",
     )
+    d.add_argument(
+        "--word-problems",
+        action="store_true",
+        help="synthetic grade-school maths word problems (our own templates, seeded by --seed, "
+        "checked against the evaluation sets) instead of ShareGPT's",
+    )
     d.add_argument("--max-new-tokens", type=int, default=256)
     d.add_argument("--batch", type=int, default=16, help="most sequences decoding together (in-flight batching)")
     d.add_argument("--shard-size", type=int, default=256, help="prompts per shard (the unit of resumption)")
@@ -589,11 +595,18 @@ def cmd_distill(args) -> None:
         raise DFlashError("--max-new-tokens and --batch must be >= 1")
     if not 0 <= args.sampled_fraction <= 1:
         raise DFlashError(f"--sampled-fraction must be in [0, 1], got {args.sampled_fraction}")
+    if args.prompts_file and args.word_problems:
+        raise DFlashError("give --prompts-file or --word-problems, not both")
     _setup_threads(args.threads)
     device = parse_device(args.device)
     if args.prompts_file:
         prompts = read_prompts_file(args.prompts_file, args.num_prompts)
         source = f"prompts file {Path(args.prompts_file).name}"
+    elif args.word_problems:
+        from .training.word_problems import word_problems
+
+        prompts = word_problems(args.num_prompts or 1000, args.seed)
+        source = f"synthetic word problems (seed {args.seed})"
     else:
         prompts, source = sharegpt_prompts(args.num_prompts or 1000), "ShareGPT first turns"
     target = load_target(args.target, parse_dtype(args.dtype), device)

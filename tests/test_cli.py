@@ -150,10 +150,21 @@ def test_distill_then_train(tmp_path):
     """The training path from the command line: self-distilled data, a few steps, a drafter."""
     data, run_dir = tmp_path / "data", tmp_path / "run"
     proc = run(
-        "distill", "--out", str(data), "--num-prompts", "3", "--max-new-tokens", "6", "--batch", "3", "--dtype", "fp32"
+        "distill",
+        "--out",
+        str(data),
+        "--word-problems",
+        "--num-prompts",
+        "3",
+        "--max-new-tokens",
+        "6",
+        "--batch",
+        "3",
+        "--dtype",
+        "fp32",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (data / "manifest.json").is_file()
+    assert json.loads((data / "manifest.json").read_text())["source"] == "synthetic word problems (seed 0)"
     proc = run(
         "train",
         "--data",
@@ -176,3 +187,5 @@ def test_distill_then_train(tmp_path):
 
     assert load_drafter(run_dir / "drafter").cfg.block_size == 4
     assert "must be in [0, 1]" in error_line(run("distill", "--out", str(tmp_path / "x"), "--sampled-fraction", "2"))
+    both = run("distill", "--out", str(tmp_path / "x"), "--word-problems", "--prompts-file", str(tmp_path / "p.jsonl"))
+    assert "not both" in error_line(both)

@@ -10,6 +10,7 @@ numerical tie (top-2 logit margin < 1e-4), as everywhere else.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,38 @@ def test_in_flight_batching_and_sampling_on_device(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_sampled_tokens_do_not_depend_on_batching(device, block_size):
+    """The runner samples every sampled request's rows in one device pass, each row with its
+    request's temperature / top-k / top-p and the uniforms its own generator drew: a request
+    gets the same tokens in a mixed in-flight batch (greedy and sampled, prompts beside verify
+    blocks) as alone, so no row took another request's settings or uniforms."""
+    model = tiny_target(device)
+    drafter = init_drafter(model.cfg, 1, 4, MASK, seed=0).to(device) if block_size > 1 else None
+    settings = [
+        SamplingParams(),
+        SamplingParams(0.8, top_p=0.9, seed=1),
+        SamplingParams(1.2, seed=2),
+        SamplingParams(0.7, top_k=5, seed=3),
+        SamplingParams(1.0, top_k=8, top_p=0.8, seed=4),
+    ]
+
+    def run(batch: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+        cfg = EngineConfig(block_size=block_size, max_batch_size=3, max_num_tokens=64, tokens_per_block=8)
+        engine = LLMEngine(model, drafter, (), dataclasses.replace(cfg, kv_capacity_tokens=8 * 60))
+        sids = [engine.add_request(Request(p, 14, sp)) for p, sp in batch]
+        engine.run()
+        return [engine.result(s).output_ids for s in sids]
+
+    reqs = list(zip(prompts(5, seed=6), settings))
+    together = run(reqs)
+    alone = [run([r])[0] for r in reqs]
+    assert together[1:] == alone[1:]  # sampled: exactly (a tie would need a uniform on a boundary)
+    check_same(model, reqs[0][0], alone[0], together[0])
+    assert len({tuple(t) for t in together[1:]}) == 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_time_boxed_training_on_device(device, tmp_path):
     model = tiny_target(device)
     target = LoadedTarget(model, None, Path("tiny"), ())
@@ -162,8 +195,12 @@ def test_upload_is_one_packed_copy_that_restores_every_tensor():
     assert meta.groups is not None and len(meta.groups) == 2
     ids = torch.arange(50)
     counts = torch.tensor([4, 0, 2], dtype=torch.int32)
-    got, got_ids, got_counts = upload_meta(torch.device("cpu"), meta, ids, counts, pack=True)
+    floats = torch.tensor([0.25, -0.0, 1e-40, -3.5e38, float("inf"), 0.9999999])  # uniforms, settings
+    got, got_ids, got_counts, got_floats = upload_meta(torch.device("cpu"), meta, ids, counts, floats, pack=True)
     assert got is not meta  # the packed path ran (without pack it returns the same objects)
+    assert got_floats.dtype == torch.float32 and torch.equal(got_floats.view(torch.int32), floats.view(torch.int32))
+    with pytest.raises(TypeError, match="float64"):
+        upload_meta(torch.device("cpu"), meta, floats.double(), pack=True)
     for a, b in [(meta, got)] + list(zip(meta.groups, got.groups)) + [(ids, got_ids), (counts, got_counts)]:
         pairs = [(a, b)] if isinstance(a, torch.Tensor) else [(getattr(a, k), getattr(b, k)) for k in vars(a)]
         for x, y in pairs:
@@ -174,18 +211,21 @@ def test_upload_is_one_packed_copy_that_restores_every_tensor():
 
 
 @pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])  # CUDA only: nothing to see on a CPU
-def test_a_greedy_iteration_synchronises_once(device):
-    """A decode iteration with drafts (in-flight batch of 3, greedy) waits for the device once:
-    the copy of its results (argmax, drafts, accepted counts). The metadata goes up in one
-    non-blocking copy (``upload``); a plain ``.to(device)`` would synchronise each time."""
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_an_iteration_synchronises_once(device, temperature):
+    """A decode iteration with drafts (in-flight batch of 3, greedy or sampled with top-k and
+    top-p) waits for the device once: the copy of its results (the target's choices, drafts,
+    accepted counts). The metadata and the sampling uniforms go up in one non-blocking copy
+    (``upload``); a plain ``.to(device)`` would synchronise each time, and so would sampling
+    on the host."""
     import warnings
 
     model = tiny_target(device)
     drafter = init_drafter(model.cfg, 1, 4, MASK, seed=0).to(device)
     cfg = EngineConfig(block_size=4, max_batch_size=3, max_num_tokens=64, tokens_per_block=8, kv_capacity_tokens=320)
     engine = LLMEngine(model, drafter, (), cfg)
-    for p in prompts(3, seed=4):
-        engine.add_request(Request(p, 30))
+    for i, p in enumerate(prompts(3, seed=4)):
+        engine.add_request(Request(p, 30, SamplingParams(temperature, top_k=20, top_p=0.9, seed=i)))
     for _ in range(4):  # prompts in, first verify blocks (device tables built)
         engine.step()
     torch.cuda.synchronize()

@@ -289,7 +289,7 @@ def test_windowed_drafter_sees_the_same_context_as_a_full_one(smollm2):
     schedule = [(0, 0), (B - 1, 0), (0, 0), (0, 0), (0, B - 1), (B - 1, B - 1), (0, 0), (0, 0), (0, 0), (B - 1, B - 1)]
     out = runner.step(StepPlan([StepItem(i, seqs[i], 0, table[i], num_logits=1) for i in range(2)]))
     for i in range(2):
-        seqs[i].append(out.argmax[i][0])
+        seqs[i].append(out.choice[i][0])
         cached[i] = len(prompts[i])
     for drafts in schedule:
         items = [StepItem(i, [seqs[i][-1]], cached[i], table[i], n, 1 + n) for i, n in enumerate(drafts)]
@@ -297,7 +297,7 @@ def test_windowed_drafter_sees_the_same_context_as_a_full_one(smollm2):
         out = runner.step(StepPlan(items, B if any(drafts) else 0))
         for i, n in enumerate(drafts):
             acc = out.accepted[i] if n else 0
-            seqs[i] += out.drafts[i][:acc] + [out.argmax[i][acc]]
+            seqs[i] += out.drafts[i][:acc] + [out.choice[i][acc]]
             cached[i] += acc + 1
     assert len(hidden) == 4 and len(calls) == 6
     stored = [runner._features[i] for i in range(2)]  # (first position, chunks): O(window) rows kept

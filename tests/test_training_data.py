@@ -4,6 +4,7 @@ target responses generated with the real default target, stored, reloaded and re
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from dflash_trt.training.data import (
     generate_dataset,
     load_dataset,
 )
+from dflash_trt.training.word_problems import word_problems
 
 
 @pytest.mark.parametrize("chunk", [7, 1 << 22])  # tiny reads split items and UTF-8 characters
@@ -56,6 +58,25 @@ def test_sharegpt_prompts_complete_deduplicated_and_clean():
         sharegpt_prompts(len(prompts) + 1)
     with pytest.raises(DFlashError, match=">= 1"):
         sharegpt_prompts(0)
+
+
+def test_word_problems_seeded_distinct_and_clean():
+    """Synthetic maths prompts: the same for a seed, new for another, distinct, and sharing no
+    13-word sequence with any GSM8K test question (checked here by brute force, not the index)."""
+    probs = word_problems(600)
+    assert probs == word_problems(600) and probs[:50] != word_problems(50, seed=1)
+    assert len(set(probs)) == 600 and all(p.endswith("?") for p in probs)
+    gsm = {
+        " ".join(w[i : i + 13])
+        for q in load_prompts("gsm8k", 1319)
+        for w in [re.findall(r"\w+", q.lower())]
+        for i in range(len(w) - 12)
+    }
+    for p in probs:
+        w = re.findall(r"\w+", p.lower())
+        assert not any(" ".join(w[i : i + 13]) in gsm for i in range(len(w) - 12)), p
+    with pytest.raises(DFlashError, match=">= 1"):
+        word_problems(0)
 
 
 def _same_or_tie(model, prompt_ids, got, ref):

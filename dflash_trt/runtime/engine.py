@@ -290,6 +290,8 @@ class LLMEngine:
                 )
             )
         any_draft = False
+        for s, item in zip((s for s, _ in sched.prefill), items):
+            _sample_on_device(s, item)
         for j, s in enumerate(sched.decode):
             nd = drafts[j] if j < len(drafts) else 0
             any_draft |= nd > 0
@@ -301,6 +303,7 @@ class LLMEngine:
                 if index is None:
                     index = self._ngrams[s.seq_id] = NgramIndex(*self.config.prompt_lookup)
                 item.lookup = index.propose(s.tokens, nd)
+            _sample_on_device(s, item)
             items.append(item)
         release, self._release = self._release, []
         return StepPlan(items, self.block_size if any_draft else 0, release)
@@ -318,14 +321,13 @@ class LLMEngine:
             st.prefill_s += out.target_s
         ctl = self.controller
 
-        def greedy(s: Sequence) -> bool:  # the target's choice is the argmax row
-            early = s.request.min_new_tokens - len(s.output)  # rows before the minimum length
-            return s.request.sampling.greedy and bool(out.argmax) and (early <= 0 or not s.stops)
+        def on_device(s: Sequence) -> bool:  # the runner chose the target's tokens (argmax or sample)
+            return bool(out.choice) and _device_choice(s)
 
         def choice(i: int, s: Sequence) -> list[int]:  # the target's token after each logits row
             early = s.request.min_new_tokens - len(s.output)
-            if greedy(s):
-                return out.argmax[i]
+            if on_device(s):
+                return out.choice[i]
             logits = out.logits[i]
             if early > 0 and s.stops:
                 logits = logits.clone()
@@ -346,7 +348,7 @@ class LLMEngine:
             choice_l = choice(i, s)
             if not drafts:
                 acc = 0
-            elif greedy(s):  # the runner accepted against the argmax rows on the device
+            elif on_device(s):  # the runner accepted against its choices on the device
                 acc = out.accepted[i]
             else:
                 acc = int(accepted_lengths(torch.tensor([drafts], dtype=torch.long), torch.tensor([choice_l]))[0])
@@ -461,6 +463,23 @@ class LLMEngine:
         for sid in scratch:
             bm.release(sid)  # (a no-op for those already released)
         self._run(StepPlan([], release=scratch))  # the runner drops their features
+
+
+def _device_choice(s: Sequence) -> bool:
+    """The runner chooses ``s``'s tokens (argmax, or a sample on the device): always, except
+    while a request with stop tokens is below its ``min_new_tokens`` (its stop tokens are then
+    masked on the host, :meth:`LLMEngine._commit`)."""
+    return s.request.min_new_tokens - len(s.output) <= 0 or not s.stops
+
+
+def _sample_on_device(s: Sequence, item: StepItem) -> None:
+    """For a sampled request whose tokens the runner chooses: the settings and one uniform per
+    logits row, drawn now from the request's own generator (in row order, so a seed gives the
+    same tokens at any batch size and on any device)."""
+    p = s.request.sampling
+    if item.num_logits and not p.greedy and _device_choice(s):
+        item.sampling = (p.temperature, p.top_k, p.top_p)
+        item.uniforms = torch.rand(item.num_logits, generator=s.generator).tolist()
 
 
 class AsyncLLM:

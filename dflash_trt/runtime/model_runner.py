@@ -4,7 +4,9 @@ verifies every decode request's block and runs every prefill chunk (ragged, no p
 The runner is the part every TP rank executes identically: it receives a :class:`StepPlan`
 (plain data: token ids, positions, block tables) built by rank 0's scheduler, owns the paged
 KV pools of its shard, and keeps each sequence's target features until the drafter ingests
-them. It never decides anything: acceptance and sampling happen on rank 0 (``engine.py``).
+them. It never decides anything: what to draft, the uniforms a sampled request draws and what
+to commit are rank 0's (``engine.py``); the runner computes from them, on the device, the
+target's token after every logits row (argmax or sample) and each block's accepted prefix.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..models.target import TargetModel
 from .block_manager import slots_of
 from .compiled import compiled_forward
 from .kv_cache import PagedKVCache
+from .sampling import sample_rows
 
 
 @dataclass
@@ -40,6 +43,10 @@ class StepItem:
             (prefill: 1 on the chunk that ends the prompt, else 0; decode: ``1 + num_draft``).
         lookup: decode only: prompt-lookup tokens (``ngram.py``) that replace the drafter's
             first ``len(lookup) <= num_draft`` draft tokens; empty: the drafter's alone.
+        sampling: ``(temperature, top_k, top_p)`` when the target's tokens after this item's
+            logits rows are sampled on the device (:func:`~.sampling.sample_rows`); None: argmax.
+        uniforms: with ``sampling``: one uniform in [0, 1) per logits row, drawn from the
+            request's own generator when the step was planned.
     """
 
     seq_id: int
@@ -49,6 +56,8 @@ class StepItem:
     num_draft: int = 0
     num_logits: int = 0
     lookup: list[int] = field(default_factory=list)
+    sampling: tuple[float, int, float] | None = None
+    uniforms: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -74,10 +83,11 @@ class StepOutput:
     Attributes:
         drafts: proposed draft tokens (empty for items without drafts).
         logits: ``[num_logits, vocab]`` target logits (model dtype), or None.
-        argmax: per item, the argmax of each of its logits rows (greedy choice; computed for
-            the whole batch in one device op and one host copy).
-        accepted: per item, its drafts accepted by the greedy (argmax) verification, computed
-            on the device (``dflash::accept``); None for items without drafts.
+        choice: per item, the target's token after each of its logits rows: the argmax, or
+            for an item with ``sampling`` a sample (computed for the whole batch on the device,
+            one host copy).
+        accepted: per item, its drafts accepted against ``choice`` (the longest matching
+            prefix, on the device: ``dflash::accept``); None for items without drafts.
         draft_s, target_s: wall seconds of the drafter and target forwards (CUDA: event
             timings, read after the iteration's one synchronisation).
         target_tokens: tokens in the target forward.
@@ -87,7 +97,7 @@ class StepOutput:
 
     drafts: list[list[int]]
     logits: list[torch.Tensor | None]
-    argmax: list[list[int]] = field(default_factory=list)
+    choice: list[list[int]] = field(default_factory=list)
     accepted: list[int | None] = field(default_factory=list)
     draft_s: float = 0.0
     target_s: float = 0.0
@@ -111,28 +121,39 @@ def upload(device: torch.device, *host: torch.Tensor, pack: bool | None = None) 
     A plain ``.to("cuda")`` of a pageable CPU tensor waits for the device (PyTorch copies and
     then synchronises the stream), so an iteration that moved its metadata tensor by tensor
     waited on the GPU ~20 times. Here every tensor is flattened into one int64 buffer (bool and
-    int32 values are exact in int64), pinned, copied ``non_blocking``, and split back into
-    views of the original shapes and dtypes on the device (the dtype casts are device kernels).
+    int32 values are exact in int64; fp32 travels as its int32 bit pattern), pinned, copied
+    ``non_blocking``, and split back into views of the original shapes and dtypes on the device
+    (the dtype casts are device kernels).
 
     Args:
         device: the target device; on the CPU the tensors are returned as they are unless
             ``pack`` is True (which runs the packing on the CPU, for tests).
-        host: CPU tensors of integer or bool dtype, any shapes.
+        host: CPU tensors of integer, bool or fp32 dtype, any shapes.
 
     Returns:
         The tensors in the same order, shapes and dtypes, on ``device``.
     """
     if not host or not _packs(device, pack):
         return list(host)
-    flat = torch.cat([t.reshape(-1).to(torch.long) for t in host])
+    flat = torch.cat([_bits(t).reshape(-1).to(torch.long) for t in host])
     if device.type == "cuda":
         flat = flat.pin_memory()  # the caching host allocator keeps it until the copy is done
     flat = flat.to(device, non_blocking=True)
     out, at = [], 0
     for t in host:
-        out.append(flat[at : at + t.numel()].view(t.shape).to(t.dtype))
+        x = flat[at : at + t.numel()].view(t.shape)
+        out.append(x.to(torch.int32).view(torch.float32) if t.dtype == torch.float32 else x.to(t.dtype))
         at += t.numel()
     return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as exact integers: fp32 as its int32 bit pattern, integer and bool as they are."""
+    if t.dtype == torch.float32:
+        return t.view(torch.int32)
+    if t.is_floating_point() or t.is_complex():
+        raise TypeError(f"upload carries integer, bool and fp32 tensors, got {t.dtype}")
+    return t
 
 
 def _packs(device: torch.device, pack: bool | None) -> bool:
@@ -457,7 +478,8 @@ class ModelRunner:
 
     def step(self, plan: StepPlan) -> StepOutput:
         """Run one iteration: drafting for items with ``num_draft > 0``, then one target forward,
-        then greedy acceptance on the device; one host copy at the end.
+        then the target's choices (argmax, or samples for items with ``sampling``) and the
+        acceptance on the device; one host copy at the end.
 
         Returns:
             :class:`StepOutput`; features of every target position are kept for the drafter.
@@ -500,15 +522,22 @@ class ModelRunner:
             tgt = [[first[i] + min(j, n) for j in range(k + 1)] for i, n in zip(drafting, n_draft)]
             host += [torch.tensor(x, dtype=torch.long) for x in (src, dst, tgt)]
             host.append(torch.tensor(n_draft, dtype=torch.int32))
-        meta, ids, index, *acc_in = upload_meta(self.device, meta, *host)  # the iteration's one host -> device copy
+        sampled = [(first[i], it) for i, it in enumerate(items) if it.sampling is not None and it.num_logits]
+        if sampled:  # rows the target samples, each with its request's settings and uniforms
+            host += _sampling_inputs(sampled)
+        meta, ids, index, *extra = upload_meta(self.device, meta, *host)  # the iteration's one host -> device copy
         if drafting:  # drafts go into the packed input on the device
-            src, dst, tgt, n_draft_t = acc_in
+            src, dst, tgt, n_draft_t, *extra = extra
             ids[dst] = drafts.view(-1)[src]
         res = self.forward(ids.unsqueeze(0), meta, self.tcache.layers, self.capture, logits_index=index.unsqueeze(0))
-        best = argmax_last(res.logits[0])  # [R]
-        packed = [best]
+        choice = argmax_last(res.logits[0])  # [R]
+        if sampled:
+            srows, *params = extra
+            truncate = any(it.sampling[1] > 0 or it.sampling[2] < 1 for _, it in sampled)
+            choice[srows] = sample_rows(res.logits[0, srows], *params, truncate=truncate)
+        packed = [choice]
         if drafting:  # the longest matching prefix per drafting item, on the device
-            acc = ops.accept(drafts, best[tgt], n_draft_t)
+            acc = ops.accept(drafts, choice[tgt], n_draft_t)
             packed += [drafts.view(-1), acc.long()]
         clock.mark()
         host = torch.cat(packed).tolist()  # the iteration's one device -> host copy
@@ -519,13 +548,29 @@ class ModelRunner:
             for n, i in enumerate(drafting):
                 out.drafts[i] = host[r + n * k : r + n * k + items[i].num_draft]
                 out.accepted[i] = host[r + len(drafting) * k + n]
-        out.argmax = [host[f : f + it.num_logits] for f, it in zip(first, items)]
+        out.choice = [host[f : f + it.num_logits] for f, it in zip(first, items)]
         for i, (it, o, n) in enumerate(zip(items, offsets, lengths)):
             if it.num_logits:
                 out.logits[i] = res.logits[0, first[i] : first[i] + it.num_logits]
             if self.drafter is not None:
                 self.store_features(it.seq_id, it.start, res.features[0, o : o + n])
         return out
+
+
+def _sampling_inputs(sampled: list[tuple[int, StepItem]]) -> list[torch.Tensor]:
+    """Host inputs of :func:`~.sampling.sample_rows` for the items that sample, given as
+    ``(first logits row, item)``: rows int64 ``[S]``, temperature fp32, top-k int64, top-p fp32,
+    uniforms fp32 (``[S]`` each, one entry per logits row)."""
+    per_row = [(f + j, it.sampling, u) for f, it in sampled for j, u in enumerate(it.uniforms[: it.num_logits])]
+    rows, params, u = zip(*per_row)
+    temp, top_k, top_p = zip(*params)
+    return [
+        torch.tensor(rows, dtype=torch.long),
+        torch.tensor(temp, dtype=torch.float32),
+        torch.tensor(top_k, dtype=torch.long),
+        torch.tensor(top_p, dtype=torch.float32),
+        torch.tensor(u, dtype=torch.float32),
+    ]
 
 
 class _Clock:

@@ -74,7 +74,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Target's token at each position: argmax when greedy, else one sample per position.
+    """Target's token at each position: argmax when greedy, else one sample per position
+    (:func:`sample_rows` with one uniform per row drawn from ``generator``, the request's own
+    CPU generator, so a seed gives the same tokens on any device).
 
     Args:
         logits: ``[T, vocab]`` for one request.
@@ -83,10 +85,61 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
     """
     if params.greedy:
         return argmax_last(logits)
-    probs = target_probs(logits, params)
-    if generator is not None and generator.device != probs.device:  # per-request generators live on the CPU
-        probs = probs.to(generator.device)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    n, dev = logits.shape[0], logits.device
+    u = torch.rand(n, generator=generator).to(dev)
+    row = dict(dtype=torch.float32, device=dev)
+    return sample_rows(
+        logits,
+        torch.full((n,), params.temperature, **row),
+        torch.full((n,), params.top_k, dtype=torch.long, device=dev),
+        torch.full((n,), params.top_p, **row),
+        u,
+        truncate=params.top_k > 0 or params.top_p < 1,
+    )
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+    truncate: bool,
+) -> torch.Tensor:
+    """One sample per row of ``logits``, each row with its own temperature / top-k / top-p
+    (:func:`target_probs`'s distribution), by inverse transform in vocabulary order: the first
+    token whose cumulative probability exceeds ``uniforms[r]`` times the row's kept mass.
+    Everything stays on the logits' device (no host synchronisation), so a whole batch of
+    sampled verify rows is one pass; the uniforms come from each request's CPU generator (drawn
+    when the step is planned), and a row's token depends only on its own logits, settings and
+    uniform, not on which other rows share the batch.
+
+    Args:
+        logits: ``[R, vocab]`` (any float dtype; processed in fp32, cumulated in fp64).
+        temperature: fp32 ``[R]``, > 0.
+        top_k: int64 ``[R]``; 0 (or >= vocab) keeps every token.
+        top_p: fp32 ``[R]`` in (0, 1]; 1 keeps every token.
+        uniforms: fp32 ``[R]`` in [0, 1).
+        truncate: some row has top-k or top-p below 1 (a host-side flag: the rows are then
+            sorted once to find what top-k / top-p drop; without it no sort is needed).
+
+    Returns:
+        int64 ``[R]`` token ids.
+    """
+    probs = torch.softmax(logits.float() / temperature.unsqueeze(-1), dim=-1)
+    vocab = probs.shape[-1]
+    if truncate:  # what top-k, then top-p over the renormalised rest, drop; found in sorted order
+        sp, order = probs.sort(dim=-1, descending=True)
+        k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+        kept = sp >= sp.gather(-1, (k - 1).unsqueeze(-1))  # ties at the k-th all stay, as in target_probs
+        sp = sp * kept
+        keep_p = torch.where(top_p < 1, top_p, float("inf")).unsqueeze(-1)
+        drop = ~kept | ((sp.cumsum(-1) - sp) >= keep_p * sp.sum(-1, keepdim=True))
+        probs = probs.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), 0.0)
+    cdf = probs.double().cumsum(-1)
+    at = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
+    # right=True: a token of zero probability (dropped) is never the first to exceed ``at``
+    return torch.searchsorted(cdf, at, right=True).clamp_(max=vocab - 1).squeeze(-1)
 
 
 def accepted_lengths(drafts: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
