@@ -280,18 +280,11 @@ class LLMEngine:
         for s, n in sched.prefill:
             table = self.blocks.ensure(s.seq_id, s.num_cached + n)
             ends_prompt = s.num_cached + n == s.prompt_len
-            items.append(
-                StepItem(
-                    s.seq_id,
-                    s.tokens[s.num_cached : s.num_cached + n],
-                    s.num_cached,
-                    list(table),
-                    num_logits=int(ends_prompt),
-                )
-            )
-        any_draft = False
-        for s, item in zip((s for s, _ in sched.prefill), items):
+            item = StepItem(s.seq_id, s.tokens[s.num_cached : s.num_cached + n], s.num_cached, list(table))
+            item.num_logits = int(ends_prompt)
             _sample_on_device(s, item)
+            items.append(item)
+        any_draft = False
         for j, s in enumerate(sched.decode):
             nd = drafts[j] if j < len(drafts) else 0
             any_draft |= nd > 0

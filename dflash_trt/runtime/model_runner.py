@@ -561,7 +561,7 @@ def _sampling_inputs(sampled: list[tuple[int, StepItem]]) -> list[torch.Tensor]:
     """Host inputs of :func:`~.sampling.sample_rows` for the items that sample, given as
     ``(first logits row, item)``: rows int64 ``[S]``, temperature fp32, top-k int64, top-p fp32,
     uniforms fp32 (``[S]`` each, one entry per logits row)."""
-    per_row = [(f + j, it.sampling, u) for f, it in sampled for j, u in enumerate(it.uniforms[: it.num_logits])]
+    per_row = [(f + j, it.sampling, u) for f, it in sampled for j, u in enumerate(it.uniforms)]
     rows, params, u = zip(*per_row)
     temp, top_k, top_p = zip(*params)
     return [

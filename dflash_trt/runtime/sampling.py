@@ -57,7 +57,9 @@ class SamplingParams:
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution the target samples from: fp32 ``[..., vocab]`` probabilities after
-    temperature, then top-k, then top-p (the order HF and vLLM use)."""
+    temperature, then top-k, then top-p (the order HF and vLLM use). The definition that
+    :func:`sample_rows` (the sampler the runtime uses) is tested against, written apart from it
+    on purpose."""
     scores = logits.float() / params.temperature
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
