@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import DrafterConfig
+from .cpu_linear import OneDNNLinear
 from .layers import AttentionMetadata, RMSNorm, RotaryEmbedding, apply_rope, argmax_last, cached_attention
 from .quant_linear import PackedLinear, packed_rows, packed_stack
 
@@ -218,8 +219,9 @@ class DFlashDrafter(nn.Module):
 
         Args:
             hidden: ``[..., hidden]`` (the block's slots 1..B-1).
-            lm_head: the target's LM head (``nn.Linear``, ``[V, hidden]`` weight, or a packed
-                int4 / int8 :class:`PackedLinear`: the draft vocabulary's rows are repacked once).
+            lm_head: the target's LM head (``nn.Linear``, ``[V, hidden]`` weight, also oneDNN-
+                prepacked :class:`OneDNNLinear`, or a packed int4 / int8 :class:`PackedLinear`:
+                the draft vocabulary's rows are sliced and packed the same way once).
             sharded_head: the head is vocab-parallel under tensor parallelism (its forward returns
                 gathered full logits, its weight is a shard): the draft vocabulary's columns are
                 picked from the full logits instead of slicing the weight.
@@ -245,8 +247,12 @@ class DFlashDrafter(nn.Module):
         w = lm_head.weight
         key = (w.data_ptr(), w._version, w.dtype, w.device)
         if self._head_cache is None or self._head_cache[0] != key:  # slice the head once per weight
-            self._head_cache = (key, w[self.draft_token_ids()].contiguous())
-        ids = argmax_last(torch.nn.functional.linear(rows.to(w.dtype), self._head_cache[1]))
+            head = w[self.draft_token_ids()].contiguous()
+            # a prepacked head (bf16 CPU): its rows are prepacked too
+            self._head_cache = (key, OneDNNLinear.from_weight(head) if isinstance(lm_head, OneDNNLinear) else head)
+        head = self._head_cache[1]
+        rows = rows.to(w.dtype)
+        ids = argmax_last(head(rows) if isinstance(head, OneDNNLinear) else F.linear(rows, head))
         return (ids + self.d2t[ids]).view(lead)
 
     def forward(

@@ -19,6 +19,7 @@ from itertools import accumulate
 import torch
 
 from ..kernels import ops
+from ..models.cpu_linear import pack_linears
 from ..models.drafter import DFlashDrafter, PagedBlocks, sliding_visible
 from ..models.layers import AttentionMetadata, argmax_last
 from ..models.target import TargetModel
@@ -188,6 +189,18 @@ def _kernels_wanted(device: torch.device) -> bool:
     return use_triton(device)
 
 
+def prepack_cpu_weights(target: TargetModel, drafter: DFlashDrafter | None, tensor_parallel: bool) -> None:
+    """Swap the bf16 CPU linears of ``target`` and ``drafter`` for oneDNN-prepacked ones, in
+    place and once (:func:`~dflash_trt.models.cpu_linear.pack_linears`; a no-op for other
+    dtypes and devices). Kept as ``nn.Linear``: the drafter's k/v projections (stacked into one
+    context-K/V GEMM in :meth:`DFlashDrafter.forward`) and, under tensor parallelism, the
+    target's LM head (it carries the vocab-parallel all-gather hook). Not on the compiled path:
+    inductor packs only weights it froze itself, so a prepacked weight fails to lower there."""
+    pack_linears(target, skip=("lm_head",) if tensor_parallel else ())
+    if drafter is not None:
+        pack_linears(drafter, skip=("k_proj", "v_proj"))
+
+
 #: queries per sequence up to which a sequence counts as a verify block (grouped apart from
 #: prompt chunks, so that short blocks are not padded to a long chunk in attention)
 SHORT_QUERIES = 16
@@ -308,6 +321,8 @@ class ModelRunner:
         compile: bool = False,
     ):
         self.target, self.drafter, self.tp = target, drafter, tp
+        if not compile:  # bf16 CPU weights into oneDNN's layout, once (models/cpu_linear.py)
+            prepack_cpu_weights(target, drafter, tp is not None)
         # the target's and drafter's forwards: eager, or compiled by inductor (runtime/compiled.py)
         self.forward = compiled_forward(target) if compile else target
         self.draft_forward = compiled_forward(drafter) if compile and drafter is not None else drafter
