@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from helpers import ROWS_TIE, OracleRunner, plain_outputs, same_or_tie
 from torch import nn
 
-from dflash_trt.checkpoints.loader import load_pair
-from dflash_trt.models.cpu_linear import OneDNNLinear, onednn_available, pack_linears
+from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS, load_pair
+from dflash_trt.checkpoints.zlab import load_drafter
+from dflash_trt.models.cpu_linear import OneDNNLinear, onednn_available, pack_linears, unpack_linears
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
 from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
 
@@ -67,6 +68,40 @@ def test_pack_linears_swaps_bf16_cpu_linears_once():
         OneDNNLinear.from_weight(torch.zeros(4, 4))
 
 
+def test_packed_module_keeps_its_weights_reachable():
+    """A packed model's ``state_dict`` equals the original's bit for bit (the z-lab peer and
+    ``save_drafter`` read it after an engine has run), ``load_state_dict`` repacks, ``.float()``
+    falls back to ``F.linear`` on the exact fp32 weight, and :func:`unpack_linears` restores
+    ``nn.Linear`` s with the same weights."""
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.SiLU(), nn.Linear(96, 32, bias=False)).to(BF16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(5, 64, generator=g).to(BF16)
+    with torch.no_grad():
+        y = model(x)
+        assert pack_linears(model) == 2
+        assert model.state_dict().keys() == before.keys()
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+        assert torch.allclose(model(x).float(), y.float(), rtol=2**-7, atol=1e-2)
+        twice = {k: v * 2 for k, v in before.items()}
+        model.load_state_dict(twice)
+        assert torch.equal(model.state_dict()["2.weight"], twice["2.weight"])
+        model.load_state_dict(before)
+        model.float()
+        assert model[0].packed is None and model[0].weight.dtype == torch.float32
+        assert torch.equal(
+            model(x.float()),
+            F.linear(
+                F.silu(F.linear(x.float(), before["0.weight"].float(), before["0.bias"].float())),
+                before["2.weight"].float(),
+            ),
+        )
+        model.to(BF16)
+        assert model[0].packed is not None
+        assert unpack_linears(model) == 2 and type(model[0]) is nn.Linear
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
 @pytest.fixture(scope="module")
 def bf16_pair():
     return load_pair(None, None, BF16)
@@ -90,6 +125,9 @@ def test_dflash_lossless_on_prepacked_bf16(bf16_pair, smollm2):
     ties += sum(same_or_tie(target.model, p, r, o, ROWS_TIE) for p, r, o in zip(prompts, ref, outs))
     assert stats.tau > 1.5
     assert isinstance(drafter.fc, OneDNNLinear) and type(drafter.layers[0].self_attn.k_proj) is nn.Linear
+    saved = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, BF16).state_dict()  # the z-lab peer reads this after a run
+    assert drafter.state_dict().keys() == saved.keys()
+    assert all(torch.equal(drafter.state_dict()[k], v) for k, v in saved.items())
     stats = LoopStats(4)
     engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
     outs = [engine.generate([Request(p, 20)], 4, stats=stats)[0].output_ids for p in prompts]

@@ -19,7 +19,7 @@ from itertools import accumulate
 import torch
 
 from ..kernels import ops
-from ..models.cpu_linear import pack_linears
+from ..models.cpu_linear import pack_linears, unpack_linears
 from ..models.drafter import DFlashDrafter, PagedBlocks, sliding_visible
 from ..models.layers import AttentionMetadata, argmax_last
 from ..models.target import TargetModel
@@ -189,16 +189,21 @@ def _kernels_wanted(device: torch.device) -> bool:
     return use_triton(device)
 
 
-def prepack_cpu_weights(target: TargetModel, drafter: DFlashDrafter | None, tensor_parallel: bool) -> None:
-    """Swap the bf16 CPU linears of ``target`` and ``drafter`` for oneDNN-prepacked ones, in
-    place and once (:func:`~dflash_trt.models.cpu_linear.pack_linears`; a no-op for other
-    dtypes and devices). Kept as ``nn.Linear``: the drafter's k/v projections (stacked into one
-    context-K/V GEMM in :meth:`DFlashDrafter.forward`) and, under tensor parallelism, the
-    target's LM head (it carries the vocab-parallel all-gather hook). Not on the compiled path:
-    inductor packs only weights it froze itself, so a prepacked weight fails to lower there."""
-    pack_linears(target, skip=("lm_head",) if tensor_parallel else ())
-    if drafter is not None:
-        pack_linears(drafter, skip=("k_proj", "v_proj"))
+def cpu_weight_layout(target: TargetModel, drafter: DFlashDrafter | None, tensor_parallel: bool, compile: bool) -> None:
+    """Put the bf16 CPU linears of ``target`` and ``drafter`` in the layout this runner's forward
+    wants, in place (a no-op for other dtypes and devices): oneDNN-prepacked for the eager path
+    (:func:`~dflash_trt.models.cpu_linear.pack_linears`), plain ``nn.Linear`` for the compiled
+    one (inductor lowers only weights it froze itself: a prepacked one fails there). Kept as
+    ``nn.Linear`` on the eager path: the drafter's k/v projections (stacked into one context-K/V
+    GEMM in :meth:`DFlashDrafter.forward`) and, under tensor parallelism, the target's LM head
+    (it carries the vocab-parallel all-gather hook)."""
+    for model, skip in ((target, ("lm_head",) if tensor_parallel else ()), (drafter, ("k_proj", "v_proj"))):
+        if model is None:
+            continue
+        if compile:
+            unpack_linears(model)
+        else:
+            pack_linears(model, skip=skip)
 
 
 #: queries per sequence up to which a sequence counts as a verify block (grouped apart from
@@ -321,8 +326,7 @@ class ModelRunner:
         compile: bool = False,
     ):
         self.target, self.drafter, self.tp = target, drafter, tp
-        if not compile:  # bf16 CPU weights into oneDNN's layout, once (models/cpu_linear.py)
-            prepack_cpu_weights(target, drafter, tp is not None)
+        cpu_weight_layout(target, drafter, tp is not None, compile)  # models/cpu_linear.py
         # the target's and drafter's forwards: eager, or compiled by inductor (runtime/compiled.py)
         self.forward = compiled_forward(target) if compile else target
         self.draft_forward = compiled_forward(drafter) if compile and drafter is not None else drafter
