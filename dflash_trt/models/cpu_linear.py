@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .layers import as_dtype
 from .quant_linear import replace_module
 
 #: dtypes whose CPU linears are packed
@@ -44,7 +45,8 @@ def onednn_available() -> bool:
 class OneDNNLinear(nn.Module):
     """``nn.Linear`` (bf16, CPU) over a weight prepacked once in oneDNN's blocked layout.
 
-    ``forward(x [..., in] bf16)`` returns ``[..., out]`` bf16. Build with :meth:`from_linear` or
+    ``forward(x [..., in])`` returns ``[..., out]`` in ``x.dtype``; the GEMM runs in bf16 (``x``
+    is cast to it and back, like :class:`~.quant_linear.PackedLinear`). Build with :meth:`from_linear` or
     :meth:`from_weight`. The packed copy (an opaque mkldnn tensor, not a buffer) replaces the
     dense weight, so memory does not grow; :meth:`dense_weight` restores it bit for bit
     (``to_dense``), and the module's ``state_dict`` carries it as ``weight`` like ``nn.Linear``'s,
@@ -69,7 +71,6 @@ class OneDNNLinear(nn.Module):
         self.weight = weight
 
     @classmethod
-    @torch.no_grad()
     def from_weight(cls, w: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False) -> OneDNNLinear:
         """Pack a bf16 CPU weight ``w [out, in]`` (``bias [out]`` is used as it is).
 
@@ -92,9 +93,9 @@ class OneDNNLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        x2 = x.reshape(-1, self.in_features)
-        y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
+        x2 = as_dtype(x.reshape(-1, self.in_features), torch.bfloat16).contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        return as_dtype(y, x.dtype).view(*x.shape[:-1], self.out_features)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)

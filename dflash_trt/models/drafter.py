@@ -12,7 +12,9 @@ K/V of each layer is cached by the runtime and only grows by the positions the t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +22,15 @@ from torch import nn
 
 from .config import DrafterConfig
 from .cpu_linear import OneDNNLinear
-from .layers import AttentionMetadata, RMSNorm, RotaryEmbedding, apply_rope, argmax_last, cached_attention
+from .layers import (
+    AttentionMetadata,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rope,
+    argmax_last,
+    as_dtype,
+    cached_attention,
+)
 from .quant_linear import PackedLinear, packed_rows, packed_stack
 
 
@@ -140,7 +150,7 @@ class DFlashDrafter(nn.Module):
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         else:
             self.d2t = None
-        self._head_cache: tuple | None = None  # (weight key, the head's draft-vocabulary rows)
+        self._head_cache: tuple | None = None  # (weight key, the head over the draft vocabulary)
         self._kv_stack: tuple | None = None  # (weights key, stacked k/v weights, biases, k_norms)
 
     def forward_paged(
@@ -237,23 +247,26 @@ class DFlashDrafter(nn.Module):
             return argmax_last(lm_head(rows)).view(lead)
         if sharded_head:
             return self.draft_token_ids()[argmax_last(lm_head(rows)[..., self.draft_token_ids()])].view(lead)
-        if isinstance(lm_head, PackedLinear):  # the draft vocabulary's rows, packed once
-            key = (lm_head.packed.data_ptr(), lm_head.scales.data_ptr(), lm_head.scales.dtype)
-            if self._head_cache is None or self._head_cache[0] != key:
-                self._head_cache = (key, packed_rows(lm_head, self.draft_token_ids()))
-            head = self._head_cache[1]
-            ids = argmax_last(head(rows) if isinstance(head, PackedLinear) else F.linear(rows.to(head.dtype), head))
-            return (ids + self.d2t[ids]).view(lead)
-        w = lm_head.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
-        if self._head_cache is None or self._head_cache[0] != key:  # slice the head once per weight
-            head = w[self.draft_token_ids()].contiguous()
-            # a prepacked head (bf16 CPU): its rows are prepacked too
-            self._head_cache = (key, OneDNNLinear.from_weight(head) if isinstance(lm_head, OneDNNLinear) else head)
-        head = self._head_cache[1]
-        rows = rows.to(w.dtype)
-        ids = argmax_last(head(rows) if isinstance(head, OneDNNLinear) else F.linear(rows, head))
+        ids = argmax_last(self._draft_head(lm_head)(rows))
         return (ids + self.d2t[ids]).view(lead)
+
+    def _draft_head(self, lm_head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``rows [n, hidden] -> logits [n, N]`` over the draft vocabulary's rows of ``lm_head``
+        only, built once per head weight in the head's own kind: packed int4 / int8 rows
+        (:func:`packed_rows`; dense when int4 cannot pack them), oneDNN-prepacked bf16 rows, or
+        dense rows (``rows`` cast to the head's dtype)."""
+        if isinstance(lm_head, PackedLinear):
+            key = (lm_head.packed.data_ptr(), lm_head.scales.data_ptr(), lm_head.scales.dtype)
+        else:
+            w = lm_head.weight
+            key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if self._head_cache is None or self._head_cache[0] != key:
+            ids = self.draft_token_ids()
+            head = packed_rows(lm_head, ids) if isinstance(lm_head, PackedLinear) else lm_head.weight[ids].contiguous()
+            if isinstance(lm_head, OneDNNLinear) and lm_head.packed is not None:
+                head = OneDNNLinear.from_weight(head)
+            self._head_cache = (key, head if isinstance(head, nn.Module) else partial(_dense_head, head))
+        return self._head_cache[1]
 
     def forward(
         self,
@@ -396,3 +409,8 @@ def _train_attention(attn: DrafterAttention, h, ctx, cos_c, sin_c, cos_b, sin_b,
         out = torch.softmax(s_blk.float(), dim=-1).to(vb.dtype) @ vb
     out = out.reshape(N, hq, T, d).transpose(1, 2).reshape(N, T, hq * d)
     return attn.o_proj(out)
+
+
+def _dense_head(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``rows @ weight.T`` with ``rows`` cast to the weight's dtype (a dense draft-vocabulary head)."""
+    return F.linear(as_dtype(rows, weight.dtype), weight)

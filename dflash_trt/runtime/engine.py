@@ -280,8 +280,13 @@ class LLMEngine:
         for s, n in sched.prefill:
             table = self.blocks.ensure(s.seq_id, s.num_cached + n)
             ends_prompt = s.num_cached + n == s.prompt_len
-            item = StepItem(s.seq_id, s.tokens[s.num_cached : s.num_cached + n], s.num_cached, list(table))
-            item.num_logits = int(ends_prompt)
+            item = StepItem(
+                s.seq_id,
+                s.tokens[s.num_cached : s.num_cached + n],
+                s.num_cached,
+                list(table),
+                num_logits=int(ends_prompt),
+            )
             _sample_on_device(s, item)
             items.append(item)
         any_draft = False
