@@ -300,8 +300,9 @@ def test_windowed_drafter_sees_the_same_context_as_a_full_one(smollm2):
             seqs[i] += out.drafts[i][:acc] + [out.choice[i][acc]]
             cached[i] += acc + 1
     assert len(hidden) == 4 and len(calls) == 6
-    stored = [runner._features[i] for i in range(2)]  # (first position, chunks): O(window) rows kept
-    assert all(first > cached[i] - 2 * W and sum(len(c) for c in ch) <= 2 * W for i, (first, ch) in enumerate(stored))
+    stored = [runner._features[i] for i in range(2)]  # (first position, chunks, end): O(window) rows kept
+    for i, (first, chunks, _) in enumerate(stored):
+        assert first > cached[i] - 2 * W and sum(len(c) for c in chunks) <= 2 * W
 
     feats = [
         f for f, _ in features_and_predictions(model, [torch.tensor(s) for s in seqs], drafter.cfg.target_layer_ids)
@@ -322,3 +323,45 @@ def test_windowed_drafter_sees_the_same_context_as_a_full_one(smollm2):
         worst = max(worst, float((ref[0, 1:] - h.float()).abs().max()))
     print(f"\nwindowed runner vs dense drafter over the whole context: max abs diff {worst:.3g}")
     assert worst < 1e-3
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_feature_store_hands_the_drafter_exactly_the_positions_it_has_not_seen(smollm2, random_drafter, window):
+    """The runner's per-sequence store of target features against a list model: random
+    prompt chunks, verify blocks whose tail is rolled back by the next store (rejected drafts),
+    long plain-decoding stretches, and drafter takes; each take returns the rows of exactly
+    positions ``[lo, upto)`` (``lo``: the first position not yet taken, or with a sliding window
+    ``W`` no earlier than ``upto - W + 1``), each row the one stored last for its position. As in
+    the engine, every store or take after a store at ``s`` is at ``s + 1`` or later (the next
+    anchor follows the last committed token)."""
+    from dflash_trt.runtime.model_runner import ModelRunner
+
+    runner = ModelRunner(smollm2.model, random_drafter, 4, 16)
+    runner.window = window
+    rng = random.Random(0)
+    stored: dict[int, float] = {}  # position -> the label of its latest row
+    first = end = last = 0  # the reference: positions [first, end) stored, not yet taken; last store at
+    label = 0.0
+
+    def store(start: int, n: int) -> None:
+        nonlocal end, label, last
+        rows = torch.arange(label, label + n).unsqueeze(1)  # [n, 1]: row i labelled label + i
+        for i in range(n):
+            stored[start + i] = label + i
+        label += n
+        runner.store_features(7, start, rows)
+        end, last = start + n, start
+
+    store(0, 40)  # a prompt chunk
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.2:  # the drafter takes the context up to its block's anchor
+            upto = rng.randint(max(first, last + 1), end)
+            lo = first if window is None else max(first, upto - window + 1)
+            at, feats = runner._take_features(7, upto)
+            assert at == lo
+            assert feats[:, 0].tolist() == [stored[p] for p in range(lo, upto)]
+            first = upto
+        else:  # a verify block or a plain step from the last committed position, drafts past it
+            start = rng.randint(max(first, last + 1, end - 5), end)
+            store(start, rng.choice([1, 1, 1, 3, 5, 17]))
