@@ -7,13 +7,13 @@ when it exceeds twice that threshold. A 2,048-token prompt iteration frees and r
 MB per layer, so pages keep returning to the kernel and faulting back in, zeroed. Measured at
 concurrency 64 (SmolLM2-135M, fp32, 2 threads, 256 GSM8K requests): ~700 K minor page faults
 and 2.4-3.3 s of kernel time in 18 prompt iterations per engine, single prompt iterations
-slowed from 2.1 s to 3-4 s; with the settings below, 324-15 K faults and 0.4-0.6 s.
+slowed from 2.1 s to 3-4 s; with the settings below, 0.3 K-15 K faults and 0.4-0.6 s.
 
 :func:`retain_freed_memory` fixes the thresholds (``mallopt(3)``: ``M_MMAP_THRESHOLD``,
 ``M_TRIM_THRESHOLD``, ``M_TOP_PAD``), so freed activations stay in the heap and are reused: the
 resident size stays at the peak of one iteration instead of shrinking between layers. This is
-what TCMalloc or jemalloc (the allocators vLLM and IPEX recommend preloading for CPU inference)
-do by default; here it needs no preload.
+what TCMalloc (whose preloading vLLM's CPU guide recommends) does by default; here it needs no
+preload.
 """
 
 from __future__ import annotations

@@ -340,6 +340,7 @@ class LLMEngine:
                 s.commit(choice(i, s)[:1])
                 if s.finished:
                     self._finish(s, done)
+        n_drafting = sum(bool(out.drafts[n_prefill + j]) for j in range(len(sched.decode)))
         for j, s in enumerate(sched.decode):
             i = n_prefill + j
             drafts = out.drafts[i]
@@ -358,7 +359,7 @@ class LLMEngine:
             st.record_verify(len(drafts), acc, len(kept))
             st.lookup_steps += bool(plan.items[i].lookup)
             if ctl is not None and drafts:
-                ctl.observe_acceptance(len(drafts), acc)
+                ctl.observe_acceptance(len(drafts), acc, n_drafting)
             if s.finished:
                 self._finish(s, done)
             else:
