@@ -16,7 +16,7 @@ Model (measured, not assumed):
 With ``S`` sequences decoding, ``k`` drafts each give ``E(k) = 1 + sum_{j<=k} prod_{i<=j} q_i``
 committed tokens per sequence, so the predicted rate is
 ``S * E(k) / (target_cost(S * (k + 1)) + [k > 0] draft_cost(S) + host_cost[k > 0](S))``; the
-best ``k`` is taken.
+best ``k`` is taken, unless it drafts and beats ``k = 0`` by less than ``min_gain`` (3 %).
 
 Exploration keeps both options measured, at a bounded cost:
 - while plain decoding wins, every ``probe`` iterations (doubling up to ``max_probe`` while
