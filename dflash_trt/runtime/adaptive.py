@@ -281,8 +281,9 @@ class DraftLengthController:
         top = self.max_draft
         if token_budget is not None:
             top = max(0, min(top, token_budget // seqs - 1))
-        best = max(range(top + 1), key=lambda k: (self.rate(k, seqs), -k))
-        if best > 0 and self.rate(best, seqs) < (1 + self.min_gain) * self.rate(0, seqs):
+        rates = [self.rate(k, seqs) for k in range(top + 1)]  # predicted rate per draft length
+        best = max(range(top + 1), key=lambda k: (rates[k], -k))
+        if best > 0 and rates[best] < (1 + self.min_gain) * rates[0]:
             best = 0  # a near tie: plain decoding (see ``min_gain``)
         why = "model"
         # the guard: what each option achieved lately at this batch size beats what was predicted
@@ -292,7 +293,7 @@ class DraftLengthController:
             if best > 0 and got_draft < (1 - self.guard_margin) * got_plain:
                 best, why = 0, "guard"
             elif best == 0 and got_plain < (1 - self.guard_margin) * got_draft:
-                best = max(range(1, top + 1), key=lambda k: (self.rate(k, seqs), -k))
+                best = max(range(1, top + 1), key=lambda k: (rates[k], -k))
                 why = "guard"
             self.overrides += why == "guard"
         if best > 0:
@@ -315,8 +316,7 @@ class DraftLengthController:
             # a drafter predicted within half the guard margin of plain decoding keeps being
             # probed often (such a probe costs little, and the estimate it refines may flip the
             # choice); one further behind is probed ever more rarely
-            drafting = max(self.rate(k, seqs) for k in range(1, top + 1))
-            close = drafting >= (1 - self.guard_margin / 2) * self.rate(0, seqs)
+            close = max(rates[1:]) >= (1 - self.guard_margin / 2) * rates[0]
             self.probe_every = self.min_probe if close else min(2 * self.probe_every, self.max_probe)
             self.probes += 1
             if self.probes % 2 or seqs == 1 or not may_win:
