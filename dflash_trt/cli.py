@@ -50,8 +50,18 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="compile the target forward with torch.compile (inductor): faster steps after "
         "tens of seconds of compiling per step shape on first use",
     )
+    _graphs_flag(p)
     _lookup_flags(p)
     p.add_argument("--seed", type=int, default=0)
+
+
+def _graphs_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay decode and verify steps from CUDA graphs captured per batch-size bucket "
+        "(CUDA devices, one GPU; not yet validated on a GPU, so off by default)",
+    )
 
 
 def _lookup_flags(p: argparse.ArgumentParser) -> None:
@@ -399,6 +409,7 @@ def cmd_generate(args) -> None:
     from .checkpoints.engine import load_models
     from .checkpoints.loader import parse_device, parse_dtype
     from .prompts import chat_prompt_ids
+    from .runtime.cuda_graphs import check_cuda_graphs
     from .runtime.executor import DFlashEngine, LoopStats, Request
     from .runtime.sampling import SamplingParams
 
@@ -409,6 +420,7 @@ def cmd_generate(args) -> None:
     need = args.block_size is None or args.block_size > 1
     args.dtype = _compute_dtype(args)
     device = parse_device(args.device)
+    check_cuda_graphs(args.cuda_graphs, device)
     target, drafter = load_models(
         args.target,
         args.drafter,
@@ -420,7 +432,12 @@ def cmd_generate(args) -> None:
         weights=args.weights,
     )
     engine = DFlashEngine(
-        target.model, drafter, target.stop_token_ids, compile=args.compile, prompt_lookup=_prompt_lookup(args)
+        target.model,
+        drafter,
+        target.stop_token_ids,
+        compile=args.compile,
+        prompt_lookup=_prompt_lookup(args),
+        cuda_graphs=args.cuda_graphs,
     )
     K = args.block_size or (drafter.cfg.block_size if drafter else 1)
     engine.check_block_size(K)
@@ -506,6 +523,7 @@ def _bench_settings(args) -> dict:
         device=args.device,
         prompts_file=args.prompts_file,
         compile=args.compile,
+        cuda_graphs=args.cuda_graphs,
         prompt_lookup=_prompt_lookup(args),
     )
 
@@ -713,6 +731,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel ranks the server starts itself (under mpiexec: the job size)"
     )
+    _graphs_flag(p)
     _lookup_flags(p)
 
 
@@ -736,6 +755,7 @@ def _serve_config(args):
         tp_size=args.tp,
         weights=args.weights,
         prompt_lookup=_prompt_lookup(args),
+        cuda_graphs=args.cuda_graphs,
     )
 
 

@@ -36,6 +36,8 @@ def mismatched_drafter(tmp_path_factory, smollm2, random_drafter):
         (["bench", "--peers", "vllm"], "unknown peer 'vllm'"),
         (["generate", "--prompt", "hi", "--dtype", "int3"], "unknown dtype"),
         (["generate"], "--prompt"),
+        (["generate", "--prompt", "hi", "--cuda-graphs", "--device", "cpu"], "--cuda-graphs needs a CUDA device"),
+        (["bench", "--cuda-graphs", "--device", "cpu", "--concurrency", "2"], "--cuda-graphs needs a CUDA device"),
         (["frobnicate"], "invalid choice"),
     ],
 )

@@ -170,6 +170,54 @@ def test_time_boxed_training_on_device(device, tmp_path):
         check_same(model, r.prompt_ids, a, b)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_cuda_graphs_give_the_same_tokens(device, block_size):
+    """Decode and verify iterations replayed from graphs per batch and key bucket
+    (``runtime/cuda_graphs.py``; on a GPU captured CUDA graphs, on the CPU the same padded
+    static-buffer path without capture) give the eager runner's tokens and accepted drafts.
+    Prompts of 3-300 tokens finishing at different times: batches of 6 down to 1 (buckets 8,
+    4, 2, 1), contexts over and under 256 keys (key buckets 512 and 256), an oracle drafter
+    (long accepted prefixes, KV rollback between replays)."""
+    model = tiny_target(device)
+    g = torch.Generator().manual_seed(7)
+    lengths, max_new = (3, 40, 120, 230, 260, 300), (60, 50, 40, 30, 20, 10)
+    ps = [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in lengths]
+    reqs = [Request(p, n) for p, n in zip(ps, max_new)]
+    plain = DFlashEngine(model, None, ())
+    OracleRunner.continuations = [r.prompt_ids + plain.generate([r], 1)[0].output_ids for r in reqs]
+    drafter = init_drafter(model.cfg, 1, 4, MASK, seed=0).to(device) if block_size > 1 else None
+    runs = {}
+    for graphs in (False, True):
+        cfg = EngineConfig(
+            block_size=block_size,
+            max_batch_size=8,
+            max_num_tokens=512,
+            tokens_per_block=16,
+            kv_capacity_tokens=16 * 160,
+        )
+        runner = OracleRunner(model, drafter, 160, 16, cuda_graphs=graphs, max_batch=8)
+        engine = LLMEngine(model, drafter, (), cfg, runner=runner)
+        for i, r in enumerate(reqs):
+            engine.add_request(r, seq_id=i)
+        engine.run()
+        runs[graphs] = engine, [engine.result(i).output_ids for i in range(len(reqs))]
+    (eager, want), (graphed, got) = runs[False], runs[True]
+    ties = sum(check_same(model, r.prompt_ids, a, b) for r, a, b in zip(reqs, want, got))
+    gt = graphed.runner.graphs
+    keys = sorted((k.batch, k.queries, k.keys) for k in gt.graphs)
+    print(
+        f"{device}, block size {block_size}: {gt.replays} replays, graphs {keys}, "
+        f"tau {graphed.stats.tau:.2f}, {ties} ties"
+    )
+    assert {k.batch for k in gt.graphs} >= {1, 2, 4, 8} and {k.keys for k in gt.graphs} == {256, 512}
+    assert ties == 0 and got == want and graphed.stats.accepted == eager.stats.accepted
+    if block_size > 1:
+        assert graphed.stats.tau > 2.0
+    if device != "cpu":  # captured, not run eagerly
+        assert all(graph.graph is not None for graph in gt.graphs.values())
+
+
 def test_parse_device():
     assert parse_device("cpu").type == "cpu"
     assert parse_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -212,21 +260,25 @@ def test_upload_is_one_packed_copy_that_restores_every_tensor():
 
 @pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])  # CUDA only: nothing to see on a CPU
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_an_iteration_synchronises_once(device, temperature):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_an_iteration_synchronises_once(device, temperature, graphs):
     """A decode iteration with drafts (in-flight batch of 3, greedy or sampled with top-k and
     top-p) waits for the device once: the copy of its results (the target's choices, drafts,
     accepted counts). The metadata and the sampling uniforms go up in one non-blocking copy
     (``upload``); a plain ``.to(device)`` would synchronise each time, and so would sampling
-    on the host."""
+    on the host. With CUDA graphs the same holds for a replayed step."""
     import warnings
 
     model = tiny_target(device)
     drafter = init_drafter(model.cfg, 1, 4, MASK, seed=0).to(device)
     cfg = EngineConfig(block_size=4, max_batch_size=3, max_num_tokens=64, tokens_per_block=8, kv_capacity_tokens=320)
+    cfg.cuda_graphs = graphs  # (with graphs: the measured step replays a graph captured before it)
     engine = LLMEngine(model, drafter, (), cfg)
     for i, p in enumerate(prompts(3, seed=4)):
         engine.add_request(Request(p, 30, SamplingParams(temperature, top_k=20, top_p=0.9, seed=i)))
     for _ in range(4):  # prompts in, first verify blocks (device tables built)
+        engine.step()
+    while graphs and engine.runner.graphs.replays < 2:  # the batch's graph captured and replayed
         engine.step()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")

@@ -49,6 +49,7 @@ from ..checkpoints.engine import kv_capacity, load_models
 from ..checkpoints.loader import parse_device, parse_dtype
 from ..errors import DFlashError
 from ..prompts import DATASETS, chat_prompt_ids
+from ..runtime.cuda_graphs import check_cuda_graphs
 from ..runtime.distributed import TPEngines, init_tp
 from ..runtime.engine import EngineConfig, LLMEngine
 from ..runtime.executor import first_divergence, top2_margin
@@ -292,6 +293,7 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
     # under mpiexec: rank 0 runs the benchmark, the other ranks mirror every engine (TP shards;
     # with a tp_size N engine each rank reads only its own target rank file)
     tp = init_tp()
+    check_cuda_graphs(cfg.cuda_graphs, device, tp.size if tp is not None else 1)
     target, drafter = load_models(
         cfg.target,
         cfg.drafter,
@@ -327,6 +329,7 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
             tokens_per_block=cfg.tokens_per_block,
             kv_capacity_tokens=kv_cap,
             compile=cfg.compile,
+            cuda_graphs=cfg.cuda_graphs,
             prompt_lookup=cfg.prompt_lookup if mode == "dflash" else None,
         )
         if mode not in engines:

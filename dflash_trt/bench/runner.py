@@ -25,6 +25,7 @@ from ..checkpoints.engine import load_models
 from ..checkpoints.loader import parse_device, parse_dtype
 from ..errors import DFlashError
 from ..prompts import DATASETS, chat_prompt_ids, load_prompts, read_prompts_file
+from ..runtime.cuda_graphs import check_cuda_graphs
 from ..runtime.executor import DFlashEngine, LoopStats, Request, first_divergence, top2_margin
 from ..runtime.sampling import SamplingParams
 
@@ -52,6 +53,8 @@ class BenchConfig:
     prompts_file: str | None = None
     #: ``--compile``: the target forward compiled by torch.compile (``runtime/compiled.py``)
     compile: bool = False
+    #: ``--cuda-graphs``: decode and verify steps replayed from CUDA graphs (``runtime/cuda_graphs.py``)
+    cuda_graphs: bool = False
     #: ``--prompt-lookup-min/max``: prompt-lookup tokens merged into DFlash's drafts (``runtime/ngram.py``)
     prompt_lookup: tuple[int, int] | None = None
 
@@ -167,13 +170,16 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
     dtype = parse_dtype(cfg.dtype)
     device = parse_device(cfg.device)
+    check_cuda_graphs(cfg.cuda_graphs, device)
     texts = cfg.prompts()
     if cfg.engine and cfg.peers:
         raise DFlashError("peers run on HF checkpoints; bench an engine (--engine) without --peers")
     target, drafter = load_models(
         cfg.target, cfg.drafter, cfg.engine, dtype, fp8_gemm=cfg.fp8_gemm, device=device, weights=cfg.weights
     )
-    engine = DFlashEngine(target.model, drafter, target.stop_token_ids, compile=cfg.compile)
+    engine = DFlashEngine(
+        target.model, drafter, target.stop_token_ids, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs
+    )
     K = cfg.block_size or drafter.cfg.block_size
     engine.check_block_size(K)
     prompts = [chat_prompt_ids(target.tokenizer, t) for t in texts]
@@ -186,7 +192,12 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     names = f"plain decoding, DFlash (block size {K})"
     if cfg.prompt_lookup is not None:  # a third mode: DFlash with prompt-lookup tokens merged in
         lookup = DFlashEngine(
-            target.model, drafter, target.stop_token_ids, compile=cfg.compile, prompt_lookup=cfg.prompt_lookup
+            target.model,
+            drafter,
+            target.stop_token_ids,
+            compile=cfg.compile,
+            prompt_lookup=cfg.prompt_lookup,
+            cuda_graphs=cfg.cuda_graphs,
         )
         lookup.warm_up(prompts[0], K, sampling)
         modes.append((lookup, K))
@@ -265,6 +276,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         "dtype": cfg.dtype,
         "weights": cfg.weights,
         "compile": cfg.compile,
+        "cuda_graphs": cfg.cuda_graphs,
         "device": device_name(device),
         "threads": torch.get_num_threads(),
         "lossless": (df_out == ar_out) if cfg.temperature == 0 else None,

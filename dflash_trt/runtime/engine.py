@@ -49,6 +49,8 @@ class EngineConfig:
         tokens_per_block: KV-cache block size in positions.
         kv_capacity_tokens: KV positions in the pools (target and drafter context alike).
         compile: run the target forward compiled by torch.compile (``runtime/compiled.py``).
+        cuda_graphs: replay decode-only iterations' target forwards from CUDA graphs per
+            batch-size bucket (``runtime/cuda_graphs.py``).
         prompt_lookup: ``(min_n, max_n)``: prompt-lookup tokens (``ngram.py``) replace the
             drafter's first draft tokens wherever the context's last ``n`` tokens occurred
             before; None: the drafter's alone.
@@ -61,6 +63,7 @@ class EngineConfig:
     tokens_per_block: int = 32
     kv_capacity_tokens: int = 65536
     compile: bool = False
+    cuda_graphs: bool = False
     prompt_lookup: tuple[int, int] | None = None
 
 
@@ -120,7 +123,13 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, cfg.tokens_per_block)
         self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, cfg.max_num_tokens, reserve_extra=K)
         self.runner = runner or ModelRunner(
-            target, drafter if K > 1 else None, num_blocks, cfg.tokens_per_block, compile=cfg.compile
+            target,
+            drafter if K > 1 else None,
+            num_blocks,
+            cfg.tokens_per_block,
+            compile=cfg.compile,
+            cuda_graphs=cfg.cuda_graphs,
+            max_batch=cfg.max_batch_size,
         )
         self.tp = tp
         self.stats = LoopStats(K)

@@ -62,6 +62,9 @@ class DFlashEngine:
             (``runtime/compiled.py``).
         prompt_lookup: ``(min_n, max_n)``: merge prompt-lookup tokens into the drafter's blocks
             (:class:`~dflash_trt.runtime.engine.EngineConfig`); None: the drafter's alone.
+        cuda_graphs: replay decode steps from CUDA graphs (``runtime/cuda_graphs.py``). The
+            runner of each block size is then kept between :meth:`generate` calls (its graphs
+            are bound to its KV pools), and rebuilt only when a call needs larger pools or batch.
 
     Raises:
         DFlashError: from :meth:`generate` on impossible settings (block size above the
@@ -76,8 +79,11 @@ class DFlashEngine:
         runner_cls: type[ModelRunner] = ModelRunner,
         compile: bool = False,
         prompt_lookup: tuple[int, int] | None = None,
+        cuda_graphs: bool = False,
     ):
         self.compile = compile
+        self.cuda_graphs = cuda_graphs
+        self._runners: dict[int, ModelRunner] = {}  # block size -> runner kept for its graphs
         self.prompt_lookup = prompt_lookup
         self.target = target
         self.drafter = drafter
@@ -138,14 +144,39 @@ class DFlashEngine:
             max_num_tokens=max(sum(len(r.prompt_ids) for r in requests), K * n, 1),
             kv_capacity_tokens=max(need, 1) * tokens_per_block,
             compile=self.compile,
+            cuda_graphs=self.cuda_graphs,
             prompt_lookup=self.prompt_lookup,
         )
-        runner = self.runner_cls(
-            self.target, self.drafter if K > 1 else None, max(need, 1), tokens_per_block, compile=self.compile
-        )
+        runner = self._runner(K, max(need, 1), tokens_per_block, n)
         engine = LLMEngine(self.target, self.drafter, self.stop_token_ids, cfg, runner=runner)
         for i, r in enumerate(requests):
             engine.add_request(r, on_tokens, seq_id=i)
         engine.run()
         stats.merge(engine.stats)
         return [engine.result(i) for i in range(len(requests))]
+
+    def _runner(self, K: int, num_blocks: int, tokens_per_block: int, batch: int) -> ModelRunner:
+        """A runner for block size ``K`` with at least ``num_blocks`` pool blocks: a new one, or
+        with CUDA graphs the one kept from an earlier call when its pools and batch bucket suffice
+        (its target features of earlier sequences dropped: sequence ids restart at 0)."""
+        kept = self._runners.get(K)
+        if kept is not None and (
+            kept.tpb != tokens_per_block
+            or kept.spare_slot < num_blocks * tokens_per_block
+            or kept.graphs.max_batch < batch
+        ):
+            kept = None
+        if kept is None:
+            kept = self.runner_cls(
+                self.target,
+                self.drafter if K > 1 else None,
+                num_blocks,
+                tokens_per_block,
+                compile=self.compile,
+                cuda_graphs=self.cuda_graphs,
+                max_batch=batch,
+            )
+            if self.cuda_graphs:
+                self._runners[K] = kept
+        kept.release_all()
+        return kept

@@ -18,6 +18,7 @@ from itertools import accumulate
 
 import torch
 
+from ..errors import DFlashError
 from ..kernels import ops
 from ..models.cpu_linear import pack_linears, unpack_linears
 from ..models.drafter import DFlashDrafter, PagedBlocks, sliding_visible
@@ -26,6 +27,7 @@ from ..models.target import TargetModel
 from .block_manager import slots_of
 from .compiled import compiled_forward
 from .cpu_memory import retain_freed_memory
+from .cuda_graphs import GraphedTarget
 from .kv_cache import PagedKVCache
 from .sampling import sample_rows
 
@@ -312,6 +314,13 @@ class ModelRunner:
             broadcast so every rank verifies the same tokens.
         compile: run the target's and the drafter's forwards through
             :func:`~.compiled.compiled_forward`.
+        cuda_graphs: replay decode-only iterations' target forwards from CUDA graphs per
+            batch-size bucket (:mod:`~.cuda_graphs`); on the CPU the same padded static-buffer
+            path runs without capture (what the tests check without a GPU).
+        max_batch: the most sequences per iteration (the largest graph bucket).
+
+    Raises:
+        DFlashError: ``cuda_graphs`` under tensor parallelism.
 
     Memory: target pool ``2 * L * (num_blocks * tokens_per_block + 1) * Hkv * D`` elements,
     drafter pool likewise with the drafter's layer and head counts.
@@ -325,7 +334,11 @@ class ModelRunner:
         tokens_per_block: int,
         tp=None,
         compile: bool = False,
+        cuda_graphs: bool = False,
+        max_batch: int = 64,
     ):
+        if cuda_graphs and tp is not None:
+            raise DFlashError("CUDA graphs are not supported under tensor parallelism yet")
         self.target, self.drafter, self.tp = target, drafter, tp
         cpu_weight_layout(target, drafter, tp is not None, compile)  # models/cpu_linear.py
         # the target's and drafter's forwards: eager, or compiled by inductor (runtime/compiled.py)
@@ -358,6 +371,17 @@ class ModelRunner:
         # draft with the drafter kernels (dflash_trt.kernels) on CUDA, or when forced by
         # DFLASH_TRT_KERNELS=triton (interpreted on the CPU); else the torch modules
         self.kernels = drafter is not None and _kernels_wanted(self.device)
+        self.graphs = None
+        if cuda_graphs:  # decode-only iterations replayed from graphs per batch bucket (runtime/cuda_graphs.py)
+            self.graphs = GraphedTarget(
+                self.forward,
+                target.rope,
+                self.tcache.layers,
+                self.capture,
+                self.spare_slot,
+                max_batch,
+                capture_graphs=self.device.type == "cuda",
+            )
 
     # ---- target features waiting for the drafter (public so a test can seed a context) ----
     def store_features(self, seq_id: int, start: int, feats: torch.Tensor) -> None:
@@ -401,6 +425,10 @@ class ModelRunner:
     def release(self, seq_ids: list[int]) -> None:
         for s in seq_ids:
             self._features.pop(s, None)
+
+    def release_all(self) -> None:
+        """Drop every sequence's stored features (a runner reused for new sequences)."""
+        self._features.clear()
 
     # ---- the iteration ----
     def _grad_mode(self):
@@ -527,19 +555,20 @@ class ModelRunner:
         clock.mark()
         lengths = [len(it.tokens) + it.num_draft for it in items]
         offsets = list(accumulate(lengths[:-1], initial=0))
-        meta = _packed_meta(
-            [it.start for it in items],
-            lengths,
-            offsets,
-            lengths,
-            [it.table for it in items],
-            self.tpb,
-            self.spare_slot,
-        )
+        starts = [it.start for it in items]
+        meta = _packed_meta(starts, lengths, offsets, lengths, [it.table for it in items], self.tpb, self.spare_slot)
         flat = [x for it in items for x in it.tokens + [0] * it.num_draft]
+        graph = None
+        if self.graphs is not None:  # a decode-only iteration: padded to its graph's bucket
+            single = all(len(it.tokens) == 1 for it in items)
+            ends = [s + n for s, n in zip(starts, lengths)]
+            graph = self.graphs.key(lengths, [it.num_logits for it in items], single, max(ends))
+        flat_t = torch.tensor(flat, dtype=torch.long)
+        if graph is not None:
+            meta, flat_t = self.graphs.pad(graph, meta, flat_t)
         rows = [o + n - it.num_logits + j for o, n, it in zip(offsets, lengths, items) for j in range(it.num_logits)]
         first = list(accumulate([it.num_logits for it in items][:-1], initial=0))  # item -> its first row
-        host = [torch.tensor(flat, dtype=torch.long), torch.tensor(rows, dtype=torch.long)]
+        host = [flat_t, torch.tensor(rows, dtype=torch.long)]
         if drafting:  # where the drafts go in the packed input; target rows and counts for acceptance
             n_draft = [items[i].num_draft for i in drafting]
             src = [r * k + j for r, i in enumerate(drafting) for j in range(items[i].num_draft)]
@@ -554,7 +583,12 @@ class ModelRunner:
         if drafting:  # drafts go into the packed input on the device
             src, dst, tgt, n_draft_t, *extra = extra
             ids[dst] = drafts.view(-1)[src]
-        res = self.forward(ids.unsqueeze(0), meta, self.tcache.layers, self.capture, logits_index=index.unsqueeze(0))
+        if graph is not None:  # (every token has logits, in order: the rows are 0 .. N - 1)
+            res = self.graphs.run(graph, ids, meta, len(flat))
+        else:
+            res = self.forward(
+                ids.unsqueeze(0), meta, self.tcache.layers, self.capture, logits_index=index.unsqueeze(0)
+            )
         choice = argmax_last(res.logits[0])  # [R]
         if sampled:
             srows, *params = extra

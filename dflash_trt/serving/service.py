@@ -45,6 +45,8 @@ class ServeConfig:
             ``mpiexec -n N`` the job's N ranks are used instead.
         prompt_lookup: ``(min_n, max_n)``: prompt-lookup tokens merged into the drafter's
             blocks (``runtime/ngram.py``); None: the drafter's alone.
+        cuda_graphs: replay decode and verify steps from CUDA graphs per batch-size bucket
+            (``runtime/cuda_graphs.py``; a CUDA device, no tensor parallelism).
     """
 
     target: str | None = None
@@ -63,6 +65,7 @@ class ServeConfig:
     tp_size: int = 1
     weights: str | None = None
     prompt_lookup: tuple[int, int] | None = None
+    cuda_graphs: bool = False
 
 
 @dataclass
@@ -125,12 +128,14 @@ class EngineService:
     def _start(self, cfg: ServeConfig) -> None:
         from ..checkpoints.engine import kv_capacity, load_models, read_manifest
         from ..checkpoints.loader import parse_device, parse_dtype
+        from ..runtime.cuda_graphs import check_cuda_graphs
         from ..runtime.distributed import tp_engine
 
         dtype = cfg.dtype or (
             read_manifest(cfg.engine).get("dtype", "fp32") if cfg.engine else ("bf16" if cfg.weights else "fp32")
         )
         device = parse_device(cfg.device)
+        check_cuda_graphs(cfg.cuda_graphs, device, self.tp.size if self.tp else 1)
         need_drafter = cfg.block_size is None or cfg.block_size > 1
         target, drafter = load_models(
             cfg.target,
@@ -153,6 +158,7 @@ class EngineService:
             tokens_per_block=cfg.tokens_per_block,
             kv_capacity_tokens=cap,
             prompt_lookup=tuple(cfg.prompt_lookup) if cfg.prompt_lookup else None,  # a list after JSON
+            cuda_graphs=cfg.cuda_graphs,
         )
         self.worker = False
         if self.tp is None:

@@ -1,0 +1,243 @@
+"""CUDA graphs for the target's decode and verify forwards, one per batch-size bucket.
+
+On a GPU a decode step of a small target is a few hundred short kernels, and launching them
+from Python costs more than running them; vLLM, SGLang and TensorRT-LLM capture the decode
+forward in CUDA graphs per batch size and replay it. Here an iteration qualifies when every
+item is a decode item that verifies the same ``q`` tokens (plain decoding: ``q = 1``; DFlash:
+the anchor plus ``q - 1`` draft tokens, all with logits). Its ``S`` sequences are padded to a
+batch bucket ``S_b >= S`` (:data:`BATCH_BUCKETS`) and its key length to a power-of-two key
+bucket ``L_b >= kv_len`` (:data:`MIN_KEYS` .. :data:`MAX_KEYS`; vLLM's ``max_seq_len_to_capture``
+is the same 8,192), and the forward is replayed from the graph captured for ``(S_b, q, L_b)``,
+captured on first use. Other iterations (prompt chunks, mixed draft lengths, longer contexts)
+run eagerly.
+
+Padding is exact: padded key columns are masked, so a real query's softmax gets exact zeros
+there; padded sequences write their K/V to the pool's spare slot, read only that slot, and
+their rows are dropped.
+
+A graph's outputs live in the graph pool's memory, which every graph's next replay may reuse.
+So the logits and the target features are copied out before they leave :meth:`GraphedTarget.run`:
+the drafter reads those features an iteration later, and a view into graph memory would hand
+it another iteration's hidden states (the "tau 1.00 / garbage drafts under CUDA graphs" class
+of bug that vLLM and SGLang users report for EAGLE/DFlash drafters).
+
+Without a GPU the same path runs with ``capture=False``: the same buckets, padding and static
+buffers, and each "replay" runs the forward on those buffers and copies its results into static
+output buffers, so everything but the capture itself (padding, bucket choice, buffer reuse and
+the copies out) is tested on the CPU against eager decoding.
+
+Limits: the drafter's forward is not captured (its context length varies per iteration); no
+graphs under tensor parallelism (the CLI refuses the combination).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import DFlashError
+from ..models.layers import AttentionMetadata
+from ..models.target import TargetOutput
+
+#: batch sizes captured (vLLM's default list starts the same way); larger batches run eagerly
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+#: smallest key bucket: key lengths are rounded up to a power of two from here
+MIN_KEYS = 256
+#: longest context captured; longer ones run eagerly (vLLM's ``max_seq_len_to_capture``)
+MAX_KEYS = 8192
+
+
+def check_cuda_graphs(enabled: bool, device: torch.device, tp_size: int = 1) -> None:
+    """Raises DFlashError when CUDA graphs are asked for off a CUDA device or under tensor
+    parallelism (neither is supported)."""
+    if enabled and device.type != "cuda":
+        raise DFlashError(f"--cuda-graphs needs a CUDA device, got {device}")
+    if enabled and tp_size > 1:
+        raise DFlashError("--cuda-graphs is not supported with tensor parallelism (--tp > 1) yet")
+
+
+def batch_bucket(n: int, max_batch: int) -> int | None:
+    """The smallest bucket ``>= n`` among :data:`BATCH_BUCKETS` capped at ``max_batch`` (which
+    is always a bucket itself), or None when ``n > max_batch``."""
+    for b in sorted({b for b in BATCH_BUCKETS if b < max_batch} | {max_batch}):
+        if b >= n:
+            return b
+    return None
+
+
+def key_bucket(n: int) -> int | None:
+    """``n`` keys rounded up to a power of two, at least :data:`MIN_KEYS`; None above
+    :data:`MAX_KEYS`."""
+    b = MIN_KEYS
+    while b < n:
+        b *= 2
+    return b if b <= MAX_KEYS else None
+
+
+def pad_decode_meta(meta: AttentionMetadata, batch: int, keys: int, spare_slot: int) -> AttentionMetadata:
+    """The uniform paged metadata of ``S`` sequences with ``q`` queries each (host tensors, as
+    ``model_runner._packed_meta`` builds it for a decode-only iteration), padded to ``batch``
+    sequences and ``keys`` key columns.
+
+    Padded key columns read ``spare_slot`` and are masked; padded sequences sit at position 0,
+    write and read only ``spare_slot`` and see all of their (spare) keys, so no softmax row is
+    fully masked. ``max_position`` becomes ``keys - 1``: the RoPE tables are sized for the
+    bucket once, so a replay never rebuilds them.
+
+    Returns:
+        metadata with ``positions`` / ``write_slots`` int64 ``[1, batch * q]``, ``read_slots``
+        int64 ``[batch, keys]``, ``mask`` bool ``[batch, 1, q, keys]``, ``uniform`` True.
+
+    Raises:
+        ValueError: ``meta`` is not uniform, or is larger than the bucket.
+    """
+    S, _, q, L = meta.mask.shape
+    if not meta.uniform or meta.groups or batch < S or keys < L:
+        raise ValueError(
+            f"cannot pad metadata of {S} sequences x {L} keys (uniform={meta.uniform}) to {batch} x {keys}"
+        )
+    n = batch * q - S * q
+    positions = torch.cat([meta.positions, meta.positions.new_zeros(1, n)], dim=1)
+    write = torch.cat([meta.write_slots, meta.write_slots.new_full((1, n), spare_slot)], dim=1)
+    read = torch.full((batch, keys), spare_slot, dtype=torch.long)
+    read[:S, :L] = meta.read_slots
+    mask = torch.ones(batch, 1, q, keys, dtype=torch.bool)
+    mask[:S] = False
+    mask[:S, :, :, :L] = meta.mask
+    return AttentionMetadata(positions, write, mask, keys, read_slots=read, max_position=keys - 1, uniform=True)
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """What a graph is captured for: ``batch`` sequences (a bucket) of ``queries`` tokens each,
+    over ``keys`` key columns (a bucket)."""
+
+    batch: int
+    queries: int
+    keys: int
+
+
+class _Graph:
+    """One captured forward: static inputs (token ids ``[1, batch * q]``, positions, write
+    slots, read slots, mask) and static outputs (logits ``[1, batch * q, vocab]``, features
+    ``[1, batch * q, F]``)."""
+
+    def __init__(self, target: GraphedTarget, meta: AttentionMetadata, ids: torch.Tensor):
+        self.forward, self.pools, self.capture = target.forward, target.pools, target.capture
+        # static inputs: allocated outside the graph pool, refilled before each replay
+        self.ids = ids.clone()
+        self.meta = AttentionMetadata(
+            meta.positions.clone(),
+            meta.write_slots.clone(),
+            meta.mask.clone(),
+            meta.kv_len,
+            read_slots=meta.read_slots.clone(),
+            max_position=meta.max_position,
+            uniform=True,
+        )
+        self.graph = None
+        if ids.device.type == "cuda":
+            # warm up on a side stream (allocator, cuBLAS workspaces, RoPE tables on the device),
+            # then capture; the warm-up writes the same K/V to the same slots as the replays will
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._forward()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=target.pool):
+                self.out = self._forward()
+        else:
+            self.out = self._forward()
+        # the RoPE tables the graph reads: should a later, longer eager forward rebuild them, these
+        # stay allocated (and correct for every position a bucket holds) instead of being freed
+        # under the graph
+        self.tables = (target.rope.cos_table, target.rope.sin_table)
+
+    def _forward(self) -> TargetOutput:
+        return self.forward(self.ids, self.meta, self.pools, self.capture)
+
+    def replay(self, ids: torch.Tensor, meta: AttentionMetadata) -> TargetOutput:
+        """Copy the inputs into the static buffers and replay; returns the static outputs."""
+        m = self.meta
+        self.ids.copy_(ids)
+        for name in ("positions", "write_slots", "mask", "read_slots"):
+            getattr(m, name).copy_(getattr(meta, name))
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        res = self._forward()  # no GPU: the same static buffers, results copied into static outputs
+        self.out.logits.copy_(res.logits)
+        if res.features is not None:
+            self.out.features.copy_(res.features)
+        return self.out
+
+
+class GraphedTarget:
+    """The target's forward for decode-only iterations, replayed from graphs per
+    :class:`GraphKey` (see the module docstring).
+
+    Args:
+        forward: the target's forward (:meth:`~dflash_trt.models.target.TargetModel.forward`,
+            eager or compiled).
+        rope: the target's :class:`~dflash_trt.models.layers.RotaryEmbedding` (its tables are
+            read by the graphs).
+        pools: the target's paged KV pools (``PagedKVCache.layers``), written in the graphs.
+        capture: target layer ids whose outputs are the drafter's features.
+        spare_slot: the pools' padding slot.
+        max_batch: the engine's most sequences per iteration (the largest bucket).
+        capture_graphs: capture CUDA graphs (a CUDA device); False: the same static path
+            without capture (CPU, tests).
+    """
+
+    def __init__(
+        self,
+        forward: Callable,
+        rope,
+        pools,
+        capture: tuple[int, ...],
+        spare_slot: int,
+        max_batch: int,
+        capture_graphs: bool,
+    ):
+        self.forward, self.rope, self.pools, self.capture = forward, rope, pools, capture
+        self.spare_slot, self.max_batch = spare_slot, max_batch
+        self.graphs: dict[GraphKey, _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture_graphs else None
+        self.replays = 0  # replays served (for tests and logs)
+
+    def key(self, lengths: list[int], num_logits: list[int], single_tokens: bool, kv_len: int) -> GraphKey | None:
+        """The graph for an iteration whose items have ``lengths`` tokens and ``num_logits``
+        logits rows each, or None when it runs eagerly: not every item a decode item
+        (``single_tokens``: each item's own tokens are one anchor) with logits for all its
+        tokens and the same length, or beyond the largest batch or key bucket."""
+        q = lengths[0]
+        if not single_tokens or any(n != q for n in lengths) or any(n != q for n in num_logits):
+            return None
+        batch, keys = batch_bucket(len(lengths), self.max_batch), key_bucket(kv_len)
+        if batch is None or keys is None:
+            return None
+        return GraphKey(batch, q, keys)
+
+    def pad(self, key: GraphKey, meta: AttentionMetadata, ids: torch.Tensor) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Host metadata and token ids (int64 ``[N]``) padded to ``key``'s shapes."""
+        padded = pad_decode_meta(meta, key.batch, key.keys, self.spare_slot)
+        return padded, torch.cat([ids, ids.new_zeros(key.batch * key.queries - len(ids))])
+
+    def run(self, key: GraphKey, ids: torch.Tensor, meta: AttentionMetadata, n: int) -> TargetOutput:
+        """The forward of padded ``ids`` (int64 ``[batch * q]`` on the device) under padded
+        ``meta``, from ``key``'s graph (captured now if new).
+
+        Returns:
+            logits ``[1, n, vocab]`` and features ``[1, n, F]`` of the ``n`` real tokens, copied
+            out of the graph's memory.
+        """
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = _Graph(self, meta, ids.unsqueeze(0))
+        out = g.replay(ids.unsqueeze(0), meta)
+        self.replays += 1
+        features = None if out.features is None else out.features[:, :n].clone()
+        return TargetOutput(logits=out.logits[:, :n].clone(), features=features)
