@@ -70,13 +70,17 @@ class TargetOutput:
 
     Attributes:
         logits: ``[B, n, vocab]`` in the model dtype, for the rows picked by ``logits_index``
-            (all ``T`` positions when it is None); None for a ``features_only`` forward.
+            (all ``T`` positions when it is None); None for a ``features_only`` or ``hidden_only``
+            forward.
         features: ``[B, T, len(capture) * hidden]`` target features, or None when nothing was
             captured.
+        hidden: with ``hidden_only``: ``[B, T, hidden]`` final-norm hidden states, the LM head's
+            input (model dtype); else None.
     """
 
     logits: torch.Tensor | None
     features: torch.Tensor | None
+    hidden: torch.Tensor | None = None
 
 
 class TargetModel(nn.Module):
@@ -112,6 +116,7 @@ class TargetModel(nn.Module):
         capture: tuple[int, ...] = (),
         logits_index: torch.Tensor | None = None,
         features_only: bool = False,
+        hidden_only: bool = False,
     ) -> TargetOutput:
         """Run ``input_ids`` (int64 ``[B, T]``) through the model, writing their K/V into ``kv_cache``.
 
@@ -123,6 +128,9 @@ class TargetModel(nn.Module):
             logits_index: optional int64 ``[B, n]`` positions in ``T`` to compute logits for.
             features_only: stop after the last captured layer and return no logits (``kv_cache``
                 then needs only ``max(capture) + 1`` layers).
+            hidden_only: stop before the LM head and return the final-norm hidden states of all
+                ``T`` positions instead of logits (a CUDA graph keeps ``[T, hidden]`` in its
+                memory instead of ``[T, vocab]``; ``runtime/cuda_graphs.py``).
         """
         x = self.embed(input_ids)
         cos, sin = self.rope(meta.positions, x.dtype, meta.max_position)
@@ -138,6 +146,8 @@ class TargetModel(nn.Module):
         if features_only:
             return TargetOutput(logits=None, features=features)
         x = self.norm(x)
+        if hidden_only:
+            return TargetOutput(logits=None, features=features, hidden=x)
         if logits_index is not None:
             x = x.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         return TargetOutput(logits=self.lm_head(x), features=features)

@@ -15,8 +15,12 @@ Padding is exact: padded key columns are masked, so a real query's softmax gets 
 there; padded sequences write their K/V to the pool's spare slot, read only that slot, and
 their rows are dropped.
 
-A graph's outputs live in the graph pool's memory, which every graph's next replay may reuse.
-So the logits and the target features are copied out before they leave :meth:`GraphedTarget.run`:
+The graphs end at the final norm, as vLLM's do: the LM head runs after the replay, on the real
+rows only, so a graph keeps ``[batch * q, hidden]`` in its memory rather than
+``[batch * q, vocab]`` (at batch 256, 16 queries and a 152K vocabulary that would be 1.2 GB in
+bf16, per graph). A graph's outputs live in the graph pool's memory, which every graph's next
+replay may reuse. So the target features are copied out before they leave
+:meth:`GraphedTarget.run`:
 the drafter reads those features an iteration later, and a view into graph memory would hand
 it another iteration's hidden states (the "tau 1.00 / garbage drafts under CUDA graphs" class
 of bug that vLLM and SGLang users report for EAGLE/DFlash drafters).
@@ -121,8 +125,8 @@ class GraphKey:
 
 class _Graph:
     """One captured forward: static inputs (token ids ``[1, batch * q]``, positions, write
-    slots, read slots, mask) and static outputs (logits ``[1, batch * q, vocab]``, features
-    ``[1, batch * q, F]``)."""
+    slots, read slots, mask) and static outputs (final-norm hidden states ``[1, batch * q,
+    hidden]``, features ``[1, batch * q, F]``)."""
 
     def __init__(self, target: GraphedTarget, meta: AttentionMetadata, ids: torch.Tensor):
         self.forward, self.pools, self.capture = target.forward, target.pools, target.capture
@@ -157,7 +161,7 @@ class _Graph:
         self.tables = (target.rope.cos_table, target.rope.sin_table)
 
     def _forward(self) -> TargetOutput:
-        return self.forward(self.ids, self.meta, self.pools, self.capture)
+        return self.forward(self.ids, self.meta, self.pools, self.capture, hidden_only=True)
 
     def replay(self, ids: torch.Tensor, meta: AttentionMetadata) -> TargetOutput:
         """Copy the inputs into the static buffers and replay; returns the static outputs."""
@@ -169,7 +173,7 @@ class _Graph:
             self.graph.replay()
             return self.out
         res = self._forward()  # no GPU: the same static buffers, results copied into static outputs
-        self.out.logits.copy_(res.logits)
+        self.out.hidden.copy_(res.hidden)
         if res.features is not None:
             self.out.features.copy_(res.features)
         return self.out
@@ -184,6 +188,7 @@ class GraphedTarget:
             eager or compiled).
         rope: the target's :class:`~dflash_trt.models.layers.RotaryEmbedding` (its tables are
             read by the graphs).
+        lm_head: the target's LM head, run after each replay on the real rows.
         pools: the target's paged KV pools (``PagedKVCache.layers``), written in the graphs.
         capture: target layer ids whose outputs are the drafter's features.
         spare_slot: the pools' padding slot.
@@ -196,13 +201,14 @@ class GraphedTarget:
         self,
         forward: Callable,
         rope,
+        lm_head: Callable,
         pools,
         capture: tuple[int, ...],
         spare_slot: int,
         max_batch: int,
         capture_graphs: bool,
     ):
-        self.forward, self.rope, self.pools, self.capture = forward, rope, pools, capture
+        self.forward, self.rope, self.lm_head, self.pools, self.capture = forward, rope, lm_head, pools, capture
         self.spare_slot, self.max_batch = spare_slot, max_batch
         self.graphs: dict[GraphKey, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture_graphs else None
@@ -231,8 +237,8 @@ class GraphedTarget:
         ``meta``, from ``key``'s graph (captured now if new).
 
         Returns:
-            logits ``[1, n, vocab]`` and features ``[1, n, F]`` of the ``n`` real tokens, copied
-            out of the graph's memory.
+            logits ``[1, n, vocab]`` (the LM head on the graph's hidden states) and features
+            ``[1, n, F]`` of the ``n`` real tokens, both in memory of their own.
         """
         g = self.graphs.get(key)
         if g is None:
@@ -240,4 +246,4 @@ class GraphedTarget:
         out = g.replay(ids.unsqueeze(0), meta)
         self.replays += 1
         features = None if out.features is None else out.features[:, :n].clone()
-        return TargetOutput(logits=out.logits[:, :n].clone(), features=features)
+        return TargetOutput(logits=self.lm_head(out.hidden[:, :n]), features=features)

@@ -376,6 +376,7 @@ class ModelRunner:
             self.graphs = GraphedTarget(
                 self.forward,
                 target.rope,
+                target.lm_head,
                 self.tcache.layers,
                 self.capture,
                 self.spare_slot,
