@@ -18,30 +18,8 @@
 #            DRAFT_VOCAB [8192]  HOLDOUT [0.02]  EXTRA_DATA [none: more data dirs, e.g. text-data output]
 #            INIT_DRAFTER [none: start from this drafter]
 #   bench:   BENCH_PROMPTS [20]  BENCH_TOKENS [128]  BENCH_SETS [gsm8k humaneval mtbench]  CONCURRENCY [none: e.g. 1,8,32]
-set -euo pipefail
-if [ $# -ne 2 ]; then echo "usage: $0 PACK WORK" >&2; exit 2; fi
-PACK=$(cd "$1" && pwd)
-mkdir -p "$2"; WORK=$(cd "$2" && pwd)
-REPO=$(cd "$(dirname "$0")/.." && pwd)
-PY=${PYTHON:-python3}
-DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bf16}
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export DFLASH_TRT_CACHE="$WORK/cache"
-if [ -n "${WHEELS:-}" ]; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$WHEELS"/*.whl
-  export PYTHONPATH="$WORK/site:$PYTHONPATH"
-fi
-LOG="$WORK/steps.log"
-step() {  # step NAME CMD...: run, log the command and its wall time
-  local name=$1; shift
-  local t0=$SECONDS
-  echo "== $name: $*" | tee -a "$LOG"
-  "$@"
-  echo "== $name: done in $((SECONDS - t0)) s" | tee -a "$LOG"
-}
-cli() { "$PY" -m dflash_trt.cli "$@"; }
+source "$(dirname "$0")/gpu_common.sh"
 
-MODEL=$(cli unpack --pack "$PACK" --dest "$WORK/model")
 step distill cli distill --target "$MODEL" --prompts-file "$PACK/prompts/sharegpt.jsonl" \
   ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} --out "$WORK/data" --batch "${BATCH:-384}" \
   --max-new-tokens "${MAX_NEW_TOKENS:-256}" --shard-size "${SHARD_SIZE:-512}" \

