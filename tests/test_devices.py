@@ -232,23 +232,26 @@ def test_parse_device():
 
 
 def test_upload_is_one_packed_copy_that_restores_every_tensor():
-    """The iteration's host inputs (attention metadata with a verify group beside a prompt-chunk
-    group, token ids, int32 counts) go to the device as one packed int64 buffer; run here with
-    the packing forced on the CPU: every tensor comes back with its values, shape and dtype."""
-    from dflash_trt.runtime.model_runner import _packed_meta, upload_meta
+    """The iteration's host inputs (the attention plan of a verify group beside a prompt-chunk
+    group, token ids, int32 counts, fp32 settings) go to the device as one packed int64 buffer,
+    and the metadata is built there from the plan; run here with the packing forced on the CPU:
+    every tensor comes back with its values, shape and dtype, and the metadata built from the
+    copied plan equals the one built from the host plan."""
+    from dflash_trt.runtime.attention_meta import plan_packed
+    from dflash_trt.runtime.model_runner import upload_meta
 
     tables = [[3, 1], [0, 6], [2, 4]]
     # sequence 1 is a 40-token prompt chunk (its own group), 0 and 2 verify blocks of 5 tokens
-    meta = _packed_meta([20, 0, 50], [5, 40, 5], [0, 5, 45], [5, 40, 5], tables, 32, 7 * 32)
+    plan = plan_packed([20, 0, 50], [5, 40, 5], [0, 5, 45], [5, 40, 5], tables, 32, 7 * 32)
+    meta = plan.build()
     assert meta.groups is not None and len(meta.groups) == 2
     ids = torch.arange(50)
     counts = torch.tensor([4, 0, 2], dtype=torch.int32)
     floats = torch.tensor([0.25, -0.0, 1e-40, -3.5e38, float("inf"), 0.9999999])  # uniforms, settings
-    got, got_ids, got_counts, got_floats = upload_meta(torch.device("cpu"), meta, ids, counts, floats, pack=True)
-    assert got is not meta  # the packed path ran (without pack it returns the same objects)
+    got, got_ids, got_counts, got_floats = upload_meta(torch.device("cpu"), plan, ids, counts, floats, pack=True)
     assert got_floats.dtype == torch.float32 and torch.equal(got_floats.view(torch.int32), floats.view(torch.int32))
     with pytest.raises(TypeError, match="float64"):
-        upload_meta(torch.device("cpu"), meta, floats.double(), pack=True)
+        upload_meta(torch.device("cpu"), plan, floats.double(), pack=True)
     for a, b in [(meta, got)] + list(zip(meta.groups, got.groups)) + [(ids, got_ids), (counts, got_counts)]:
         pairs = [(a, b)] if isinstance(a, torch.Tensor) else [(getattr(a, k), getattr(b, k)) for k in vars(a)]
         for x, y in pairs:

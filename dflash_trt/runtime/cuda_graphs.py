@@ -80,15 +80,18 @@ def key_bucket(n: int) -> int | None:
     return b if b <= MAX_KEYS else None
 
 
-def pad_decode_meta(meta: AttentionMetadata, batch: int, keys: int, spare_slot: int) -> AttentionMetadata:
-    """The uniform paged metadata of ``S`` sequences with ``q`` queries each (host tensors, as
-    ``model_runner._packed_meta`` builds it for a decode-only iteration), padded to ``batch``
-    sequences and ``keys`` key columns.
+def pad_decode_meta(
+    meta: AttentionMetadata, batch: int, keys: int, spare_slot: int, out: AttentionMetadata | None = None
+) -> AttentionMetadata:
+    """The uniform paged metadata of ``S`` sequences with ``q`` queries each (as
+    :meth:`~.attention_meta.MetaPlan.build` makes it for a decode-only iteration, on any device)
+    padded to ``batch`` sequences and ``keys`` key columns, written into ``out`` (a graph's
+    static metadata, same shapes) or into new tensors on ``meta``'s device.
 
     Padded key columns read ``spare_slot`` and are masked; padded sequences sit at position 0,
     write and read only ``spare_slot`` and see all of their (spare) keys, so no softmax row is
-    fully masked. ``max_position`` becomes ``keys - 1``: the RoPE tables are sized for the
-    bucket once, so a replay never rebuilds them.
+    fully masked. ``max_position`` is ``keys - 1``: the RoPE tables are sized for the bucket
+    once, so a replay never rebuilds them.
 
     Returns:
         metadata with ``positions`` / ``write_slots`` int64 ``[1, batch * q]``, ``read_slots``
@@ -97,20 +100,33 @@ def pad_decode_meta(meta: AttentionMetadata, batch: int, keys: int, spare_slot: 
     Raises:
         ValueError: ``meta`` is not uniform, or is larger than the bucket.
     """
-    S, _, q, L = meta.mask.shape
-    if not meta.uniform or meta.groups or batch < S or keys < L:
+    seqs, _, q, cols = meta.mask.shape
+    if not meta.uniform or meta.groups or seqs > batch or cols > keys:
         raise ValueError(
-            f"cannot pad metadata of {S} sequences x {L} keys (uniform={meta.uniform}) to {batch} x {keys}"
+            f"cannot pad metadata of {seqs} sequences x {cols} keys (uniform={meta.uniform}) to {batch} x {keys}"
         )
-    n = batch * q - S * q
-    positions = torch.cat([meta.positions, meta.positions.new_zeros(1, n)], dim=1)
-    write = torch.cat([meta.write_slots, meta.write_slots.new_full((1, n), spare_slot)], dim=1)
-    read = torch.full((batch, keys), spare_slot, dtype=torch.long)
-    read[:S, :L] = meta.read_slots
-    mask = torch.ones(batch, 1, q, keys, dtype=torch.bool)
-    mask[:S] = False
-    mask[:S, :, :, :L] = meta.mask
-    return AttentionMetadata(positions, write, mask, keys, read_slots=read, max_position=keys - 1, uniform=True)
+    if out is None:
+        pos, mask = meta.positions, meta.mask
+        out = AttentionMetadata(
+            pos.new_zeros(1, batch * q),
+            pos.new_full((1, batch * q), spare_slot),
+            mask.new_ones(batch, 1, q, keys),
+            keys,
+            read_slots=pos.new_full((batch, keys), spare_slot),
+            max_position=keys - 1,
+            uniform=True,
+        )
+    else:
+        out.positions.zero_()
+        out.write_slots.fill_(spare_slot)
+        out.mask.fill_(True)
+        out.read_slots.fill_(spare_slot)
+    out.positions[:, : seqs * q] = meta.positions
+    out.write_slots[:, : seqs * q] = meta.write_slots
+    out.read_slots[:seqs, :cols] = meta.read_slots
+    out.mask[:seqs] = False
+    out.mask[:seqs, :, :, :cols] = meta.mask
+    return out
 
 
 @dataclass(frozen=True)
@@ -128,19 +144,12 @@ class _Graph:
     slots, read slots, mask) and static outputs (final-norm hidden states ``[1, batch * q,
     hidden]``, features ``[1, batch * q, F]``)."""
 
-    def __init__(self, target: GraphedTarget, meta: AttentionMetadata, ids: torch.Tensor):
+    def __init__(self, target: GraphedTarget, key: GraphKey, meta: AttentionMetadata, ids: torch.Tensor):
         self.forward, self.pools, self.capture = target.forward, target.pools, target.capture
+        self.key, self.spare_slot = key, target.spare_slot
         # static inputs: allocated outside the graph pool, refilled before each replay
         self.ids = ids.clone()
-        self.meta = AttentionMetadata(
-            meta.positions.clone(),
-            meta.write_slots.clone(),
-            meta.mask.clone(),
-            meta.kv_len,
-            read_slots=meta.read_slots.clone(),
-            max_position=meta.max_position,
-            uniform=True,
-        )
+        self.meta = pad_decode_meta(meta, key.batch, key.keys, self.spare_slot)
         self.graph = None
         if ids.device.type == "cuda":
             # warm up on a side stream (allocator, cuBLAS workspaces, RoPE tables on the device),
@@ -164,11 +173,10 @@ class _Graph:
         return self.forward(self.ids, self.meta, self.pools, self.capture, hidden_only=True)
 
     def replay(self, ids: torch.Tensor, meta: AttentionMetadata) -> TargetOutput:
-        """Copy the inputs into the static buffers and replay; returns the static outputs."""
-        m = self.meta
+        """Write the padded ids and the unpadded ``meta`` into the static buffers (padding them
+        there) and replay; returns the static outputs."""
         self.ids.copy_(ids)
-        for name in ("positions", "write_slots", "mask", "read_slots"):
-            getattr(m, name).copy_(getattr(meta, name))
+        pad_decode_meta(meta, self.key.batch, self.key.keys, self.spare_slot, out=self.meta)
         if self.graph is not None:
             self.graph.replay()
             return self.out
@@ -227,14 +235,14 @@ class GraphedTarget:
             return None
         return GraphKey(batch, q, keys)
 
-    def pad(self, key: GraphKey, meta: AttentionMetadata, ids: torch.Tensor) -> tuple[AttentionMetadata, torch.Tensor]:
-        """Host metadata and token ids (int64 ``[N]``) padded to ``key``'s shapes."""
-        padded = pad_decode_meta(meta, key.batch, key.keys, self.spare_slot)
-        return padded, torch.cat([ids, ids.new_zeros(key.batch * key.queries - len(ids))])
+    def pad_ids(self, key: GraphKey, ids: torch.Tensor) -> torch.Tensor:
+        """Host token ids (int64 ``[N]``) padded with zeros to ``key``'s ``batch * q``."""
+        return torch.cat([ids, ids.new_zeros(key.batch * key.queries - len(ids))])
 
     def run(self, key: GraphKey, ids: torch.Tensor, meta: AttentionMetadata, n: int) -> TargetOutput:
-        """The forward of padded ``ids`` (int64 ``[batch * q]`` on the device) under padded
-        ``meta``, from ``key``'s graph (captured now if new).
+        """The forward of padded ``ids`` (int64 ``[batch * q]`` on the device) under ``meta`` (the
+        iteration's own, padded here into the graph's buffers), from ``key``'s graph (captured
+        now if new).
 
         Returns:
             logits ``[1, n, vocab]`` (the LM head on the graph's hidden states) and features
@@ -242,7 +250,7 @@ class GraphedTarget:
         """
         g = self.graphs.get(key)
         if g is None:
-            g = self.graphs[key] = _Graph(self, meta, ids.unsqueeze(0))
+            g = self.graphs[key] = _Graph(self, key, meta, ids.unsqueeze(0))
         out = g.replay(ids.unsqueeze(0), meta)
         self.replays += 1
         features = None if out.features is None else out.features[:, :n].clone()

@@ -11,7 +11,6 @@ target's token after every logits row (argmax or sample) and each block's accept
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -21,9 +20,10 @@ import torch
 from ..errors import DFlashError
 from ..kernels import ops
 from ..models.cpu_linear import pack_linears, unpack_linears
-from ..models.drafter import DFlashDrafter, PagedBlocks, sliding_visible
-from ..models.layers import AttentionMetadata, argmax_last
+from ..models.drafter import DFlashDrafter, PagedBlocks
+from ..models.layers import argmax_last
 from ..models.target import TargetModel
+from .attention_meta import MetaPlan, plan_packed
 from .block_manager import slots_of
 from .compiled import compiled_forward
 from .cpu_memory import retain_freed_memory
@@ -165,22 +165,20 @@ def _packs(device: torch.device, pack: bool | None) -> bool:
     return device.type != "cpu" if pack is None else pack
 
 
-def upload_meta(device: torch.device, meta: AttentionMetadata, *host: torch.Tensor, pack: bool | None = None) -> tuple:
-    """:func:`upload` of every tensor of ``meta`` (and of its groups) together with ``host``:
-    ``(meta on device, *host on device)``, one copy for the whole iteration's inputs. On the
-    CPU (nothing to copy) ``meta`` and ``host`` are returned as they are."""
+def upload_meta(device: torch.device, plan: MetaPlan, *host: torch.Tensor, pack: bool | None = None) -> tuple:
+    """:func:`upload` of the tensors of ``plan`` (:mod:`~.attention_meta`: a few integers per
+    sequence and the block tables) together with ``host``, one copy for the whole iteration's
+    inputs; the attention metadata is then built from the plan on ``device``.
+
+    Returns:
+        ``(AttentionMetadata on device, *host on device)``; on the CPU (nothing to copy) the
+        metadata built on the host and ``host`` as they are.
+    """
     if not _packs(device, pack):
-        return (meta, *host)
-    metas = [meta] + (meta.groups or [])
-    names = [[f.name for f in dataclasses.fields(m) if isinstance(getattr(m, f.name), torch.Tensor)] for m in metas]
-    flat = upload(device, *[getattr(m, n) for m, ns in zip(metas, names) for n in ns], *host, pack=pack)
-    moved, at = [], 0
-    for m, ns in zip(metas, names):
-        moved.append(dataclasses.replace(m, **dict(zip(ns, flat[at : at + len(ns)]))))
-        at += len(ns)
-    if meta.groups:
-        moved[0].groups = moved[1:]
-    return (moved[0], *flat[at:])
+        return (plan.build(), *host)
+    ts = plan.tensors()
+    flat = upload(device, *ts, *host, pack=pack)
+    return (plan.with_tensors(flat[: len(ts)]).build(), *flat[len(ts) :])
 
 
 def _kernels_wanted(device: torch.device) -> bool:
@@ -207,100 +205,6 @@ def cpu_weight_layout(target: TargetModel, drafter: DFlashDrafter | None, tensor
             unpack_linears(model)
         else:
             pack_linears(model, skip=skip)
-
-
-#: queries per sequence up to which a sequence counts as a verify block (grouped apart from
-#: prompt chunks, so that short blocks are not padded to a long chunk in attention)
-SHORT_QUERIES = 16
-
-
-def _packed_meta(
-    starts: list[int],
-    lengths: list[int],
-    query_from: list[int],
-    query_len: int | list[int],
-    tables: list[list[int]],
-    tpb: int,
-    spare_slot: int,
-    window: int | None = None,
-    causal: bool = True,
-) -> AttentionMetadata:
-    """Attention metadata for ``S`` sequences packed into one row, on the host (CPU tensors;
-    :func:`upload_meta` moves it to the device with the iteration's other inputs in one copy).
-
-    Sequence ``i`` contributes tokens at positions ``starts[i] .. starts[i] + lengths[i] - 1``
-    (all written to its slots); its queries are its last ``query_len`` tokens, whose index in the
-    query tensor starts at ``query_from[i]``. Keys are positions ``0 .. starts[i] + lengths[i] - 1``
-    of the sequence; causal: a query at ``p`` sees keys ``<= p``; non-causal: all of them
-    (minus the sliding ``window`` rule when set). When short (verify) and long (prompt-chunk)
-    query runs are mixed, they become two attention groups (``AttentionMetadata.groups``).
-    """
-    S = len(starts)
-    qlen = query_len if isinstance(query_len, list) else [query_len] * S
-    ends = [s + n for s, n in zip(starts, lengths)]
-    positions, write = _written(tables, starts, lengths, tpb)
-    short = [i for i in range(S) if qlen[i] <= SHORT_QUERIES]
-    groups = None
-    if 0 < len(short) < S:
-        long = [i for i in range(S) if qlen[i] > SHORT_QUERIES]
-        groups = [
-            _group_meta(idx, ends, query_from, qlen, tables, tpb, spare_slot, window, causal) for idx in (short, long)
-        ]
-        base = AttentionMetadata(None, None, None, max(ends))
-    else:
-        base = _group_meta(list(range(S)), ends, query_from, qlen, tables, tpb, spare_slot, window, causal)
-    base.positions, base.write_slots = positions.unsqueeze(0), write.unsqueeze(0)
-    base.max_position, base.groups = max(ends) - 1, groups
-    return base
-
-
-def _group_meta(idx: list[int], ends, query_from, qlen, tables, tpb, spare_slot, window, causal):
-    """Paged attention metadata (read slots, mask, query gathers) of the sequences ``idx``.
-
-    Sequence ``i`` reads keys ``lo_i .. ends[i] - 1``: ``lo_i`` is 0, or with a sliding
-    ``window`` the first position its first query can see (``q - window + 1``), so a windowed
-    drafter reads O(window + block) keys per sequence however long the context is."""
-    S = len(idx)
-    lo = [0 if window is None else max(0, ends[i] - qlen[i] - window + 1) for i in idx]
-    kv_len = max(ends[i] - lo[r] for r, i in enumerate(idx))
-    tq = max(qlen[i] for i in idx)
-    # key column j of row r is position lo[r] + j; columns at or past the row's end are masked below
-    keys = torch.arange(kv_len) if window is None else torch.tensor(lo).view(S, 1) + torch.arange(kv_len)
-    keys = keys.expand(S, kv_len)
-    read = torch.full((S, kv_len), spare_slot, dtype=torch.long)
-    qpos = torch.zeros(S, tq, dtype=torch.long)
-    qidx = torch.zeros(S, tq, dtype=torch.long)
-    qvalid = torch.zeros(S, tq, dtype=torch.bool)
-    rows, out = [], []
-    for r, i in enumerate(idx):
-        e, q0, m = ends[i], query_from[i], qlen[i]
-        read[r, : e - lo[r]] = slots_of(tables[i], keys[r, : e - lo[r]], tpb)
-        qpos[r, :m] = torch.arange(e - m, e)
-        qidx[r, :m] = torch.arange(q0, q0 + m)
-        qvalid[r, :m] = True
-        rows.append(torch.arange(r * tq, r * tq + m))
-        out.append(torch.arange(q0, q0 + m))
-    qidx[~qvalid] = sum(qlen)  # the padding row
-    keys = keys.unsqueeze(1)  # [S, 1, kv_len]
-    if causal:
-        mask = keys <= qpos.unsqueeze(-1)
-    else:
-        mask = keys < torch.tensor([ends[i] for i in idx]).view(S, 1, 1)
-        if window is not None:
-            mask = mask & sliding_visible(qpos.unsqueeze(-1), keys, window)
-    mask = mask | ~qvalid.unsqueeze(-1)  # padding queries see everything: no all-masked (NaN) rows
-    return AttentionMetadata(
-        None,
-        None,
-        mask.unsqueeze(1),
-        kv_len,
-        read_slots=read,
-        query_index=qidx,
-        query_valid=qvalid,
-        query_rows=torch.cat(rows),
-        query_out=torch.cat(out),
-        uniform=all(qlen[i] == tq and query_from[i] == r * tq for r, i in enumerate(idx)),
-    )
 
 
 class ModelRunner:
@@ -489,7 +393,7 @@ class ModelRunner:
                 self.dcache.v,
             )
         else:
-            blk = _packed_meta(
+            plan = plan_packed(
                 starts,
                 [block] * len(items),
                 [i * block for i in range(len(items))],
@@ -499,13 +403,9 @@ class ModelRunner:
                 self.spare_slot,
                 d.cfg.sliding_window,
                 causal=False,
+                pre=(ctx_pos, ctx_slots),  # the context rows are written before the blocks
             )
-            meta = dataclasses.replace(
-                blk,
-                positions=torch.cat([ctx_pos.unsqueeze(0), blk.positions], dim=1),
-                write_slots=torch.cat([ctx_slots.unsqueeze(0), blk.write_slots], dim=1),
-            )
-            meta, ids = upload_meta(dev, meta, ids)
+            meta, ids = upload_meta(dev, plan, ids)
             embeds = self.target.embed(ids.view(-1))  # [S * B, hidden]
             hidden = self.draft_forward(embeds.unsqueeze(0), feats.unsqueeze(0), meta, self.dcache.layers)
         drafts = d.propose(hidden.view(len(items), block, -1)[:, 1:], self.target.lm_head, self.tp is not None)
@@ -557,7 +457,7 @@ class ModelRunner:
         lengths = [len(it.tokens) + it.num_draft for it in items]
         offsets = list(accumulate(lengths[:-1], initial=0))
         starts = [it.start for it in items]
-        meta = _packed_meta(starts, lengths, offsets, lengths, [it.table for it in items], self.tpb, self.spare_slot)
+        plan = plan_packed(starts, lengths, offsets, lengths, [it.table for it in items], self.tpb, self.spare_slot)
         flat = [x for it in items for x in it.tokens + [0] * it.num_draft]
         graph = None
         if self.graphs is not None:  # a decode-only iteration: padded to its graph's bucket
@@ -566,7 +466,7 @@ class ModelRunner:
             graph = self.graphs.key(lengths, [it.num_logits for it in items], single, max(ends))
         flat_t = torch.tensor(flat, dtype=torch.long)
         if graph is not None:
-            meta, flat_t = self.graphs.pad(graph, meta, flat_t)
+            flat_t = self.graphs.pad_ids(graph, flat_t)
         rows = [o + n - it.num_logits + j for o, n, it in zip(offsets, lengths, items) for j in range(it.num_logits)]
         first = list(accumulate([it.num_logits for it in items][:-1], initial=0))  # item -> its first row
         host = [flat_t, torch.tensor(rows, dtype=torch.long)]
@@ -580,7 +480,7 @@ class ModelRunner:
         sampled = [(first[i], it) for i, it in enumerate(items) if it.sampling is not None and it.num_logits]
         if sampled:  # rows the target samples, each with its request's settings and uniforms
             host += _sampling_inputs(sampled)
-        meta, ids, index, *extra = upload_meta(self.device, meta, *host)  # the iteration's one host -> device copy
+        meta, ids, index, *extra = upload_meta(self.device, plan, *host)  # the iteration's one host -> device copy
         if drafting:  # drafts go into the packed input on the device
             src, dst, tgt, n_draft_t, *extra = extra
             ids[dst] = drafts.view(-1)[src]

@@ -1,0 +1,69 @@
+"""The packed forward's attention metadata, built from a plan of a few integers per sequence
+(``runtime/attention_meta.py``), against the definition: for random packed batches (verify
+blocks beside prompt chunks, causal and non-causal, with and without a sliding window, ragged
+tables) every query sees exactly the pool slots of the key positions it may attend to."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash_trt.runtime.attention_meta import SHORT_QUERIES, plan_packed
+from dflash_trt.runtime.block_manager import slots_of
+
+SPARE = 10_000
+
+
+def random_batch(rng: random.Random):
+    S, tpb = rng.randint(1, 6), rng.choice([4, 16, 32])
+    starts, lengths, qlen, tables = [], [], [], []
+    for _ in range(S):
+        start, n = rng.randint(0, 150), rng.choice([1, 4, 5, 8, 16, 17, rng.randint(1, 70)])
+        starts.append(start)
+        lengths.append(n)
+        qlen.append(n if rng.random() < 0.7 else rng.randint(1, n))
+        tables.append(rng.sample(range(300), (start + n + tpb - 1) // tpb + rng.randint(0, 2)))
+    return starts, lengths, qlen, tables, tpb
+
+
+@pytest.mark.parametrize("mode", ["causal", "non-causal", "window"])
+def test_every_query_sees_exactly_its_keys(mode):
+    rng = random.Random(mode)
+    groups_seen = set()
+    for _ in range(60):
+        starts, lengths, qlen, tables, tpb = random_batch(rng)
+        window = rng.randint(4, 40) if mode == "window" else None
+        qfrom = [sum(qlen[:i]) for i in range(len(qlen))]
+        pre = (torch.tensor([3, 4]), torch.tensor([77, 78]))
+        meta = plan_packed(starts, lengths, qfrom, qlen, tables, tpb, SPARE, window, mode == "causal", pre).build()
+        # written tokens: the pre rows, then each sequence's positions and their slots
+        pos = [torch.arange(s, s + n) for s, n in zip(starts, lengths)]
+        assert torch.equal(meta.positions[0], torch.cat([pre[0], *pos]))
+        want = [slots_of(t, p, tpb) for t, p in zip(tables, pos)]
+        assert torch.equal(meta.write_slots[0], torch.cat([pre[1], *want]))
+        assert meta.max_position == max(s + n for s, n in zip(starts, lengths)) - 1
+        groups = meta.groups or [meta]
+        groups_seen.add(len(groups))
+        seen = []
+        for g in groups:
+            rows = g.query_index  # [S_g, tq]: packed query index of each (sequence, query)
+            flat = g.query_index.reshape(-1)[g.query_rows]
+            assert torch.equal(flat, g.query_out)  # the valid queries, in packed order
+            for r in range(rows.shape[0]):
+                valid = g.query_valid[r].nonzero().flatten().tolist()
+                i = qfrom.index(int(rows[r, 0]))  # the sequence behind row r
+                assert valid == list(range(qlen[i]))
+                if len(groups) == 2:  # verify blocks apart from prompt chunks
+                    assert (qlen[i] <= SHORT_QUERIES) == (g is groups[0])
+                end = starts[i] + lengths[i]
+                for u in valid:
+                    q = end - qlen[i] + u  # the query's position
+                    seen.append(int(rows[r, u]))
+                    keys = range(q + 1) if mode == "causal" else range(end)
+                    keys = [k for k in keys if window is None or q - k < window]
+                    got = g.read_slots[r][g.mask[r, 0, u]].tolist()
+                    assert sorted(got) == sorted(slots_of(tables[i], torch.tensor(keys), tpb).tolist())
+        assert sorted(seen) == list(range(sum(qlen)))  # every query once
+    assert groups_seen == {1, 2}  # batches with and without a prompt chunk beside verify blocks
