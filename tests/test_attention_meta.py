@@ -48,6 +48,11 @@ def test_every_query_sees_exactly_its_keys(mode):
         groups_seen.add(len(groups))
         seen = []
         for g in groups:
+            if g.query_index is None:  # one uniform group: queries r * tq .. r * tq + tq - 1, taken as views
+                assert g.uniform and len(groups) == 1
+                s, tq = g.mask.shape[0], g.mask.shape[2]
+                g.query_index, g.query_valid = torch.arange(s * tq).view(s, tq), torch.ones(s, tq, dtype=torch.bool)
+                g.query_rows = g.query_out = torch.arange(s * tq)
             rows = g.query_index  # [S_g, tq]: packed query index of each (sequence, query)
             flat = g.query_index.reshape(-1)[g.query_rows]
             assert torch.equal(flat, g.query_out)  # the valid queries, in packed order

@@ -87,7 +87,9 @@ class MetaPlan:
         (the pre rows, then every sequence's written tokens in order); per group ``read_slots``
         int64 ``[S_g, kv_len]``, ``mask`` bool ``[S_g, 1, tq, kv_len]``, ``query_index`` /
         ``query_valid`` ``[S_g, tq]``, ``query_rows`` / ``query_out`` int64 ``[queries]``; two
-        groups become :attr:`AttentionMetadata.groups` under a base that holds the positions."""
+        groups become :attr:`AttentionMetadata.groups` under a base that holds the positions. A
+        single uniform group has no query gathers (None): attention takes its queries as views.
+        ``query_index`` of a padding query is ``queries`` (the padding row)."""
         dev, tpb = self.starts.device, self.tokens_per_block
         S = len(self.starts)
         seq = torch.repeat_interleave(torch.arange(S, device=dev), self.lengths, output_size=self.tokens)
@@ -95,7 +97,9 @@ class MetaPlan:
         pos = self.starts[seq] + torch.arange(self.tokens, device=dev) - first[seq]
         slots = self.tables[seq, pos // tpb] * tpb + pos % tpb
         ends = self.starts + self.lengths
-        metas = [self._group(g, ends) for g in self.groups]
+        # one uniform group: attention takes its queries as views (the gathers are never read)
+        gathers = len(self.groups) > 1 or not self.groups[0].uniform
+        metas = [self._group(g, ends, gathers) for g in self.groups]
         if len(metas) == 1:
             base = metas[0]
         else:
@@ -106,10 +110,10 @@ class MetaPlan:
         base.max_position = self.max_position
         return base
 
-    def _group(self, g: GroupPlan, ends: torch.Tensor) -> AttentionMetadata:
-        """Read slots, mask and query gathers of one group. Sequence ``r`` reads keys
-        ``lo_r + j`` for ``j < kv_len`` (columns at or past its end read the spare slot and are
-        masked); its queries are its last ``qlen_r`` written positions."""
+    def _group(self, g: GroupPlan, ends: torch.Tensor, gathers: bool) -> AttentionMetadata:
+        """Read slots, mask and (with ``gathers``) the query gathers of one group. Sequence
+        ``r`` reads keys ``lo_r + j`` for ``j < kv_len`` (columns at or past its end read the
+        spare slot and are masked); its queries are its last ``qlen_r`` written positions."""
         dev, tpb, i = self.starts.device, self.tokens_per_block, g.idx
         e, lo, ql, qf, tab = ends[i], self.lo[i], self.qlen[i], self.query_from[i], self.tables[i]
         j = torch.arange(g.kv_len, device=dev)
@@ -119,7 +123,6 @@ class MetaPlan:
         t = torch.arange(g.tq, device=dev)
         valid = t < ql[:, None]  # [S_g, tq]
         qpos = torch.where(valid, (e - ql)[:, None] + t, 0)
-        qidx = torch.where(valid, qf[:, None] + t, self.queries)  # padding -> the padding row
         k3, q3 = keys[:, None, :], qpos[:, :, None]
         if self.causal:
             mask = k3 <= q3
@@ -128,21 +131,14 @@ class MetaPlan:
             if self.window is not None:
                 mask = mask & sliding_visible(q3, k3, self.window)
         mask = mask | ~valid[:, :, None]  # padding queries see everything: no all-masked (NaN) rows
-        # the valid queries in packed order: row r * tq + u, packed index query_from[r] + u
-        r = torch.repeat_interleave(torch.arange(len(i), device=dev), ql, output_size=g.queries)
-        u = torch.arange(g.queries, device=dev) - (torch.cumsum(ql, 0) - ql)[r]
-        return AttentionMetadata(
-            None,
-            None,
-            mask.unsqueeze(1),
-            g.kv_len,
-            read_slots=read,
-            query_index=qidx,
-            query_valid=valid,
-            query_rows=r * g.tq + u,
-            query_out=qf[r] + u,
-            uniform=g.uniform,
-        )
+        meta = AttentionMetadata(None, None, mask.unsqueeze(1), g.kv_len, read_slots=read, uniform=g.uniform)
+        if gathers:
+            # the valid queries in packed order: row r * tq + u, packed index query_from[r] + u
+            r = torch.repeat_interleave(torch.arange(len(i), device=dev), ql, output_size=g.queries)
+            u = torch.arange(g.queries, device=dev) - (torch.cumsum(ql, 0) - ql)[r]
+            meta.query_rows, meta.query_out = r * g.tq + u, qf[r] + u
+            meta.query_index, meta.query_valid = torch.where(valid, qf[:, None] + t, self.queries), valid
+        return meta
 
 
 def plan_packed(
