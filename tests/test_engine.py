@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from dataclasses import replace
 
 import pytest
 import torch
@@ -369,18 +368,16 @@ def test_feature_store_hands_the_drafter_exactly_the_positions_it_has_not_seen(s
 
 
 # ---------------------------------------------------------------- CUDA graphs (the static path)
-def test_graph_path_gives_the_same_tokens_and_acceptance(smollm2, reqs16, refs16):
+def test_graph_path_gives_the_same_tokens_and_acceptance(smollm2, reqs16):
     """Decode iterations padded to their batch and key buckets and run on static buffers
     (``runtime/cuda_graphs.py``; on the CPU every step of that path but the capture itself)
-    give the eager runner's tokens and, with the shipped drafter, the same accepted drafts.
-
-    - Batch 1 (``DFlashEngine``, its runner kept between requests), plain decoding and DFlash
-      with prompt lookup: where lookup fills every draft the drafter skips its forward and reads
-      this iteration's features after the next replay, so features kept as views into the
-      static outputs instead of copies change the accepted drafts (the bug class "tau 1.00
-      under CUDA graphs"; measured: 18 instead of 19 accepted third drafts over these 6 requests).
-    - In-flight batching at concurrency 6: batches of 1-6 sequences pick buckets 1, 2, 4 and 8,
-      and prompt chunks beside decode blocks run eagerly between replays."""
+    give the eager runner's tokens and, with the shipped drafter, the same accepted drafts, at
+    batch 1 (``DFlashEngine``, its runner kept between requests), plain decoding and DFlash with
+    prompt lookup. Where lookup fills every draft, the drafter skips its forward and reads this
+    iteration's features after the next replay, so features kept as views into the static
+    outputs instead of copies change the accepted drafts (the bug class "tau 1.00 under CUDA
+    graphs"; measured: 18 instead of 19 accepted third drafts over these 6 requests). In-flight
+    batches over several buckets: ``tests/test_devices.py``."""
     from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
     from dflash_trt.checkpoints.zlab import load_drafter
 
@@ -392,22 +389,10 @@ def test_graph_path_gives_the_same_tokens_and_acceptance(smollm2, reqs16, refs16
         stats = LoopStats(4)
         plain = [one.generate([r], 1)[0].output_ids for r in reqs]
         dflash = [one.generate([r], 4, stats=stats)[0].output_ids for r in reqs]
-        cfg = EngineConfig(
-            block_size=4, max_batch_size=8, max_num_tokens=256, tokens_per_block=16, kv_capacity_tokens=16 * 16 * 40
-        )
-        engine = LLMEngine(smollm2.model, drafter, smollm2.stop_token_ids, replace(cfg, cuda_graphs=graphs))
-        outputs, _, _ = drive(engine, reqs16[:10], 6, random.Random(3))
-        runs[graphs] = plain, dflash, stats, engine, [outputs[i] for i in range(10)]
+        runs[graphs] = plain, dflash, stats
     eager, graphed = runs[False], runs[True]
-    ties = ties_or_fail(smollm2.model, reqs16[:10], refs16[:10], graphed[4])
     replays = {K: one._runners[K].graphs.replays for K in (1, 4)}
-    g = graphed[3].runner.graphs
-    print(
-        f"\nbatch 1: replays {replays}, tau {eager[2].tau:.3f} / {graphed[2].tau:.3f} (eager / graphs); "
-        f"in flight: {g.replays} replays over {sorted((k.batch, k.queries, k.keys) for k in g.graphs)}, "
-        f"tau {eager[3].stats.tau:.3f} / {graphed[3].stats.tau:.3f}, {ties} ties vs plain decoding"
-    )
-    assert min(replays.values()) >= 30 and g.replays >= 20 and {k.batch for k in g.graphs} >= {2, 4, 8}
-    assert graphed[0] == eager[0] and graphed[1] == eager[1] and graphed[4] == eager[4]
+    print(f"\nbatch 1: replays {replays}, tau {eager[2].tau:.3f} / {graphed[2].tau:.3f} (eager / graphs)")
+    assert min(replays.values()) >= 30
+    assert graphed[0] == eager[0] and graphed[1] == eager[1]
     assert graphed[2].accepted == eager[2].accepted and graphed[2].tau > 1.5
-    assert graphed[3].stats.accepted == eager[3].stats.accepted
