@@ -71,12 +71,20 @@ def test_bad_packs_one_line_errors(pack, tmp_path):
     assert "already exists" in error_line(run("pack", "--out", str(pack)))
 
 
+def dry_run(script: str, pack: Path, work: Path, **settings: str) -> None:
+    """``scripts/SCRIPT PACK WORK`` on the CPU in fp32 with these settings; fails on a non-zero exit."""
+    env = dict(os.environ, DEVICE="cpu", DTYPE="fp32", PYTHON=sys.executable, **settings)
+    cmd = ["bash", str(REPO / "scripts" / script), str(pack), str(work)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 def test_gpu_procedure_dry_run_on_cpu(pack, tmp_path):
-    env = dict(
-        os.environ,
-        DEVICE="cpu",
-        DTYPE="fp32",
-        PYTHON=sys.executable,
+    work = tmp_path / "work"
+    dry_run(
+        "gpu_train.sh",
+        pack,
+        work,
         DISTILL_MINUTES="0.05",
         NUM_PROMPTS="6",
         BATCH="3",
@@ -93,15 +101,6 @@ def test_gpu_procedure_dry_run_on_cpu(pack, tmp_path):
         BENCH_TOKENS="12",
         BENCH_SETS="gsm8k",
     )
-    work = tmp_path / "work"
-    proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "gpu_train.sh"), str(pack), str(work)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = (work / "steps.log").read_text()
     assert "== all done" in steps and "distill: done" in steps and "train: done" in steps
     manifest = json.loads((work / "data" / "manifest.json").read_text())
@@ -123,11 +122,11 @@ def test_gpu_validation_dry_run_on_cpu(pack, tmp_path):
     model as the default target, batch-1 bench, the kernel benchmark; the results bundled."""
     import tarfile
 
-    env = dict(
-        os.environ,
-        DEVICE="cpu",
-        DTYPE="fp32",
-        PYTHON=sys.executable,
+    work = tmp_path / "work"
+    dry_run(
+        "gpu_validate.sh",
+        pack,
+        work,
         STAGES="tests bench kernels",
         GRAPHS="off",  # (--cuda-graphs needs a CUDA device)
         TESTS="tests/test_cpu_memory.py",
@@ -136,15 +135,6 @@ def test_gpu_validation_dry_run_on_cpu(pack, tmp_path):
         PEERS="",
         KERNEL_ARGS="--batch 1 --context 32 --block-sizes 4 --context-tokens 16 --windows 0 --repeats 1",
     )
-    work = tmp_path / "work"
-    proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "gpu_validate.sh"), str(pack), str(work)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "== all done" in (work / "steps.log").read_text()
     assert " passed" in (work / "tests.log").read_text()
     bench = json.loads((work / "bench" / "batch1-graphs-off.json").read_text())
