@@ -158,7 +158,9 @@ class DFlashEngine:
     def _runner(self, K: int, num_blocks: int, tokens_per_block: int, batch: int) -> ModelRunner:
         """A runner for block size ``K`` with at least ``num_blocks`` pool blocks: a new one, or
         with CUDA graphs the one kept from an earlier call when its pools and batch bucket suffice
-        (its target features of earlier sequences dropped: sequence ids restart at 0)."""
+        (its target features of earlier sequences dropped: sequence ids restart at 0). A kept
+        runner's pools are sized to the next power of two, so that a run of prompts of growing
+        length rebuilds it (and captures its graphs anew) only a few times."""
         kept = self._runners.get(K)
         if kept is not None and (
             kept.tpb != tokens_per_block
@@ -170,7 +172,7 @@ class DFlashEngine:
             kept = self.runner_cls(
                 self.target,
                 self.drafter if K > 1 else None,
-                num_blocks,
+                1 << (num_blocks - 1).bit_length() if self.cuda_graphs else num_blocks,
                 tokens_per_block,
                 compile=self.compile,
                 cuda_graphs=self.cuda_graphs,
