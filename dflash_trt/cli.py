@@ -281,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     pk = sub.add_parser("pack", help="pack the model (in parts) and the prompt sets for an offline GPU training run")
     pk.add_argument("--out", required=True, help="pack folder to create (see scripts/gpu_train.sh)")
     pk.add_argument("--model-file", help="the target as one file, e.g. a .gguf (default: the SmolLM2 GGUF)")
-    pk.add_argument("--part-mib", type=int, default=48, help="largest model part in MiB (one transfer each)")
+    pk.add_argument(
+        "--part-mib", type=int, default=32, help="largest model part in MiB (one transfer each, beside ~24 MiB of code)"
+    )
     pk.add_argument("--num-train-prompts", type=int, default=None, help="ShareGPT training prompts (default: all)")
 
     up = sub.add_parser("unpack", help="join a pack's model parts (checked against its sha256)")

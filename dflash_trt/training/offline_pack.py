@@ -6,8 +6,9 @@ transfer. :func:`write_pack` writes, under ``out``::
 
     pack.json                 what is inside: model file name, size, sha256, parts; prompt sets
     model-00/, model-01/ ...  the target file (default: the SmolLM2 GGUF, 98 MB) cut into parts
-                              of at most ``part_mib`` MiB (48: a part, the code and the prompts
-                              fit one 64 MiB transfer), one part per folder so each travels alone
+                              of at most ``part_mib`` MiB (32: three parts; a part beside the
+                              checked-out code, ~24 MiB, fits one 64 MiB transfer), one part per
+                              folder so each travels alone
     prompts/sharegpt.jsonl    training prompts ({"prompt": ...} per line): ShareGPT first turns,
                               deduplicated and decontaminated against the evaluation sets
     prompts/gsm8k.jsonl, humaneval.jsonl, mtbench.jsonl
@@ -44,7 +45,7 @@ def _write_jsonl(path: Path, prompts: list[str]) -> None:
 def write_pack(
     out: str | os.PathLike,
     model_file: str | os.PathLike | None = None,
-    part_mib: int = 48,
+    part_mib: int = 32,
     num_train_prompts: int | None = None,
     progress: bool = True,
 ) -> dict:
