@@ -17,10 +17,8 @@ abs difference, so the figures are of equal outputs):
   outside the timing, as the runtime builds it once per iteration); ``kernel`` =
   :func:`~dflash_trt.kernels.block_attention.block_attention_triton`.
 - ``context_kv`` (the per-iteration ingest of ``T`` context tokens into every layer's pool,
-  after the stacked K/V GEMM): ``reference`` = ``context_kv_reference``; ``modules`` = the
-  drafter modules' way: per layer the ``k_norm`` RMSNorm, RoPE from the rotary tables
-  (:func:`~dflash_trt.models.layers.apply_rope`), the pool writes ``pool[slots] = ...``;
-  ``kernel`` = ``context_kv_triton``.
+  after the stacked K/V GEMM): ``reference`` = ``context_kv_reference`` (the drafter modules'
+  own arithmetic: k_norm, RoPE, pool writes), ``kernel`` = ``context_kv_triton``.
 - ``accept`` (greedy acceptance of ``B - 1`` drafts per sequence): ``reference``, ``kernel``.
 
 Defaults: the shipped drafter's geometry (``dflash_trt/drafters/smollm2-135m-instruct-dflash``:
@@ -98,10 +96,12 @@ def window_mask(seqs: int, block: int, kv_len: int, window: int, device):
     ``window == 0`` or ``query_pos - p < window`` (every key is below ``kv_len``)."""
     import torch
 
+    from dflash_trt.models.drafter import sliding_visible
+
     qpos = kv_len - block + torch.arange(block).view(block, 1)
     vis = torch.ones(block, kv_len, dtype=torch.bool)
     if window:
-        vis = qpos - torch.arange(kv_len).view(1, -1) < window
+        vis = sliding_visible(qpos, torch.arange(kv_len).view(1, -1), window)
     return vis.view(1, 1, block, kv_len).expand(seqs, 1, block, kv_len).contiguous().to(device)
 
 
@@ -133,32 +133,6 @@ def sdpa_block_attention(q, k_pool, v_pool, ctx_slots, k_block, v_block, mask, b
     qs = q.view(s, block, hq, d).transpose(1, 2)  # [S, Hq, B, D]
     out = _sdpa(qs, keys.to(q.dtype).transpose(1, 2), values.to(q.dtype).transpose(1, 2), mask)
     return out.transpose(1, 2).reshape(m, hq * d)
-
-
-def modules_context_kv(kv, k_norm, eps: float, rope, positions, max_position: int, slots, k_pools, v_pools) -> None:
-    """Context K/V the way the drafter's modules compute it, layer by layer, into the pools.
-
-    Args:
-        kv: ``[T, L * 2 * Hkv * D]`` the stacked K/V GEMM's output (layer ``l``'s K then V heads).
-        k_norm: ``[L, D]`` the layers' k_norm weights; ``eps`` their epsilon.
-        rope: a :class:`~dflash_trt.models.layers.RotaryEmbedding` (its tables on the device).
-        positions: int64 ``[T]`` absolute positions; ``max_position`` their maximum (host int).
-        slots: int64 ``[T]`` pool slots.
-        k_pools, v_pools: ``[L, P, Hkv, D]`` written in place at ``slots``.
-    """
-    import torch.nn.functional as F
-
-    from dflash_trt.models.layers import apply_rope
-
-    t = kv.shape[0]
-    n_layers, _, hkv, d = k_pools.shape
-    x = kv.view(t, n_layers, 2, hkv, d)
-    cos, sin = rope(positions.view(1, -1), kv.dtype, max_position)  # [1, 1, T, D]
-    cos, sin = cos.view(t, 1, d), sin.view(t, 1, d)
-    for layer in range(n_layers):
-        k = k_norm[layer] * F.rms_norm(x[:, layer, 0], (d,), eps=eps)  # RMSNorm's forward
-        k_pools[layer][slots] = apply_rope(k, cos, sin).to(k_pools.dtype)
-        v_pools[layer][slots] = x[:, layer, 1].to(v_pools.dtype)
 
 
 # ---------------------------------------------------------------- timing
@@ -263,13 +237,10 @@ def bench_context_kv(args, geo: dict, timer: Timer, dtype, device, kernels: bool
     import torch
 
     from dflash_trt.kernels.context_kv import context_kv_reference, context_kv_triton
-    from dflash_trt.models.layers import RotaryEmbedding, rope_inv_freq
+    from dflash_trt.models.layers import rope_inv_freq
 
     n_layers, hkv, d, eps = geo["layers"], geo["kv_heads"], geo["head_dim"], geo["eps"]
     max_pos = geo["max_positions"]
-    rope = RotaryEmbedding(d, geo["rope_theta"], None, max_pos)
-    rope.inv_freq = rope.inv_freq.to(device)
-    rope.cos_table, rope.sin_table = rope.cos_table.to(device), rope.sin_table.to(device)
     inv_freq = rope_inv_freq(d, geo["rope_theta"], None).to(device)
     rows = []
     for t in args.context_tokens:
@@ -285,15 +256,10 @@ def bench_context_kv(args, geo: dict, timer: Timer, dtype, device, kernels: bool
                 torch.zeros(n_layers, pool_slots, hkv, d, dtype=dtype, device=device),
                 torch.zeros(n_layers, pool_slots, hkv, d, dtype=dtype, device=device),
             )
-            for name in ("reference", "modules", "kernel")
+            for name in ("reference", "kernel")
         }
         inputs = (kv, knorm, eps, inv_freq, positions, slots)
-        calls = {
-            "reference": partial(context_kv_reference, *inputs, *pools["reference"]),
-            "modules": partial(
-                modules_context_kv, kv, knorm, eps, rope, positions, start + t - 1, slots, *pools["modules"]
-            ),
-        }
+        calls = {"reference": partial(context_kv_reference, *inputs, *pools["reference"])}
         if kernels:
             calls["kernel"] = partial(context_kv_triton, *inputs, *pools["kernel"])
         row = {"case": f"T{t} L{n_layers}", "tokens": t, "layers": n_layers, "us": {}, "max_abs_diff": {}}
@@ -534,7 +500,7 @@ def main(argv=None) -> None:
     )
     for note in notes:
         print(f"note: {note}")
-    others = {"block_attention": ["sdpa"], "context_kv": ["modules"], "accept": []}
+    others = {"block_attention": ["sdpa"], "context_kv": [], "accept": []}
     for key in ("block_attention", "context_kv", "accept"):
         if key in result:
             print()

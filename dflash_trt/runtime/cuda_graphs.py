@@ -44,6 +44,7 @@ import torch
 from ..errors import DFlashError
 from ..models.layers import AttentionMetadata
 from ..models.target import TargetOutput
+from .attention_meta import MetaPlan
 
 #: batch sizes captured (vLLM's default list starts the same way); larger batches run eagerly
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -222,18 +223,18 @@ class GraphedTarget:
         self.pool = torch.cuda.graph_pool_handle() if capture_graphs else None
         self.replays = 0  # replays served (for tests and logs)
 
-    def key(self, lengths: list[int], num_logits: list[int], single_tokens: bool, kv_len: int) -> GraphKey | None:
-        """The graph for an iteration whose items have ``lengths`` tokens and ``num_logits``
-        logits rows each, or None when it runs eagerly: not every item a decode item
-        (``single_tokens``: each item's own tokens are one anchor) with logits for all its
-        tokens and the same length, or beyond the largest batch or key bucket."""
-        q = lengths[0]
-        if not single_tokens or any(n != q for n in lengths) or any(n != q for n in num_logits):
+    def key(self, plan: MetaPlan, all_logits: bool) -> GraphKey | None:
+        """The graph for a target forward planned as ``plan`` (causal, every token a query), or
+        None when it runs eagerly: not every token has logits (``all_logits``: a prompt chunk
+        is in the batch), the sequences' token counts differ (not one uniform attention
+        group), or it is beyond the largest batch or key bucket."""
+        if not all_logits or len(plan.groups) != 1 or not plan.groups[0].uniform:
             return None
-        batch, keys = batch_bucket(len(lengths), self.max_batch), key_bucket(kv_len)
+        g = plan.groups[0]
+        batch, keys = batch_bucket(len(plan.starts), self.max_batch), key_bucket(g.kv_len)
         if batch is None or keys is None:
             return None
-        return GraphKey(batch, q, keys)
+        return GraphKey(batch, g.tq, keys)
 
     def pad_ids(self, key: GraphKey, ids: torch.Tensor) -> torch.Tensor:
         """Host token ids (int64 ``[N]``) padded with zeros to ``key``'s ``batch * q``."""

@@ -456,18 +456,15 @@ class ModelRunner:
         clock.mark()
         lengths = [len(it.tokens) + it.num_draft for it in items]
         offsets = list(accumulate(lengths[:-1], initial=0))
-        starts = [it.start for it in items]
-        plan = plan_packed(starts, lengths, offsets, lengths, [it.table for it in items], self.tpb, self.spare_slot)
+        tables = [it.table for it in items]
+        plan = plan_packed([it.start for it in items], lengths, offsets, lengths, tables, self.tpb, self.spare_slot)
         flat = [x for it in items for x in it.tokens + [0] * it.num_draft]
-        graph = None
-        if self.graphs is not None:  # a decode-only iteration: padded to its graph's bucket
-            single = all(len(it.tokens) == 1 for it in items)
-            ends = [s + n for s, n in zip(starts, lengths)]
-            graph = self.graphs.key(lengths, [it.num_logits for it in items], single, max(ends))
+        rows = [o + n - it.num_logits + j for o, n, it in zip(offsets, lengths, items) for j in range(it.num_logits)]
         flat_t = torch.tensor(flat, dtype=torch.long)
+        # a decode-only iteration (every token has logits) replays its bucket's graph
+        graph = self.graphs.key(plan, len(rows) == len(flat)) if self.graphs is not None else None
         if graph is not None:
             flat_t = self.graphs.pad_ids(graph, flat_t)
-        rows = [o + n - it.num_logits + j for o, n, it in zip(offsets, lengths, items) for j in range(it.num_logits)]
         first = list(accumulate([it.num_logits for it in items][:-1], initial=0))  # item -> its first row
         host = [flat_t, torch.tensor(rows, dtype=torch.long)]
         if drafting:  # where the drafts go in the packed input; target rows and counts for acceptance
