@@ -51,8 +51,20 @@ def _common(p: argparse.ArgumentParser) -> None:
         "tens of seconds of compiling per step shape on first use",
     )
     _graphs_flag(p)
+    _invariant_flag(p)
     _lookup_flags(p)
     p.add_argument("--seed", type=int, default=0)
+
+
+def _invariant_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compute each row of the target's forward independently of the others (CPU kernels "
+        "built on first use), so that DFlash gives plain decoding's tokens exactly in bf16 too and a "
+        "request's tokens do not depend on its batch (default: on for bf16 on the CPU)",
+    )
 
 
 def _graphs_flag(p: argparse.ArgumentParser) -> None:
@@ -440,6 +452,7 @@ def cmd_generate(args) -> None:
         compile=args.compile,
         prompt_lookup=_prompt_lookup(args),
         cuda_graphs=args.cuda_graphs,
+        batch_invariant=args.batch_invariant,
     )
     K = args.block_size or (drafter.cfg.block_size if drafter else 1)
     engine.check_block_size(K)
@@ -527,6 +540,7 @@ def _bench_settings(args) -> dict:
         compile=args.compile,
         cuda_graphs=args.cuda_graphs,
         prompt_lookup=_prompt_lookup(args),
+        batch_invariant=args.batch_invariant,
     )
 
 
@@ -734,6 +748,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "--tp", type=int, default=1, help="tensor-parallel ranks the server starts itself (under mpiexec: the job size)"
     )
     _graphs_flag(p)
+    _invariant_flag(p)
     _lookup_flags(p)
 
 
@@ -758,6 +773,7 @@ def _serve_config(args):
         weights=args.weights,
         prompt_lookup=_prompt_lookup(args),
         cuda_graphs=args.cuda_graphs,
+        batch_invariant=args.batch_invariant,
     )
 
 

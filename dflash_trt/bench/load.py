@@ -48,6 +48,7 @@ from ..atomic import write_json
 from ..checkpoints.engine import kv_capacity, load_models
 from ..checkpoints.loader import parse_device, parse_dtype
 from ..errors import DFlashError
+from ..models.batch_invariant import resolve_batch_invariant
 from ..prompts import DATASETS, chat_prompt_ids
 from ..runtime.cuda_graphs import check_cuda_graphs
 from ..runtime.distributed import TPEngines, init_tp
@@ -331,6 +332,7 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
             compile=cfg.compile,
             cuda_graphs=cfg.cuda_graphs,
             prompt_lookup=cfg.prompt_lookup if mode == "dflash" else None,
+            batch_invariant=cfg.batch_invariant,
         )
         if mode not in engines:
             progress(
@@ -407,6 +409,7 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
         "engine": cfg.engine,
         "dtype": cfg.dtype,
         "weights": cfg.weights,
+        "batch_invariant": resolve_batch_invariant(cfg.batch_invariant, device, target.model.embed.weight.dtype),
         "device": device_name(device if tp is None else tp.device),
         "threads": torch.get_num_threads(),
         "seed": cfg.seed,
@@ -439,7 +442,8 @@ def format_load_table(r: dict) -> str:
     head = (
         f"{r['dataset']}: {r['num_prompts']} prompts, {r['max_new_tokens']} new tokens, T={r['temperature']}, "
         f"{r['dtype']}{' + ' + r['weights'] + ' weights' if r.get('weights') else ''}, {r['device']}, "
-        f"{r['threads']} threads; arrivals {rate}; dflash K={r['block_size']}"
+        f"{r['threads']} threads, batch-invariant {'on' if r.get('batch_invariant') else 'off'}; "
+        f"arrivals {rate}; dflash K={r['block_size']}"
         f"{' adaptive' if r['adaptive'] else ' fixed'}; max batch {ec['max_batch_size']}, "
         f"max tokens {ec['max_num_tokens']}, KV {ec['kv_capacity_tokens']:,} tokens"
     )
@@ -451,6 +455,8 @@ def format_load_table(r: dict) -> str:
     lines = [head, cols, "-" * len(cols)]
     for x in r["load"]:
         note = str(x["lossless"])
+        if x["divergences"] is not None:
+            note += f", identical {x['requests'] - len(x['divergences'])}/{x['requests']}"
         if x["divergences"]:
             margins = [d["top2_margin"] for d in x["divergences"] if d["top2_margin"] is not None]
             note += f" ({len(x['divergences'])} diverged" + (

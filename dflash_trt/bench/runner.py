@@ -24,6 +24,7 @@ from ..atomic import write_json
 from ..checkpoints.engine import load_models
 from ..checkpoints.loader import parse_device, parse_dtype
 from ..errors import DFlashError
+from ..models.batch_invariant import resolve_batch_invariant
 from ..prompts import DATASETS, chat_prompt_ids, load_prompts, read_prompts_file
 from ..runtime.cuda_graphs import check_cuda_graphs
 from ..runtime.executor import DFlashEngine, LoopStats, Request, first_divergence, top2_margin
@@ -57,6 +58,9 @@ class BenchConfig:
     cuda_graphs: bool = False
     #: ``--prompt-lookup-min/max``: prompt-lookup tokens merged into DFlash's drafts (``runtime/ngram.py``)
     prompt_lookup: tuple[int, int] | None = None
+    #: ``--batch-invariant``: the target's rows computed independently of each other
+    #: (``models/batch_invariant.py``); None: on for bf16 CPU targets
+    batch_invariant: bool | None = None
 
     @property
     def prompt_set(self) -> str:
@@ -178,7 +182,12 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         cfg.target, cfg.drafter, cfg.engine, dtype, fp8_gemm=cfg.fp8_gemm, device=device, weights=cfg.weights
     )
     engine = DFlashEngine(
-        target.model, drafter, target.stop_token_ids, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs
+        target.model,
+        drafter,
+        target.stop_token_ids,
+        compile=cfg.compile,
+        cuda_graphs=cfg.cuda_graphs,
+        batch_invariant=cfg.batch_invariant,
     )
     K = cfg.block_size or drafter.cfg.block_size
     engine.check_block_size(K)
@@ -198,6 +207,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
             compile=cfg.compile,
             prompt_lookup=cfg.prompt_lookup,
             cuda_graphs=cfg.cuda_graphs,
+            batch_invariant=cfg.batch_invariant,
         )
         lookup.warm_up(prompts[0], K, sampling)
         modes.append((lookup, K))
@@ -277,6 +287,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         "weights": cfg.weights,
         "compile": cfg.compile,
         "cuda_graphs": cfg.cuda_graphs,
+        "batch_invariant": resolve_batch_invariant(cfg.batch_invariant, device, target.model.embed.weight.dtype),
         "device": device_name(device),
         "threads": torch.get_num_threads(),
         "lossless": (df_out == ar_out) if cfg.temperature == 0 else None,
@@ -334,11 +345,16 @@ def _gguf_of(target: str | None) -> Path | None:
     return p if p.suffix == ".gguf" else None
 
 
-def _ties(r: dict) -> str:
-    if not r.get("divergences"):
+def _identical(r: dict, n: int) -> str:
+    """``", identical N/n"`` answers equal to plain decoding's, with the largest top-2 logit
+    margin where one first differs; empty when sampling."""
+    found = r.get("divergences")
+    if found is None:
         return ""
-    worst = max(d["top2_margin"] for d in r["divergences"])
-    return f" ({len(r['divergences'])} diverged, top-2 margin at divergence <= {worst:.2g})"
+    note = f", identical {n - len(found)}/{n}"
+    if found:
+        note += f" (top-2 margin at the first difference <= {max(d['top2_margin'] for d in found):.2g})"
+    return note
 
 
 def format_table(r: dict) -> str:
@@ -349,13 +365,14 @@ def format_table(r: dict) -> str:
             f"DFlash (ours, K={r['block_size']})",
             r["dflash_tokens_per_s"],
             r["speedup"],
-            f"tau {r['tau']:.2f}, lossless {r['lossless']}" + _ties(r),
+            f"tau {r['tau']:.2f}, lossless {r['lossless']}" + _identical(r, r["num_prompts"]),
         )
     )
     lk = r.get("prompt_lookup")
     if lk:
         share = lk["lookup_step_share"]
-        note = f"tau {lk['tau']:.2f}, lookup in {share:.0%} of steps, lossless {lk['lossless']}" + _ties(lk)
+        note = f"tau {lk['tau']:.2f}, lookup in {share:.0%} of steps, lossless {lk['lossless']}"
+        note += _identical(lk, r["num_prompts"])
         rows.append((f"DFlash + lookup {lk['min_n']}-{lk['max_n']} (ours)", lk["tokens_per_s"], lk["speedup"], note))
     for name, p in r["peers"].items():
         note = "" if p.get("identical_to_ar") is None else f"same tokens as ours: {p['identical_to_ar']}"
@@ -365,7 +382,7 @@ def format_table(r: dict) -> str:
     head = (
         f"{r['dataset']}: {r['num_prompts']} prompts, {r['max_new_tokens']} new tokens, T={r['temperature']}, "
         f"{r['dtype']}{' + ' + r['weights'] + ' weights' if r.get('weights') else ''}, {r['device']}, "
-        f"{r['threads']} threads"
+        f"{r['threads']} threads, batch-invariant {'on' if r.get('batch_invariant') else 'off'}"
     )
     lines = [head, f"{'mode':<30} {'tok/s':>8} {'vs plain':>9}  notes", "-" * 78]
     lines += [f"{n:<30} {t:>8.1f} {s:>8.2f}x  {note}" for n, t, s, note in rows]

@@ -171,10 +171,16 @@ def unpack_linears(model: nn.Module) -> int:
     n = 0
     for name, mod in list(model.named_modules()):
         if isinstance(mod, OneDNNLinear):
-            lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
-            w = mod.dense_weight()
-            lin.weight = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
-            lin.bias = mod.bias
-            replace_module(model, name, lin)
+            replace_module(model, name, dense_linear(mod))
             n += 1
     return n
+
+
+def dense_linear(mod: nn.Module) -> nn.Linear:
+    """An ``nn.Linear`` over a repacked linear's exact dense weight (``mod.dense_weight()``;
+    a kept weight parameter is shared, not copied) and bias."""
+    lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
+    w = mod.dense_weight()
+    lin.weight = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
+    lin.bias = mod.bias
+    return lin

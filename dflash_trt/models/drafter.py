@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .batch_invariant import BatchInvariantLinear
 from .config import DrafterConfig
 from .cpu_linear import OneDNNLinear
 from .layers import (
@@ -253,8 +254,8 @@ class DFlashDrafter(nn.Module):
     def _draft_head(self, lm_head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         """``rows [n, hidden] -> logits [n, N]`` over the draft vocabulary's rows of ``lm_head``
         only, built once per head weight in the head's own kind: packed int4 / int8 rows
-        (:func:`packed_rows`; dense when int4 cannot pack them), oneDNN-prepacked bf16 rows, or
-        dense rows (``rows`` cast to the head's dtype)."""
+        (:func:`packed_rows`; dense when int4 cannot pack them), oneDNN-prepacked bf16 rows,
+        batch-invariant rows (the target in that mode), or dense rows (``rows`` cast to the head's dtype)."""
         if isinstance(lm_head, PackedLinear):
             key = (lm_head.packed.data_ptr(), lm_head.scales.data_ptr(), lm_head.scales.dtype)
         else:
@@ -262,7 +263,12 @@ class DFlashDrafter(nn.Module):
             key = (w.data_ptr(), w._version, w.dtype, w.device)
         if self._head_cache is None or self._head_cache[0] != key:
             ids = self.draft_token_ids()
-            head = packed_rows(lm_head, ids) if isinstance(lm_head, PackedLinear) else lm_head.weight[ids].contiguous()
+            if isinstance(lm_head, PackedLinear):
+                head = packed_rows(lm_head, ids)
+            elif isinstance(lm_head, BatchInvariantLinear):
+                head = lm_head.select_rows(ids)
+            else:
+                head = lm_head.weight[ids].contiguous()
             if isinstance(lm_head, OneDNNLinear) and lm_head.packed is not None:
                 head = OneDNNLinear.from_weight(head)
             self._head_cache = (key, head if isinstance(head, nn.Module) else partial(_dense_head, head))

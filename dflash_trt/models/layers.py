@@ -181,6 +181,7 @@ def cached_attention(
     v: torch.Tensor,
     kv: tuple[torch.Tensor, torch.Tensor],
     meta: AttentionMetadata,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Write new K/V into the cache, then attend over the visible cache slots.
 
@@ -190,25 +191,31 @@ def cached_attention(
         kv: cache buffers ``[B, Hkv, slots, D]`` (paged: pools ``[num_slots, Hkv, D]``), updated
             in place.
         meta: slots and mask for this forward.
+        invariant: each query attended alone, in key order (``dflash_cpu::bi_attention``, the
+            batch-invariant mode: ``models/batch_invariant.py``), instead of SDPA.
 
     Returns:
         ``[B, T, H * D]`` attention output.
     """
     if meta.read_slots is not None or meta.groups:
-        return _paged_attention(q, k, v, kv, meta)
+        return _paged_attention(q, k, v, kv, meta, invariant)
     k_buf, v_buf = kv
     rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
     k_buf[rows, :, meta.write_slots] = k
     v_buf[rows, :, meta.write_slots] = v
     n = meta.kv_len
     keys, values = k_buf[:, :, :n], v_buf[:, :, :n]
-    out = _sdpa(q, keys, values, meta.mask)
+    out = _sdpa(q, keys, values, meta.mask, invariant)
     b, h, t, d = out.shape
     return out.transpose(1, 2).reshape(b, t, h * d)
 
 
-def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, invariant: bool = False
+) -> torch.Tensor:
     dtype = q.dtype
+    if invariant:  # CPU only, the op loaded by models/batch_invariant.set_batch_invariant; reads bf16 as it is
+        return torch.ops.dflash_cpu.bi_attention(q, keys, values, mask, 1.0 / math.sqrt(q.shape[-1])).to(dtype)
     if q.device.type == "cpu" and dtype != torch.float32:
         # CPU SDPA in bf16 measured 1.65x slower end to end (batch 16 decode) than upcasting to fp32
         q, keys, values = q.float(), keys.float(), values.float()
@@ -251,7 +258,7 @@ def _matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return torch.matmul(probs, values).view(s, h, tq, d)
 
 
-def _paged_attention(q, k, v, kv, meta: AttentionMetadata) -> torch.Tensor:
+def _paged_attention(q, k, v, kv, meta: AttentionMetadata, invariant: bool = False) -> torch.Tensor:
     """Paged layout of :func:`cached_attention`: ``q [1, H, N, D]``, ``k, v [1, N, Hkv, D]``
     packed over sequences; pools ``[num_slots, Hkv, D]``. Writes the new K/V to their slots,
     gathers each sequence's keys by ``read_slots``, runs one padded SDPA over ``[S, H, Tq, kv_len]``
@@ -265,15 +272,15 @@ def _paged_attention(q, k, v, kv, meta: AttentionMetadata) -> torch.Tensor:
         # S * Tq queries in sequence order, none padding: views, no gathers
         s, tq = meta.mask.shape[0], meta.mask.shape[2]
         keys = _keys(k_pool, v_pool, meta, q.dtype, k.shape[2])
-        out = _sdpa(q[0].view(h, s, tq, d).transpose(0, 1), *keys, meta.mask)
+        out = _sdpa(q[0].view(h, s, tq, d).transpose(0, 1), *keys, meta.mask, invariant)
         return out.transpose(1, 2).reshape(1, n, h * d)
     qpad = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, h, d)])  # [N + 1, H, D]; row N pads
     if meta.groups:
         out = q.new_empty(n, h, d)
         for g in meta.groups:
-            out[g.query_out] = _attend(qpad, k_pool, v_pool, g, k.shape[2])
+            out[g.query_out] = _attend(qpad, k_pool, v_pool, g, k.shape[2], invariant)
     else:
-        out = _attend(qpad, k_pool, v_pool, meta, k.shape[2])
+        out = _attend(qpad, k_pool, v_pool, meta, k.shape[2], invariant)
     return out.reshape(1, n, h * d)
 
 
@@ -291,12 +298,18 @@ def _keys(k_pool, v_pool, meta: AttentionMetadata, dtype, hkv: int) -> tuple[tor
 
 
 def _attend(
-    qpad: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, hkv: int
+    qpad: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    meta: AttentionMetadata,
+    hkv: int,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """One padded SDPA over the sequences of ``meta``: ``[n_valid, H, D]`` in packed order."""
     h, d = qpad.shape[1], qpad.shape[2]
     qs = torch.index_select(qpad, 0, meta.query_index.reshape(-1)).view(*meta.query_index.shape, h, d)
-    out = _sdpa(qs.transpose(1, 2), *_keys(k_pool, v_pool, meta, qpad.dtype, hkv), meta.mask)  # [S, H, Tq, D]
+    keys = _keys(k_pool, v_pool, meta, qpad.dtype, hkv)
+    out = _sdpa(qs.transpose(1, 2), *keys, meta.mask, invariant)  # [S, H, Tq, D]
     out = out.transpose(1, 2)
     if meta.query_rows is not None:
         return torch.index_select(out.reshape(-1, h, d), 0, meta.query_rows)  # a gather: no host sync

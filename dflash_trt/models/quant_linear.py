@@ -356,9 +356,12 @@ def quantize_linears(
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    """Swap the submodule at dotted path ``name`` for ``new``."""
+    """Swap the submodule at dotted path ``name`` for ``new``; its forward hooks move to ``new``
+    (e.g. the all-gather of a vocab-parallel LM head under tensor parallelism)."""
     parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+    owner = model.get_submodule(parent) if parent else model
+    new._forward_hooks.update(getattr(owner, leaf)._forward_hooks)
+    setattr(owner, leaf, new)
 
 
 def packed_summary(model: nn.Module) -> dict:

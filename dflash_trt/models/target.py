@@ -27,6 +27,8 @@ class TargetAttention(nn.Module):
         self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # each query attended alone (models/batch_invariant.set_batch_invariant)
+        self.batch_invariant = False
 
     def forward(self, x, cos, sin, kv, meta: AttentionMetadata) -> torch.Tensor:
         b, t, _ = x.shape
@@ -41,7 +43,7 @@ class TargetAttention(nn.Module):
             q, k = self.q_norm(q.view(b, t, h, d)), self.k_norm(k.view(b, t, hkv, d))
             q = apply_rope(q.transpose(1, 2), cos, sin)
             k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)
-        return self.o(cached_attention(q, k, v, kv, meta))
+        return self.o(cached_attention(q, k, v, kv, meta, self.batch_invariant))
 
 
 class TargetLayer(nn.Module):

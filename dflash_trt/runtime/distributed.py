@@ -450,7 +450,14 @@ def tp_engine(
         drafter.to(tp.device)
     target.to(tp.device)
     num_blocks = max(config.kv_capacity_tokens // config.tokens_per_block, 1)
-    runner = runner_cls(target, drafter if K > 1 else None, num_blocks, config.tokens_per_block, tp=tp)
+    runner = runner_cls(
+        target,
+        drafter if K > 1 else None,
+        num_blocks,
+        config.tokens_per_block,
+        tp=tp,
+        batch_invariant=config.batch_invariant,
+    )
     if tp.rank != 0:
         run_worker(runner, tp)
         return None

@@ -54,6 +54,8 @@ class EngineConfig:
         prompt_lookup: ``(min_n, max_n)``: prompt-lookup tokens (``ngram.py``) replace the
             drafter's first draft tokens wherever the context's last ``n`` tokens occurred
             before; None: the drafter's alone.
+        batch_invariant: the target's rows computed independently of each other
+            (``models/batch_invariant.py``): True, False, or None = on for bf16 CPU targets.
     """
 
     block_size: int | None = None
@@ -65,6 +67,7 @@ class EngineConfig:
     compile: bool = False
     cuda_graphs: bool = False
     prompt_lookup: tuple[int, int] | None = None
+    batch_invariant: bool | None = None
 
 
 def check_block_size(drafter: DFlashDrafter | None, block_size: int) -> None:
@@ -130,6 +133,7 @@ class LLMEngine:
             compile=cfg.compile,
             cuda_graphs=cfg.cuda_graphs,
             max_batch=cfg.max_batch_size,
+            batch_invariant=cfg.batch_invariant,
         )
         self.tp = tp
         self.stats = LoopStats(K)

@@ -65,6 +65,8 @@ class DFlashEngine:
         cuda_graphs: replay decode steps from CUDA graphs (``runtime/cuda_graphs.py``). The
             runner of each block size is then kept between :meth:`generate` calls (its graphs
             are bound to its KV pools), and rebuilt only when a call needs larger pools or batch.
+        batch_invariant: the batch-invariant mode (``models/batch_invariant.py``); None = on for
+            bf16 CPU targets.
 
     Raises:
         DFlashError: from :meth:`generate` on impossible settings (block size above the
@@ -80,8 +82,10 @@ class DFlashEngine:
         compile: bool = False,
         prompt_lookup: tuple[int, int] | None = None,
         cuda_graphs: bool = False,
+        batch_invariant: bool | None = None,
     ):
         self.compile = compile
+        self.batch_invariant = batch_invariant
         self.cuda_graphs = cuda_graphs
         self._runners: dict[int, ModelRunner] = {}  # block size -> runner kept for its graphs
         self.prompt_lookup = prompt_lookup
@@ -146,6 +150,7 @@ class DFlashEngine:
             compile=self.compile,
             cuda_graphs=self.cuda_graphs,
             prompt_lookup=self.prompt_lookup,
+            batch_invariant=self.batch_invariant,
         )
         runner = self._runner(K, max(need, 1), tokens_per_block, n)
         engine = LLMEngine(self.target, self.drafter, self.stop_token_ids, cfg, runner=runner)
@@ -177,6 +182,7 @@ class DFlashEngine:
                 compile=self.compile,
                 cuda_graphs=self.cuda_graphs,
                 max_batch=batch,
+                batch_invariant=self.batch_invariant,
             )
             if self.cuda_graphs:
                 self._runners[K] = kept

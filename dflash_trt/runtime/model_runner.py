@@ -19,6 +19,7 @@ import torch
 
 from ..errors import DFlashError
 from ..kernels import ops
+from ..models.batch_invariant import resolve_batch_invariant, set_batch_invariant
 from ..models.cpu_linear import pack_linears, unpack_linears
 from ..models.drafter import DFlashDrafter, PagedBlocks
 from ..models.layers import argmax_last
@@ -190,16 +191,25 @@ def _kernels_wanted(device: torch.device) -> bool:
     return use_triton(device)
 
 
-def cpu_weight_layout(target: TargetModel, drafter: DFlashDrafter | None, tensor_parallel: bool, compile: bool) -> None:
-    """Put the bf16 CPU linears of ``target`` and ``drafter`` in the layout this runner's forward
-    wants, in place (a no-op for other dtypes and devices): oneDNN-prepacked for the eager path
-    (:func:`~dflash_trt.models.cpu_linear.pack_linears`), plain ``nn.Linear`` for the compiled
-    one (inductor lowers only weights it froze itself: a prepacked one fails there). Kept as
-    ``nn.Linear`` on the eager path: the drafter's k/v projections (stacked into one context-K/V
-    GEMM in :meth:`DFlashDrafter.forward`) and, under tensor parallelism, the target's LM head
-    (it carries the vocab-parallel all-gather hook)."""
+def cpu_weight_layout(
+    target: TargetModel,
+    drafter: DFlashDrafter | None,
+    tensor_parallel: bool,
+    compile: bool,
+    batch_invariant: bool = False,
+) -> None:
+    """Put the CPU linears of ``target`` and ``drafter`` in the layout this runner's forward
+    wants, in place. With ``batch_invariant`` the target's dense linears become batch-invariant
+    ones and its attention the per-query kernel (:func:`~dflash_trt.models.batch_invariant.set_batch_invariant`);
+    without it they leave that mode, and bf16 CPU linears are oneDNN-prepacked for the eager
+    path (:func:`~dflash_trt.models.cpu_linear.pack_linears`), plain ``nn.Linear`` for the
+    compiled one (inductor lowers only weights it froze itself: a prepacked one fails there).
+    Kept as ``nn.Linear`` on the eager path: the drafter's k/v projections (stacked into one
+    context-K/V GEMM in :meth:`DFlashDrafter.forward`) and, under tensor parallelism, the
+    target's LM head (it carries the vocab-parallel all-gather hook)."""
+    set_batch_invariant(target, batch_invariant)
     for model, skip in ((target, ("lm_head",) if tensor_parallel else ()), (drafter, ("k_proj", "v_proj"))):
-        if model is None:
+        if model is None or (model is target and batch_invariant):
             continue
         if compile:
             unpack_linears(model)
@@ -222,9 +232,15 @@ class ModelRunner:
             batch-size bucket (:mod:`~.cuda_graphs`); on the CPU the same padded static-buffer
             path runs without capture (what the tests check without a GPU).
         max_batch: the most sequences per iteration (the largest graph bucket).
+        batch_invariant: run the target in the batch-invariant mode
+            (:mod:`~dflash_trt.models.batch_invariant`): each row's logits the same bits
+            whatever else is in the forward, so DFlash equals plain decoding token for token in
+            bf16 too; None: :func:`~dflash_trt.models.batch_invariant.resolve_batch_invariant`
+            (on for bf16 CPU targets).
 
     Raises:
-        DFlashError: ``cuda_graphs`` under tensor parallelism.
+        DFlashError: ``cuda_graphs`` under tensor parallelism; ``batch_invariant`` off the CPU
+            or with ``cuda_graphs``.
 
     Memory: target pool ``2 * L * (num_blocks * tokens_per_block + 1) * Hkv * D`` elements,
     drafter pool likewise with the drafter's layer and head counts.
@@ -240,11 +256,18 @@ class ModelRunner:
         compile: bool = False,
         cuda_graphs: bool = False,
         max_batch: int = 64,
+        batch_invariant: bool | None = None,
     ):
         if cuda_graphs and tp is not None:
             raise DFlashError("CUDA graphs are not supported under tensor parallelism yet")
+        w = target.embed.weight
+        batch_invariant = resolve_batch_invariant(batch_invariant, w.device, w.dtype)
+        if cuda_graphs and batch_invariant:
+            raise DFlashError("the batch-invariant mode runs on the CPU, without CUDA graphs")
         self.target, self.drafter, self.tp = target, drafter, tp
-        cpu_weight_layout(target, drafter, tp is not None, compile)  # models/cpu_linear.py
+        self.batch_invariant = batch_invariant
+        # models/cpu_linear.py, models/batch_invariant.py
+        cpu_weight_layout(target, drafter, tp is not None, compile, batch_invariant)
         # the target's and drafter's forwards: eager, or compiled by inductor (runtime/compiled.py)
         self.forward = compiled_forward(target) if compile else target
         self.draft_forward = compiled_forward(drafter) if compile and drafter is not None else drafter

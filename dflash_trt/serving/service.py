@@ -47,6 +47,9 @@ class ServeConfig:
             blocks (``runtime/ngram.py``); None: the drafter's alone.
         cuda_graphs: replay decode and verify steps from CUDA graphs per batch-size bucket
             (``runtime/cuda_graphs.py``; a CUDA device, no tensor parallelism).
+        batch_invariant: the target's rows computed independently of each other
+            (``models/batch_invariant.py``): a request's tokens do not depend on what else is
+            in the batch; None: on for bf16 CPU targets.
     """
 
     target: str | None = None
@@ -66,6 +69,7 @@ class ServeConfig:
     weights: str | None = None
     prompt_lookup: tuple[int, int] | None = None
     cuda_graphs: bool = False
+    batch_invariant: bool | None = None
 
 
 @dataclass
@@ -159,6 +163,7 @@ class EngineService:
             kv_capacity_tokens=cap,
             prompt_lookup=tuple(cfg.prompt_lookup) if cfg.prompt_lookup else None,  # a list after JSON
             cuda_graphs=cfg.cuda_graphs,
+            batch_invariant=cfg.batch_invariant,
         )
         self.worker = False
         if self.tp is None:

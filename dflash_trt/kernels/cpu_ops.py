@@ -1,0 +1,145 @@
+"""The batch-invariant CPU kernels (``cpu/batch_invariant.cpp``) as torch ops
+``dflash_cpu::bi_linear`` and ``dflash_cpu::bi_attention``, built once per machine.
+
+The C++ source is compiled with the machine's own compiler on first use
+(``torch.utils.cpp_extension``, ``-O3 -march=native``; ~30-60 s on 2 cores) into
+``~/.cache/dflash-trt/ext/<key>/`` (``DFLASH_TRT_EXT_DIR`` overrides the root), where ``key``
+hashes the source, the torch version and this CPU's instruction-set flags, so a cache shared
+between different machines never loads a binary built for another CPU. Later processes load the
+built library in well under a second.
+
+What the ops compute, and why the order of every sum is fixed per row, is in the C++ file's
+header. :func:`pack_panels` puts a ``[out, in]`` weight into the GEMM's panel layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+from ..errors import DFlashError
+
+SOURCE = Path(__file__).with_name("cpu") / "batch_invariant.cpp"
+#: output columns per weight panel (``NR`` in the C++ source)
+PANEL = 16
+
+_lock = threading.Lock()
+_loaded = False
+
+
+def _cpu_flags() -> str:
+    """This CPU's instruction-set flags (``/proc/cpuinfo``), or the machine name elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def build_dir() -> Path:
+    """Where this machine's build of the kernels lives (see the module docstring)."""
+    from ..checkpoints.sources import cache_root
+
+    root = Path(os.environ["DFLASH_TRT_EXT_DIR"]) if os.environ.get("DFLASH_TRT_EXT_DIR") else cache_root() / "ext"
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    return root / f"batch_invariant-{key}"
+
+
+def load() -> None:
+    """Build (first use on this machine) and load the ``dflash_cpu`` ops into this process.
+
+    Raises:
+        DFlashError: no C++ compiler, or the build failed (one line; the compiler's output is
+            in ``build.log`` of :func:`build_dir`).
+    """
+    global _loaded
+    if _loaded:
+        return
+    with _lock:
+        if _loaded:
+            return
+        from torch.utils import cpp_extension
+
+        out = build_dir()
+        out.mkdir(parents=True, exist_ok=True)
+        flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+        try:
+            cpp_extension.load(
+                name="dflash_cpu_batch_invariant",
+                sources=[str(SOURCE)],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(out),
+                is_python_module=False,
+                verbose=False,
+            )
+        except (RuntimeError, OSError, FileNotFoundError) as e:
+            (out / "build.log").write_text(str(e))
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DFlashError(
+                f"the batch-invariant CPU kernels could not be built (needs a C++ compiler, g++): {first}; "
+                f"log in {out / 'build.log'}"
+            ) from None
+        _register_fakes()
+        _loaded = True
+
+
+def _register_fakes() -> None:
+    """Shapes for ``torch.compile`` (the ops are opaque to inductor, called from its graph)."""
+
+    @torch.library.register_fake("dflash_cpu::bi_linear")
+    def _(x, w, bias, n):
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("dflash_cpu::bi_attention")
+    def _(q, k, v, mask, scale):
+        return q.new_empty(q.shape, dtype=torch.float32)
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """A ``[out, in]`` weight in :func:`bi_linear`'s layout: ``[ceil(out / 16), in, 16]``, panel
+    ``p`` holding output rows ``16p .. 16p + 15`` column by column (zero rows pad the last),
+    same dtype (fp32 or bf16)."""
+    n, k = w.shape
+    p = -(-n // PANEL)
+    pad = torch.zeros(p * PANEL - n, k, dtype=w.dtype, device=w.device)
+    return torch.cat([w.detach(), pad]).view(p, PANEL, k).transpose(1, 2).contiguous()
+
+
+def bi_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` with a per-row order of summation fixed whatever the rows.
+
+    Args:
+        x: ``[M, K]`` fp32 or bf16 (CPU).
+        panels: the weight from :func:`pack_panels`, fp32 or bf16.
+        bias: optional ``[n]`` (any float dtype; added in fp32 before the final rounding).
+        n: output features.
+
+    Returns:
+        ``[M, n]`` in ``x``'s dtype; fp32 accumulation, one rounding at the end.
+    """
+    load()
+    return torch.ops.dflash_cpu.bi_linear(x, panels, bias, n)
+
+
+def bi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention with each (sequence, head, query) computed alone, over its visible keys in key
+    order (GQA: query head ``h`` reads KV head ``h // (H / Hkv)``).
+
+    Args:
+        q: ``[S, H, T, D]``; k, v: ``[S, Hkv, L, D]`` (same dtype, fp32 or bf16; any strides).
+        mask: bool ``[S or 1, 1, T, L]``, true where a query may attend.
+        scale: score scale (``1 / sqrt(D)`` as SDPA's default).
+
+    Returns:
+        ``[S, H, T, D]`` fp32 (a query with no visible key gets zeros).
+    """
+    load()
+    return torch.ops.dflash_cpu.bi_attention(q, k, v, mask, scale)

@@ -1,0 +1,167 @@
+"""Batch-invariant mode: every row of a target forward gets the same bits whatever else is in
+the forward (how many rows, which sequences, prompt chunk or decode step or verify block).
+
+Why it is needed: speculative decoding is lossless only if the target's logits at a position
+are the same when that position is verified inside a block of ``B`` tokens as when plain
+decoding computes it alone. In fp32 the two differ in the last bits (a GEMM or an attention
+that blocks its sums by the number of rows); in bf16 each op rounds those bits to bf16, the
+differences grow over the layers (up to ~1.3 logits on SmolLM2-135M) and a greedy choice at a
+near tie flips. ``bench/batch_invariance.py`` measures, per op, how far a row's output moves
+between a 1-row and a K-row call; the ops that move are replaced here:
+
+- every ``nn.Linear`` / oneDNN-prepacked :class:`~.cpu_linear.OneDNNLinear` of the target by
+  :class:`BatchInvariantLinear` (``dflash_cpu::bi_linear``: fp32 accumulation in increasing ``k``
+  per output, whatever the rows);
+- attention by ``dflash_cpu::bi_attention`` (each query alone over its visible keys in key
+  order), switched on per attention module (:attr:`TargetAttention.batch_invariant`).
+
+Packed int4 / int8 linears (:class:`~.quant_linear.PackedLinear`, torch's ``tinygemm``-style CPU
+kernels) compute each row with one FMA chain per output in tiles of 4 rows, so they are kept:
+the per-op measurement and the tests check that they are invariant on the machine they run on.
+RMSNorm, RoPE, SiLU, residual adds and the embedding are row-wise or elementwise ops: invariant
+as they are (measured too). The drafter is left alone: its drafts only decide what the target
+verifies, never what it outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import DFlashError
+from .cpu_linear import OneDNNLinear, dense_linear
+from .quant_linear import replace_module
+
+#: activation and weight dtypes the kernels take
+INVARIANT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class BatchInvariantLinear(nn.Module):
+    """``nn.Linear`` (CPU, fp32 or bf16) whose output rows do not depend on the other rows.
+
+    ``forward(x [..., in])`` returns ``[..., out]`` in ``x.dtype``, computed by
+    :func:`~dflash_trt.kernels.cpu_ops.bi_linear` over the weight in its panel layout
+    (:func:`~dflash_trt.kernels.cpu_ops.pack_panels`, ``[ceil(out / 16), in, 16]``, the weight's
+    dtype), which replaces the dense weight (memory does not grow) unless ``keep_weight``.
+
+    Attributes:
+        panels: the packed weight.
+        weight: the dense ``[out, in]`` weight when kept (a head tied to the embedding, whose
+            rows the drafter slices), else None.
+        bias: optional ``[out]``.
+    """
+
+    def __init__(self, panels: torch.Tensor, in_features: int, out_features: int, bias, weight=None):
+        super().__init__()
+        self.register_buffer("panels", panels)
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = bias
+        self.weight = weight
+
+    @classmethod
+    def from_weight(
+        cls, w: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False
+    ) -> BatchInvariantLinear:
+        """Pack a CPU ``w [out, in]`` (fp32 or bf16).
+
+        Raises:
+            DFlashError: another dtype or device.
+        """
+        if w.device.type != "cpu" or w.dtype not in INVARIANT_DTYPES:
+            raise DFlashError(f"batch-invariant linears take fp32 or bf16 CPU weights, got {w.dtype} on {w.device}")
+        from ..kernels.cpu_ops import load, pack_panels
+
+        load()  # build the kernels now (first use on this machine), not inside a timed forward
+        return cls(pack_panels(w), w.shape[1], w.shape[0], bias, w if keep_weight else None)
+
+    @classmethod
+    def from_module(cls, mod: nn.Module, keep_weight: bool = False) -> BatchInvariantLinear:
+        """From an ``nn.Linear`` or a :class:`~.cpu_linear.OneDNNLinear` (its exact dense weight)."""
+        w = mod.dense_weight() if isinstance(mod, OneDNNLinear) else mod.weight
+        return cls.from_weight(w, mod.bias, keep_weight)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The ``[out, in]`` weight in row-major layout (the kept one, or unpacked: exact)."""
+        if self.weight is not None:
+            return self.weight
+        p, k, nr = self.panels.shape
+        return self.panels.transpose(1, 2).reshape(p * nr, k)[: self.out_features].contiguous()
+
+    def select_rows(self, index: torch.Tensor) -> BatchInvariantLinear:
+        """A batch-invariant linear over output rows ``index`` (int64 ``[n]``) only."""
+        bias = None if self.bias is None else self.bias[index]
+        return BatchInvariantLinear.from_weight(self.dense_weight()[index], bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return F.linear(x, self.dense_weight().to(x.device), self.bias)
+        # the op itself (loaded by from_weight), so that torch.compile sees one opaque call
+        y = torch.ops.dflash_cpu.bi_linear(x.reshape(-1, self.in_features), self.panels, self.bias, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, batch-invariant {self.panels.dtype}"
+
+
+def check_batch_invariant(model: nn.Module) -> None:
+    """Raise a one-line :class:`DFlashError` when the batch-invariant mode cannot run ``model``:
+    off the CPU, or a compute dtype the kernels lack (fp32 and bf16 are covered)."""
+    p = next(model.parameters())
+    if p.device.type != "cpu":
+        raise DFlashError(f"the batch-invariant mode runs on the CPU only (the target is on {p.device})")
+    dtype = model.embed.weight.dtype if hasattr(model, "embed") else p.dtype
+    if dtype not in INVARIANT_DTYPES:
+        raise DFlashError(f"the batch-invariant mode covers fp32 and bf16, not {dtype}")
+
+
+def set_batch_invariant(model: nn.Module, on: bool, keep: tuple[str, ...] = ("lm_head",)) -> int:
+    """Put ``model`` (a target) in or out of the batch-invariant mode, in place (idempotent).
+
+    On: every dense linear (``nn.Linear`` / :class:`~.cpu_linear.OneDNNLinear`) becomes a
+    :class:`BatchInvariantLinear` (``keep``: leaf names whose dense weight stays reachable as
+    ``.weight``), and every module with a ``batch_invariant`` attribute (the attention layers)
+    has it set. Off: the linears go back to ``nn.Linear`` with the same weight (exact); the
+    caller then lays them out as it wants (``runtime/model_runner.cpu_weight_layout``).
+    Forward hooks move with a swapped module (the vocab-parallel head's all-gather).
+
+    Returns:
+        how many linears were swapped.
+
+    Raises:
+        DFlashError: on, for a model :func:`check_batch_invariant` refuses.
+    """
+    if on:
+        from ..kernels.cpu_ops import load
+
+        check_batch_invariant(model)
+        load()  # the kernels built (first use on this machine) before any forward
+    n = 0
+    for name, mod in list(model.named_modules()):
+        if hasattr(mod, "batch_invariant"):
+            mod.batch_invariant = on
+        leaf = name.rsplit(".", 1)[-1]
+        if on and (type(mod) is nn.Linear or isinstance(mod, OneDNNLinear)):
+            replace_module(model, name, BatchInvariantLinear.from_module(mod, leaf in keep))
+            n += 1
+        elif not on and isinstance(mod, BatchInvariantLinear):
+            replace_module(model, name, dense_linear(mod))
+            n += 1
+    return n
+
+
+def is_batch_invariant(model: nn.Module) -> bool:
+    """Whether :func:`set_batch_invariant` put ``model`` in the mode."""
+    return any(getattr(m, "batch_invariant", False) for m in model.modules())
+
+
+#: compute dtypes in which the mode is on unless asked otherwise (on the CPU)
+AUTO_DTYPES = (torch.bfloat16,)
+
+
+def resolve_batch_invariant(requested: bool | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """The mode for a target on ``device`` in ``dtype``: ``requested`` when given (True or
+    False), else on for CPU targets in :data:`AUTO_DTYPES`."""
+    if requested is not None:
+        return requested
+    return device.type == "cpu" and dtype in AUTO_DTYPES

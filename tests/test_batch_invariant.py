@@ -1,0 +1,169 @@
+"""The batch-invariant mode (``models/batch_invariant.py``): each row of a target forward gets the
+same bits whatever else is in the forward, so that DFlash gives plain decoding's tokens exactly
+in bf16 (dense and int4 weights), at batch 1 and in flight.
+
+Kernel tests use random inputs and check both properties a kernel of the mode needs: a row's
+output is bit-identical alone and among any other rows (in any position), and it is the right
+value (against ``F.linear`` / SDPA in fp32, to rounding). Model tests run the real SmolLM2 target
+with the shipped drafter on real prompts and compare tokens with ``==`` (no tie tolerance).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_trt.checkpoints.loader import load_pair
+from dflash_trt.errors import DFlashError
+from dflash_trt.kernels.cpu_ops import bi_attention, bi_linear, pack_panels
+from dflash_trt.models.batch_invariant import BatchInvariantLinear, check_batch_invariant, set_batch_invariant
+from dflash_trt.models.quant_linear import PackedLinear
+from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
+from dflash_trt.runtime.engine import EngineConfig, LLMEngine
+from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from batch_invariance import forward_rows, row_diff  # noqa: E402
+
+MAX_NEW = 40
+
+
+@pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
+def test_bi_linear_rows_independent(wdt, xdt):
+    for n, k in ((100, 33), (576, 192), (70, 1536)):
+        w, b = torch.randn(n, k).to(wdt) * 0.05, torch.randn(n)
+        panels = pack_panels(w)
+        x = torch.randn(23, k).to(xdt)
+        full = bi_linear(x, panels, b, n)
+        assert full.dtype == xdt and full.shape == (23, n)
+        ref = F.linear(x.float(), w.float(), b)
+        tol = 1e-5 if xdt == torch.float32 else 2e-2 * ref.abs().max().item()
+        assert (full.float() - ref).abs().max().item() <= tol
+        perm = torch.randperm(23)
+        assert torch.equal(bi_linear(x[perm], panels, b, n), full[perm])  # any position among any rows
+        for m in range(1, 18):
+            assert torch.equal(bi_linear(x[:m], panels, b, n), full[:m]), m
+        for r in (0, 5, 22):
+            assert torch.equal(bi_linear(x[r : r + 1], panels, b, n)[0], full[r])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bi_attention_queries_independent(dtype):
+    """A query's output alone over exactly its keys (a decode step) equals its output in a causal
+    block (a verify block) and in a padded batch of other sequences (in flight), bit for bit."""
+    S, H, Hkv, D, L, T = 3, 9, 3, 64, 41, 5
+    q, k, v = (torch.randn(S, h, n, D).to(dtype) for h, n in ((H, T), (Hkv, L), (Hkv, L)))
+    pos = torch.tensor([L - T + t for t in range(T)])
+    causal = (torch.arange(L)[None, :] <= pos[:, None]).view(1, 1, T, L)
+    out = bi_attention(q, k, v, causal, 1 / math.sqrt(D))
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=causal, enable_gqa=True)
+    assert out.dtype == torch.float32 and (out - ref).abs().max().item() < 1e-5
+    for t in range(T):
+        p = int(pos[t]) + 1
+        alone = bi_attention(
+            q[:, :, t : t + 1], k[:, :, :p], v[:, :, :p], torch.ones(1, 1, 1, p, dtype=torch.bool), 0.125
+        )
+        assert torch.equal(alone[:, :, 0], out[:, :, t])
+    # in flight: sequence s sees its first lens[s] keys, padded to L with masked keys
+    lens = torch.tensor([7, L, 20])
+    pad = (torch.arange(L)[None, :] < lens[:, None]).view(S, 1, 1, L)
+    batch = bi_attention(q[:, :, :1], k, v, pad, 0.125)
+    for s in range(S):
+        n = int(lens[s])
+        ones = torch.ones(1, 1, 1, n, dtype=torch.bool)
+        alone = bi_attention(q[s : s + 1, :, :1], k[s : s + 1, :, :n], v[s : s + 1, :, :n], ones, 0.125)
+        assert torch.equal(alone[0], batch[s])
+
+
+@pytest.fixture(scope="module")
+def bf16_pair():
+    """The real target in bf16 with the shipped drafter, and real prompts."""
+    target, drafter = load_pair(None, None, torch.bfloat16)
+    return target, drafter, [chat_prompt_ids(target.tokenizer, t) for t in mixed_prompts(3)]
+
+
+@pytest.fixture(scope="module")
+def int4_pair(bf16_pair):
+    target, drafter = load_pair(None, None, torch.bfloat16, weights="int4")
+    return target, drafter, bf16_pair[2]
+
+
+def _plain_alone(target, prompts: list[list[int]]) -> list[list[int]]:
+    engine = DFlashEngine(target.model, None, target.stop_token_ids, batch_invariant=True)
+    return [engine.generate([Request(p, MAX_NEW)], 1)[0].output_ids for p in prompts]
+
+
+def _in_flight(target, drafter, prompts: list[list[int]], block_size: int) -> list[list[int]]:
+    """DFlash through the in-flight engine, requests arriving while others decode (their prompt
+    chunks packed with decode and verify rows of the others)."""
+    cfg = EngineConfig(block_size=block_size, max_batch_size=8, max_num_tokens=96, batch_invariant=True)
+    engine = LLMEngine(target.model, drafter, target.stop_token_ids, cfg)
+    ids = [engine.add_request(Request(prompts[0], MAX_NEW))]
+    for p in prompts[1:]:
+        for _ in range(3):
+            engine.step()
+        ids.append(engine.add_request(Request(p, MAX_NEW)))
+    engine.run()
+    return [engine.result(i).output_ids for i in ids]
+
+
+@pytest.mark.parametrize("pair", ["bf16_pair", "int4_pair"])
+def test_dflash_equals_plain_token_for_token(pair, request):
+    target, drafter, prompts = request.getfixturevalue(pair)
+    plain = _plain_alone(target, prompts)
+    engine = DFlashEngine(target.model, drafter, target.stop_token_ids, batch_invariant=True)
+    for block_size in (4, 8):
+        stats = LoopStats(block_size)
+        outs = [engine.generate([Request(p, MAX_NEW)], block_size, stats=stats)[0].output_ids for p in prompts]
+        print(f"{pair} block {block_size}: tau {stats.tau:.2f}")
+        assert outs == plain, block_size
+    assert stats.tau > 1.2  # the drafts were accepted: the comparison covered verify blocks
+    batched = [o.output_ids for o in engine.generate([Request(p, MAX_NEW) for p in prompts], 4)]
+    assert batched == plain
+    assert _in_flight(target, drafter, prompts, 4) == plain
+
+
+def test_model_ops_rows_independent(bf16_pair, int4_pair):
+    """The target's own linears (bf16 batch-invariant, packed int4 kept as torch's kernel), on
+    its own activations, and the whole forward: K rows vs each row alone, bit for bit."""
+    target, _, prompts = bf16_pair
+    model = target.model
+    set_batch_invariant(model, True)
+    assert isinstance(model.layers[0].attn.qkv, BatchInvariantLinear) and model.layers[0].attn.batch_invariant
+    x = model.embed(torch.tensor(prompts[0][:40]))
+    packed = int4_pair[0].model.layers[0].mlp.gate_up
+    assert isinstance(packed, PackedLinear) and packed.fmt == "int4"
+    for k in (3, 8, 17):
+        assert row_diff(model.layers[0].attn.qkv, x, k) == 0
+        assert row_diff(model.lm_head, x, k) == 0
+        assert row_diff(packed, x, k) == 0
+    assert forward_rows(model, prompts[0][:60], 4, starts=2) == 0
+    assert forward_rows(int4_pair[0].model, prompts[0][:60], 8, starts=2) == 0
+
+
+def test_mode_round_trip_is_exact(bf16_pair):
+    """On and off again: every weight bit-identical, the head still tied to the embedding."""
+    model = bf16_pair[0].model
+    set_batch_invariant(model, False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert set_batch_invariant(model, True) == 4 * model.cfg.num_layers + 1
+    assert model.lm_head.weight is model.embed.weight
+    set_batch_invariant(model, False)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert model.lm_head.weight is model.embed.weight and not model.layers[0].attn.batch_invariant
+
+
+def test_impossible_settings(bf16_pair):
+    half = torch.nn.Linear(4, 4).half()
+    with pytest.raises(DFlashError, match="covers fp32 and bf16"):
+        check_batch_invariant(half)
+    target, drafter, _ = bf16_pair
+    with pytest.raises(DFlashError, match="without CUDA graphs"):
+        LLMEngine(target.model, drafter, target.stop_token_ids, EngineConfig(batch_invariant=True, cuda_graphs=True))
