@@ -23,7 +23,8 @@ layers (0 = bit-identical). The ops, as the runtime calls them:
 
 ``--modes on`` runs the same with the batch-invariant mode (``models/batch_invariant.py``): the
 dense linears as ``dflash_cpu::bi_linear``, attention as ``dflash_cpu::bi_attention``; packed
-int4 / int8 linears and the row-wise ops are what they are in both modes.
+int4 / int8 linears and the row-wise ops are what they are in both modes. ``--device cuda``
+measures the GPU path (mode off; ``scripts/gpu_validate.sh``'s ``invariance`` stage).
 """
 
 from __future__ import annotations
@@ -49,8 +50,13 @@ from dflash_trt.runtime.kv_cache import KVCache  # noqa: E402
 LINEARS = ("qkv", "o", "gate_up", "down")
 
 
-def windows(n: int, k: int, limit: int = 8) -> list[slice]:
-    """Up to ``limit`` windows of ``k`` consecutive rows out of ``n``, spread evenly."""
+#: windows of K rows per op (``--windows``)
+WINDOWS = 8
+
+
+def windows(n: int, k: int, limit: int | None = None) -> list[slice]:
+    """Up to ``limit`` (default :data:`WINDOWS`) windows of ``k`` consecutive rows out of ``n``, spread evenly."""
+    limit = WINDOWS if limit is None else limit
     starts = sorted({round(i * (n - k) / max(limit - 1, 1)) for i in range(limit)}) if n > k else [0]
     return [slice(s, s + k) for s in starts if s + k <= n]
 
@@ -86,7 +92,8 @@ def capture(model, ids: list[int]) -> dict[str, list[torch.Tensor]]:
     hooks.append(model.lm_head.register_forward_pre_hook(lambda _m, a: got["lm_head"].append(a[0][0].clone())))
     T = len(ids)
     cfg = model.cfg
-    cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, T, model.embed.weight.dtype)
+    w = model.embed.weight
+    cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, T, w.dtype, w.device)
     pos = torch.arange(T).unsqueeze(0)
     try:
         model(torch.tensor([ids]), AttentionMetadata.causal(pos, T), cache.layers)
@@ -137,7 +144,8 @@ def forward_rows(model, ids: list[int], k: int, starts: int = 4) -> float:
     worst = 0.0
     for cut in windows(len(ids) - k, 1, starts):
         n = max(cut.start, 1)
-        caches = [KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, n + k, dtype) for _ in range(2)]
+        dev = model.embed.weight.device
+        caches = [KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, n + k, dtype, dev) for _ in range(2)]
         pre = torch.arange(n).unsqueeze(0)
         for c in caches:
             model(torch.tensor([ids[:n]]), AttentionMetadata.causal(pre, n + k), c.layers, logits_index=pre[:, -1:])
@@ -205,6 +213,7 @@ def markdown(tables: dict[str, dict[str, dict[int, float]]], rows: list[int]) ->
 
 
 def main(argv=None) -> None:
+    global WINDOWS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default=None, help="fp32 | bf16 (default: bf16)")
     ap.add_argument("--weights", choices=("int4", "int8"), default=None)
@@ -212,13 +221,17 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", default="off,on", help="batch-invariant mode off, on, or both")
     ap.add_argument("--prompt", default="gsm8k:0", help="DATASET:INDEX of the prompt whose activations are used")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (the mode runs on the CPU only: --modes off there)")
+    ap.add_argument("--windows", type=int, default=WINDOWS, help="windows of K rows sampled per op")
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = [int(x) for x in args.rows.split(",")]
+    WINDOWS = args.windows
     dtype = parse_dtype(args.dtype or "bf16")
-    target = load_target(None, dtype, weights=args.weights)
+    target = load_target(None, dtype, args.device, weights=args.weights)
+    torch.set_default_device(args.device)  # the inputs built below live where the model does
     name, index = args.prompt.split(":")
     ids = chat_prompt_ids(target.tokenizer, load_prompts(name, int(index) + 1)[int(index)])
     model = target.model

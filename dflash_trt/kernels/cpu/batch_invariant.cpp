@@ -109,7 +109,7 @@ inline void panel_tail(int rows, const float* x, int64_t ldx, const W* panel, in
 template <typename W, typename O>
 void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t P, const float* bias, int64_t N, O* out) {
   // threads take whole panels; every thread walks all rows of its panels, MR at a time
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, M * K / 256));
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, M * K));  // >= ~256K MACs a task
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
     float acc[MR * NR];
     for (int64_t p = p0; p < p1; ++p) {
