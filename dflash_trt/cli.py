@@ -40,7 +40,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--dtype", default=None, help="compute dtype: fp32 | bf16 | fp16 (default: fp32, or the engine's)")
+    p.add_argument("--dtype", default=None, help="compute dtype: fp32 | bf16 | fp16 (default: the engine's, else bf16)")
     _weights_flag(p)
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--model-name", help="the model id clients use (default: the target directory's name)")
     _engine_flags(sv)
-    sv.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: fp32, or the engine's)")
+    sv.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: the engine's, else bf16)")
     sv.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
     sv.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
 
@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--model-name", help="the model id reported to clients (default: the target directory's name)")
     tr.add_argument("--instances", type=int, default=1, help="model instances (each its own engine)")
     _engine_flags(tr)
-    tr.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: fp32, or the engine's)")
+    tr.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: the engine's, else bf16)")
     tr.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
 
     ts = sub.add_parser("triton-serve", help="run tritonserver (from the nvidia-pytriton wheel) on a repository")
@@ -386,16 +386,13 @@ def _setup_threads(n: int | None) -> None:
 
 
 def _compute_dtype(args) -> str:
-    """``--dtype``, else the engine's build dtype, else bf16 with ``--weights``, else fp32."""
+    """``--dtype``, else :func:`~dflash_trt.checkpoints.loader.auto_dtype` (the engine's build
+    dtype, else bf16)."""
     if args.dtype:
         return args.dtype
-    if getattr(args, "weights", None):
-        return "bf16"
-    if args.engine:
-        from .checkpoints.engine import read_manifest
+    from .checkpoints.loader import auto_dtype
 
-        return read_manifest(args.engine).get("dtype", "fp32")
-    return "fp32"
+    return auto_dtype(args.engine, getattr(args, "weights", None), args.target)
 
 
 def _int_list(text: str | None, flag: str) -> tuple[int, ...] | None:

@@ -11,6 +11,8 @@ with the shipped drafter on real prompts and compare tokens with ``==`` (no tie 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -167,3 +169,18 @@ def test_impossible_settings(bf16_pair):
     target, drafter, _ = bf16_pair
     with pytest.raises(DFlashError, match="without CUDA graphs"):
         LLMEngine(target.model, drafter, target.stop_token_ids, EngineConfig(batch_invariant=True, cuda_graphs=True))
+
+
+def test_without_a_compiler(tmp_path):
+    """No C++ compiler: the default (auto) runs without the mode after one warning line; asking
+    for the mode is a one-line error (and nothing is left half-built to load later)."""
+    from helpers import CLI, error_line
+
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), DFLASH_TRT_EXT_DIR=str(tmp_path / "ext"))
+    args = ["generate", "--prompt", "Hi", "--max-new-tokens", "3", "--block-size", "1"]
+    proc = subprocess.run(CLI + args, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("warning: batch-invariant mode off: the batch-invariant CPU kernels could not") == 1
+    bad = subprocess.run(CLI + args + ["--batch-invariant"], env=env, capture_output=True, text=True, timeout=300)
+    assert "could not be built (needs a C++ compiler, g++)" in error_line(bad)
+    assert not list((tmp_path / "ext").rglob("*.so"))

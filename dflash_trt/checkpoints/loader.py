@@ -49,6 +49,27 @@ def parse_dtype(name: str) -> torch.dtype:
         raise DFlashError(f"unknown dtype {name!r}; choose from fp32, bf16, fp16") from None
 
 
+def auto_dtype(engine: str | None = None, weights: str | None = None, target: str | None = None) -> str:
+    """The compute dtype when none is asked for (vLLM's ``--dtype auto`` on its CPU backend):
+    an engine directory's build dtype; else ``bf16``, for packed ``--weights`` and dense
+    checkpoints alike, except an fp16 checkpoint, which stays fp16 (a GGUF's conversion says
+    fp32 because its quantized blocks were widened, not because the model is an fp32 one).
+
+    Raises:
+        DFlashError: an unreadable engine manifest or target config.
+    """
+    if engine:
+        from .engine import read_manifest
+
+        return read_manifest(engine).get("dtype", "fp32")
+    if weights:
+        return "bf16"
+    from .sources import read_json, resolve_target
+
+    hf = read_json(resolve_target(target) / "config.json", "target")
+    return "fp16" if str(hf.get("torch_dtype", hf.get("dtype"))) in ("float16", "torch.float16") else "bf16"
+
+
 def dtype_name(name: str) -> str:
     """The torch / HF name of a dtype (``bf16`` -> ``bfloat16``), as config files write it.
 

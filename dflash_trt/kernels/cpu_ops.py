@@ -30,6 +30,7 @@ PANEL = 16
 
 _lock = threading.Lock()
 _loaded = False
+_failed: DFlashError | None = None  # a failed build is not retried in the same process
 
 
 def _cpu_flags() -> str:
@@ -59,12 +60,14 @@ def load() -> None:
         DFlashError: no C++ compiler, or the build failed (one line; the compiler's output is
             in ``build.log`` of :func:`build_dir`).
     """
-    global _loaded
+    global _loaded, _failed
     if _loaded:
         return
     with _lock:
         if _loaded:
             return
+        if _failed is not None:
+            raise _failed
         from torch.utils import cpp_extension
 
         out = build_dir()
@@ -83,10 +86,11 @@ def load() -> None:
         except (RuntimeError, OSError, FileNotFoundError) as e:
             (out / "build.log").write_text(str(e))
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise DFlashError(
+            _failed = DFlashError(
                 f"the batch-invariant CPU kernels could not be built (needs a C++ compiler, g++): {first}; "
                 f"log in {out / 'build.log'}"
-            ) from None
+            )
+            raise _failed from None
         _register_fakes()
         _loaded = True
 

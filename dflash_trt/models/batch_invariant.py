@@ -25,6 +25,8 @@ verifies, never what it outputs.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -156,12 +158,28 @@ def is_batch_invariant(model: nn.Module) -> bool:
 
 
 #: compute dtypes in which the mode is on unless asked otherwise (on the CPU)
-AUTO_DTYPES = (torch.bfloat16,)
+AUTO_DTYPES = INVARIANT_DTYPES
 
 
 def resolve_batch_invariant(requested: bool | None, device: torch.device, dtype: torch.dtype) -> bool:
     """The mode for a target on ``device`` in ``dtype``: ``requested`` when given (True or
-    False), else on for CPU targets in :data:`AUTO_DTYPES`."""
+    False), else on for CPU targets in :data:`AUTO_DTYPES` whose kernels build here (without
+    a C++ compiler: off, with one warning on stderr)."""
     if requested is not None:
         return requested
-    return device.type == "cpu" and dtype in AUTO_DTYPES
+    if device.type != "cpu" or dtype not in AUTO_DTYPES:
+        return False
+    from ..kernels.cpu_ops import load
+
+    try:
+        load()
+    except DFlashError as e:
+        global _warned
+        if not _warned:
+            print(f"dflash-trt: warning: batch-invariant mode off: {e}", file=sys.stderr)
+            _warned = True
+        return False
+    return True
+
+
+_warned = False

@@ -29,8 +29,8 @@ class ServeConfig:
 
     Attributes:
         target, drafter, engine: a checkpoint pair or an engine directory (as ``generate``).
-        dtype, device: compute dtype (None: the engine's, else fp32) and device (None: cuda
-            when visible).
+        dtype, device: compute dtype (None: the engine's, else bf16: ``checkpoints/loader.auto_dtype``)
+            and device (None: cuda when visible).
         block_size: most tokens per verify block (None: the drafter's; 1: plain decoding).
         adaptive: choose the draft length per iteration (never slower than plain decoding).
         max_batch_size, max_num_tokens, tokens_per_block: engine settings.
@@ -130,14 +130,12 @@ class EngineService:
             raise
 
     def _start(self, cfg: ServeConfig) -> None:
-        from ..checkpoints.engine import kv_capacity, load_models, read_manifest
-        from ..checkpoints.loader import parse_device, parse_dtype
+        from ..checkpoints.engine import kv_capacity, load_models
+        from ..checkpoints.loader import auto_dtype, parse_device, parse_dtype
         from ..runtime.cuda_graphs import check_cuda_graphs
         from ..runtime.distributed import tp_engine
 
-        dtype = cfg.dtype or (
-            read_manifest(cfg.engine).get("dtype", "fp32") if cfg.engine else ("bf16" if cfg.weights else "fp32")
-        )
+        dtype = cfg.dtype or auto_dtype(cfg.engine, cfg.weights, cfg.target)
         device = parse_device(cfg.device)
         check_cuda_graphs(cfg.cuda_graphs, device, self.tp.size if self.tp else 1)
         need_drafter = cfg.block_size is None or cfg.block_size > 1
