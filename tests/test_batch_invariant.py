@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from dflash_trt.checkpoints.loader import load_pair
 from dflash_trt.errors import DFlashError
-from dflash_trt.kernels.cpu_ops import bi_attention, bi_linear, pack_panels
+from dflash_trt.kernels.cpu_ops import bi_attention, bi_linear
 from dflash_trt.models.batch_invariant import BatchInvariantLinear, check_batch_invariant, set_batch_invariant
 from dflash_trt.models.quant_linear import PackedLinear
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
@@ -40,19 +40,22 @@ MAX_NEW = 40
 def test_bi_linear_rows_independent(wdt, xdt):
     for n, k in ((100, 33), (576, 192), (70, 1536)):
         w, b = torch.randn(n, k).to(wdt) * 0.05, torch.randn(n)
-        panels = pack_panels(w)
         x = torch.randn(23, k).to(xdt)
-        full = bi_linear(x, panels, b, n)
+        full = bi_linear(x, w, b)
         assert full.dtype == xdt and full.shape == (23, n)
         ref = F.linear(x.float(), w.float(), b)
         tol = 1e-5 if xdt == torch.float32 else 2e-2 * ref.abs().max().item()
         assert (full.float() - ref).abs().max().item() <= tol
         perm = torch.randperm(23)
-        assert torch.equal(bi_linear(x[perm], panels, b, n), full[perm])  # any position among any rows
+        assert torch.equal(bi_linear(x[perm], w, b), full[perm])  # any position among any rows
         for m in range(1, 18):
-            assert torch.equal(bi_linear(x[:m], panels, b, n), full[:m]), m
+            assert torch.equal(bi_linear(x[:m], w, b), full[:m]), m
         for r in (0, 5, 22):
-            assert torch.equal(bi_linear(x[r : r + 1], panels, b, n)[0], full[r])
+            assert torch.equal(bi_linear(x[r : r + 1], w, b)[0], full[r])
+        big = torch.randn(150, k).to(xdt)  # several row and column cache blocks
+        out = bi_linear(big, w, b)
+        for r in (0, 63, 64, 149):
+            assert torch.equal(bi_linear(big[r : r + 1], w, b)[0], out[r])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -150,12 +153,15 @@ def test_model_ops_rows_independent(bf16_pair, int4_pair):
 
 
 def test_mode_round_trip_is_exact(bf16_pair):
-    """On and off again: every weight bit-identical, the head still tied to the embedding."""
+    """On and off again: the same weights (shared, not copied; the same state_dict in the mode),
+    the head still tied to the embedding."""
     model = bf16_pair[0].model
     set_batch_invariant(model, False)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert set_batch_invariant(model, True) == 4 * model.cfg.num_layers + 1
     assert model.lm_head.weight is model.embed.weight
+    inside = model.state_dict()
+    assert before.keys() == inside.keys() and all(torch.equal(before[k], inside[k]) for k in before)
     set_batch_invariant(model, False)
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

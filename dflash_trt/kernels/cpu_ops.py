@@ -2,14 +2,14 @@
 ``dflash_cpu::bi_linear`` and ``dflash_cpu::bi_attention``, built once per machine.
 
 The C++ source is compiled with the machine's own compiler on first use
-(``torch.utils.cpp_extension``, ``-O3 -march=native``; ~30-60 s on 2 cores) into
+(``torch.utils.cpp_extension``, ``-O3 -march=native -ffp-contract=off``; ~15-60 s on 2 cores) into
 ``~/.cache/dflash-trt/ext/<key>/`` (``DFLASH_TRT_EXT_DIR`` overrides the root), where ``key``
 hashes the source, the torch version and this CPU's instruction-set flags, so a cache shared
 between different machines never loads a binary built for another CPU. Later processes load the
 built library in well under a second.
 
 What the ops compute, and why the order of every sum is fixed per row, is in the C++ file's
-header. :func:`pack_panels` puts a ``[out, in]`` weight into the GEMM's panel layout.
+header.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ import torch
 from ..errors import DFlashError
 
 SOURCE = Path(__file__).with_name("cpu") / "batch_invariant.cpp"
-#: output columns per weight panel (``NR`` in the C++ source)
-PANEL = 16
 
 _lock = threading.Lock()
 _loaded = False
@@ -72,7 +70,8 @@ def load() -> None:
 
         out = build_dir()
         out.mkdir(parents=True, exist_ok=True)
-        flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+        # FMAs are written out in the source; nothing else may be contracted (-ffp-contract=off)
+        flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
         try:
             cpp_extension.load(
                 name="dflash_cpu_batch_invariant",
@@ -99,38 +98,27 @@ def _register_fakes() -> None:
     """Shapes for ``torch.compile`` (the ops are opaque to inductor, called from its graph)."""
 
     @torch.library.register_fake("dflash_cpu::bi_linear")
-    def _(x, w, bias, n):
-        return x.new_empty(x.shape[0], n)
+    def _(x, w, bias):
+        return x.new_empty(x.shape[0], w.shape[0])
 
     @torch.library.register_fake("dflash_cpu::bi_attention")
     def _(q, k, v, mask, scale):
         return q.new_empty(q.shape, dtype=torch.float32)
 
 
-def pack_panels(w: torch.Tensor) -> torch.Tensor:
-    """A ``[out, in]`` weight in :func:`bi_linear`'s layout: ``[ceil(out / 16), in, 16]``, panel
-    ``p`` holding output rows ``16p .. 16p + 15`` column by column (zero rows pad the last),
-    same dtype (fp32 or bf16)."""
-    n, k = w.shape
-    p = -(-n // PANEL)
-    pad = torch.zeros(p * PANEL - n, k, dtype=w.dtype, device=w.device)
-    return torch.cat([w.detach(), pad]).view(p, PANEL, k).transpose(1, 2).contiguous()
-
-
-def bi_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+def bi_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` with a per-row order of summation fixed whatever the rows.
 
     Args:
         x: ``[M, K]`` fp32 or bf16 (CPU).
-        panels: the weight from :func:`pack_panels`, fp32 or bf16.
-        bias: optional ``[n]`` (any float dtype; added in fp32 before the final rounding).
-        n: output features.
+        w: ``[N, K]`` fp32 or bf16, as ``nn.Linear`` keeps it.
+        bias: optional ``[N]`` (any float dtype; added in fp32 before the final rounding).
 
     Returns:
-        ``[M, n]`` in ``x``'s dtype; fp32 accumulation, one rounding at the end.
+        ``[M, N]`` in ``x``'s dtype; fp32 accumulation, one rounding at the end.
     """
     load()
-    return torch.ops.dflash_cpu.bi_linear(x, panels, bias, n)
+    return torch.ops.dflash_cpu.bi_linear(x, w, bias)
 
 
 def bi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -10,8 +10,8 @@ near tie flips. ``bench/batch_invariance.py`` measures, per op, how far a row's 
 between a 1-row and a K-row call; the ops that move are replaced here:
 
 - every ``nn.Linear`` / oneDNN-prepacked :class:`~.cpu_linear.OneDNNLinear` of the target by
-  :class:`BatchInvariantLinear` (``dflash_cpu::bi_linear``: fp32 accumulation in increasing ``k``
-  per output, whatever the rows);
+  :class:`BatchInvariantLinear` over the same weight (``dflash_cpu::bi_linear``: fp32
+  accumulation in a fixed order per output, whatever the rows);
 - attention by ``dflash_cpu::bi_attention`` (each query alone over its visible keys in key
   order), switched on per attention module (:attr:`TargetAttention.batch_invariant`).
 
@@ -39,71 +39,53 @@ from .quant_linear import replace_module
 INVARIANT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-class BatchInvariantLinear(nn.Module):
+class BatchInvariantLinear(nn.Linear):
     """``nn.Linear`` (CPU, fp32 or bf16) whose output rows do not depend on the other rows.
 
     ``forward(x [..., in])`` returns ``[..., out]`` in ``x.dtype``, computed by
-    :func:`~dflash_trt.kernels.cpu_ops.bi_linear` over the weight in its panel layout
-    (:func:`~dflash_trt.kernels.cpu_ops.pack_panels`, ``[ceil(out / 16), in, 16]``, the weight's
-    dtype), which replaces the dense weight (memory does not grow) unless ``keep_weight``.
-
-    Attributes:
-        panels: the packed weight.
-        weight: the dense ``[out, in]`` weight when kept (a head tied to the embedding, whose
-            rows the drafter slices), else None.
-        bias: optional ``[out]``.
+    ``dflash_cpu::bi_linear`` (:func:`~dflash_trt.kernels.cpu_ops.bi_linear`) over the weight as
+    ``nn.Linear`` keeps it: the module shares the ``weight`` and ``bias`` parameters of the linear
+    it was made from (no copy, the same ``state_dict``), so switching the mode on and off costs
+    nothing. Off the CPU it is ``F.linear``.
     """
 
-    def __init__(self, panels: torch.Tensor, in_features: int, out_features: int, bias, weight=None):
-        super().__init__()
-        self.register_buffer("panels", panels)
-        self.in_features, self.out_features = in_features, out_features
-        self.bias = bias
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None):
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = weight.shape
         self.weight = weight
+        self.bias = bias
 
     @classmethod
-    def from_weight(
-        cls, w: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False
-    ) -> BatchInvariantLinear:
-        """Pack a CPU ``w [out, in]`` (fp32 or bf16).
+    def from_module(cls, mod: nn.Module) -> BatchInvariantLinear:
+        """From an ``nn.Linear`` (its parameters shared) or a :class:`~.cpu_linear.OneDNNLinear`
+        (its exact dense weight).
 
         Raises:
-            DFlashError: another dtype or device.
+            DFlashError: a weight that is not fp32 or bf16 on the CPU.
         """
+        w = mod.dense_weight() if isinstance(mod, OneDNNLinear) else mod.weight
         if w.device.type != "cpu" or w.dtype not in INVARIANT_DTYPES:
             raise DFlashError(f"batch-invariant linears take fp32 or bf16 CPU weights, got {w.dtype} on {w.device}")
-        from ..kernels.cpu_ops import load, pack_panels
-
-        load()  # build the kernels now (first use on this machine), not inside a timed forward
-        return cls(pack_panels(w), w.shape[1], w.shape[0], bias, w if keep_weight else None)
-
-    @classmethod
-    def from_module(cls, mod: nn.Module, keep_weight: bool = False) -> BatchInvariantLinear:
-        """From an ``nn.Linear`` or a :class:`~.cpu_linear.OneDNNLinear` (its exact dense weight)."""
-        w = mod.dense_weight() if isinstance(mod, OneDNNLinear) else mod.weight
-        return cls.from_weight(w, mod.bias, keep_weight)
+        return cls(w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False), mod.bias)
 
     def dense_weight(self) -> torch.Tensor:
-        """The ``[out, in]`` weight in row-major layout (the kept one, or unpacked: exact)."""
-        if self.weight is not None:
-            return self.weight
-        p, k, nr = self.panels.shape
-        return self.panels.transpose(1, 2).reshape(p * nr, k)[: self.out_features].contiguous()
+        """The ``[out, in]`` weight (the shared parameter)."""
+        return self.weight
 
     def select_rows(self, index: torch.Tensor) -> BatchInvariantLinear:
-        """A batch-invariant linear over output rows ``index`` (int64 ``[n]``) only."""
-        bias = None if self.bias is None else self.bias[index]
-        return BatchInvariantLinear.from_weight(self.dense_weight()[index], bias)
+        """A batch-invariant linear over output rows ``index`` (int64 ``[n]``) only (copies them)."""
+        bias = None if self.bias is None else nn.Parameter(self.bias[index], requires_grad=False)
+        return BatchInvariantLinear(nn.Parameter(self.weight[index].contiguous(), requires_grad=False), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
-            return F.linear(x, self.dense_weight().to(x.device), self.bias)
-        # the op itself (loaded by from_weight), so that torch.compile sees one opaque call
-        y = torch.ops.dflash_cpu.bi_linear(x.reshape(-1, self.in_features), self.panels, self.bias, self.out_features)
+            return F.linear(x, self.weight, self.bias)
+        # the op itself (loaded by set_batch_invariant), so that torch.compile sees one opaque call
+        y = torch.ops.dflash_cpu.bi_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, batch-invariant {self.panels.dtype}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, batch-invariant"
 
 
 def check_batch_invariant(model: nn.Module) -> None:
@@ -117,15 +99,15 @@ def check_batch_invariant(model: nn.Module) -> None:
         raise DFlashError(f"the batch-invariant mode covers fp32 and bf16, not {dtype}")
 
 
-def set_batch_invariant(model: nn.Module, on: bool, keep: tuple[str, ...] = ("lm_head",)) -> int:
+def set_batch_invariant(model: nn.Module, on: bool) -> int:
     """Put ``model`` (a target) in or out of the batch-invariant mode, in place (idempotent).
 
     On: every dense linear (``nn.Linear`` / :class:`~.cpu_linear.OneDNNLinear`) becomes a
-    :class:`BatchInvariantLinear` (``keep``: leaf names whose dense weight stays reachable as
-    ``.weight``), and every module with a ``batch_invariant`` attribute (the attention layers)
-    has it set. Off: the linears go back to ``nn.Linear`` with the same weight (exact); the
-    caller then lays them out as it wants (``runtime/model_runner.cpu_weight_layout``).
-    Forward hooks move with a swapped module (the vocab-parallel head's all-gather).
+    :class:`BatchInvariantLinear` over the same weight, and every module with a
+    ``batch_invariant`` attribute (the attention layers) has it set. Off: the linears go back to
+    ``nn.Linear`` over the same weight; the caller then lays them out as it wants
+    (``runtime/model_runner.cpu_weight_layout``). Forward hooks move with a swapped module (the
+    vocab-parallel head's all-gather).
 
     Returns:
         how many linears were swapped.
@@ -142,9 +124,8 @@ def set_batch_invariant(model: nn.Module, on: bool, keep: tuple[str, ...] = ("lm
     for name, mod in list(model.named_modules()):
         if hasattr(mod, "batch_invariant"):
             mod.batch_invariant = on
-        leaf = name.rsplit(".", 1)[-1]
         if on and (type(mod) is nn.Linear or isinstance(mod, OneDNNLinear)):
-            replace_module(model, name, BatchInvariantLinear.from_module(mod, leaf in keep))
+            replace_module(model, name, BatchInvariantLinear.from_module(mod))
             n += 1
         elif not on and isinstance(mod, BatchInvariantLinear):
             replace_module(model, name, dense_linear(mod))

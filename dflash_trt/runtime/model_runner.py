@@ -261,6 +261,8 @@ class ModelRunner:
         if cuda_graphs and tp is not None:
             raise DFlashError("CUDA graphs are not supported under tensor parallelism yet")
         w = target.embed.weight
+        if cuda_graphs and batch_invariant is None:
+            batch_invariant = False  # graphs are a CUDA path (the CPU runs it uncaptured, for tests)
         batch_invariant = resolve_batch_invariant(batch_invariant, w.device, w.dtype)
         if cuda_graphs and batch_invariant:
             raise DFlashError("the batch-invariant mode runs on the CPU, without CUDA graphs")

@@ -8,14 +8,14 @@
 // block (B rows) then give the same position different logits, and speculative decoding stops
 // being exactly plain decoding. These kernels fix the order of every reduction per row:
 //
-// dflash_cpu::bi_linear(x [M, K], w_panels [P, K, 16], bias?, n) -> [M, n]
-//     y[m, j] = sum_k x[m, k] * w[j, k] (+ bias[j]), accumulated in fp32 one k at a time in
-//     increasing k (one fused multiply-add per step), whatever M and whatever row m sits in;
-//     the weight is stored in panels of 16 output columns (panel p, step k holds w[16p .. 16p+15, k])
-//     so one vector load feeds 16 columns. Rows are processed MR at a time (the same FMA chain per
-//     row, MR only sets how many chains share a weight load); threads split the panels, never K.
-//     x and w: bf16 or fp32 (w bf16 is widened exactly); the output has x's dtype (fp32 results
-//     rounded to nearest even for bf16).
+// dflash_cpu::bi_linear(x [M, K], w [N, K], bias?) -> [M, N]
+//     y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) over the weight as nn.Linear keeps it
+//     (row-major, fp32 or bf16, widened exactly), accumulated in fp32 in a fixed order per
+//     output: vector lane i sums k = i, i + VL, ... one FMA at a time in increasing k, the lanes
+//     are added in order, then the tail; whatever M and whatever row m sits in. Rows and weight
+//     rows are taken a register tile at a time (the tile's size only sets how many dot products
+//     share each load); threads split the output columns, never K. The output has x's dtype
+//     (fp32 results rounded to nearest even for bf16).
 //
 // dflash_cpu::bi_attention(q [S, H, T, D], k [S, Hkv, L, D], v, mask [S|1, 1, T, L], scale)
 //     -> [S, H, T, D] fp32: each (sequence, head, query) alone: scores over its visible keys in
@@ -25,9 +25,8 @@
 //     B-query verify block, whatever the key width the batch was padded to.
 //
 // Vectors are GCC vector extensions as wide as the machine's registers (16 fp32 lanes with
-// AVX-512, 8 with AVX2; a panel row is one or two of them);
-// `a + b * c` on them compiles to one FMA where the target has it (-ffp-contract=fast, GCC's
-// default), in every instantiation alike. Built once per machine by dflash_trt/kernels/cpu_ops.py.
+// AVX-512, 8 with AVX2); every multiply-add is an explicit FMA (fmav, std::fma). Built once per
+// machine by dflash_trt/kernels/cpu_ops.py.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -36,6 +35,9 @@
 #include <torch/library.h>
 
 #include <cmath>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -43,14 +45,17 @@
 
 namespace {
 
-constexpr int NR = 16;  // output columns per weight panel
-constexpr int MR = 6;   // rows sharing one weight load
 #ifdef __AVX512F__
-constexpr int VL = 16;  // fp32 lanes of one vector register
+constexpr int VL = 16;        // fp32 lanes of one vector register
+constexpr int WIDE_ROWS = 4;  // a tile of up to this many rows takes all NC columns at once
 #else
 constexpr int VL = 8;
+constexpr int WIDE_ROWS = 2;  // 16 registers: 4 rows x 2 columns, or 2 rows x 4 columns
 #endif
-constexpr int NV = NR / VL;  // vectors per panel row
+constexpr int MR = 4;  // rows of one register tile
+constexpr int NC = 8;  // columns (weight rows) of one tile group
+constexpr int64_t MB = 64;   // rows per cache block (their fp32 inputs stay in L2)
+constexpr int64_t NB = 64;   // weight rows per cache block
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef uint16_t vh __attribute__((vector_size(VL * 2)));
@@ -63,12 +68,34 @@ inline vf loadv(const float* p) {
 }
 
 inline vf loadv(const c10::BFloat16* p) {  // bf16 -> fp32 is exact: the bits move up 16 places
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#elif defined(__AVX2__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
   vh h;
   std::memcpy(&h, p, sizeof(h));
   vu u = __builtin_convertvector(h, vu) << 16;
   vf v;
   std::memcpy(&v, &u, sizeof(v));
   return v;
+#endif
+}
+
+// a * b + c rounded once, lane by lane: written out (intrinsics), not left to the compiler's
+// contraction of `a * b + c`, which it may decide differently in different instantiations
+inline vf fmav(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  vf r;
+  for (int i = 0; i < VL; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
+#endif
 }
 
 inline float to_float(float x) { return x; }
@@ -79,83 +106,128 @@ inline void store(T* out, float y) {
   *out = static_cast<T>(y);  // c10::BFloat16(float) rounds to nearest even
 }
 
-// rows [0, R) of x (fp32, row stride ldx) times one weight panel [K, 16] -> out [R][16] fp32
-template <int R, typename W>
-inline void panel_rows(const float* x, int64_t ldx, const W* panel, int64_t K, float* out) {
-  vf acc[R][NV] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    vf w[NV];
-    for (int i = 0; i < NV; ++i) w[i] = loadv(panel + k * NR + i * VL);
-    for (int r = 0; r < R; ++r) {
-      const float xv = x[r * ldx + k];
-      for (int i = 0; i < NV; ++i) acc[r][i] = acc[r][i] + xv * w[i];
-    }
-  }
-  for (int r = 0; r < R; ++r) std::memcpy(out + r * NR, acc[r], sizeof(acc[r]));
+// lanes summed in order 0..VL-1
+inline float hsum(const vf& v) {
+  float lanes[VL];
+  std::memcpy(lanes, &v, sizeof(lanes));
+  float s = 0.f;
+  for (int i = 0; i < VL; ++i) s += lanes[i];
+  return s;
 }
 
+// dot products of R input rows (fp32, stride K) with C weight rows (stride K) -> out[r * C + c].
+// Every (row, column) pair: lane i accumulates k = i, i + VL, ... in increasing k (one FMA each),
+// the lanes are summed in order, then the K % VL tail is added one FMA at a time: the same
+// operations whatever R, C and the other rows are.
+template <int R, int C, typename W>
+inline void tile(const float* x, const W* w, int64_t K, float* out, int ldo) {
+  vf acc[R][C] = {};
+  int64_t k = 0;
+  // the next tile's weight rows (contiguous after these) fetched while this one computes: a
+  // many-row weight (the LM head) streams from memory at the bandwidth, not in 8 interleaved rows
+  const char* next = reinterpret_cast<const char*>(w + C * K);
+  const int64_t step = static_cast<int64_t>(C) * VL * sizeof(W);
+  for (; k + VL <= K; k += VL) {
+    const char* pf = next + (k / VL) * step;
+    for (int64_t b = 0; b < step; b += 64) __builtin_prefetch(pf + b, 0, 1);
+    vf wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = loadv(w + c * K + k);
+    for (int r = 0; r < R; ++r) {
+      const vf xv = loadv(x + r * K + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = fmav(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      float s = hsum(acc[r][c]);
+      for (int64_t j = k; j < K; ++j) s = std::fma(x[r * K + j], to_float(w[c * K + j]), s);
+      out[r * ldo + c] = s;
+    }
+  }
+}
+
+template <int R, int STEP, typename W>
+inline void tile_cols(int cols, const float* x, const W* w, int64_t K, float* out) {
+  for (int c = 0; c < cols; c += STEP) {
+    const int n = std::min(STEP, cols - c);
+    const W* wc = w + c * K;
+    if (n == STEP) {
+      tile<R, STEP>(x, wc, K, out + c, cols);
+    } else {
+      for (int j = 0; j < n; ++j) tile<R, 1>(x, wc + j * K, K, out + c + j, cols);
+    }
+  }
+}
+
+// rows x cols (<= MR x NC) dot products -> out [rows][cols], the columns taken as many at a time
+// as the registers hold for that many rows (the arithmetic per product is the same)
 template <typename W>
-inline void panel_tail(int rows, const float* x, int64_t ldx, const W* panel, int64_t K, float* out) {
-  switch (rows) {  // the same per-row FMA chain as panel_rows<MR>: only the sharing differs
-    case 1: return panel_rows<1>(x, ldx, panel, K, out);
-    case 2: return panel_rows<2>(x, ldx, panel, K, out);
-    case 3: return panel_rows<3>(x, ldx, panel, K, out);
-    case 4: return panel_rows<4>(x, ldx, panel, K, out);
-    case 5: return panel_rows<5>(x, ldx, panel, K, out);
-    default: return panel_rows<MR>(x, ldx, panel, K, out);
+inline void tile_any(int rows, int cols, const float* x, const W* w, int64_t K, float* out) {
+  static_assert(MR == 4 && NC == 8, "tile_any covers up to 4 rows and 8 columns");
+  switch (rows) {
+    case 1: return tile_cols<1, 8>(cols, x, w, K, out);
+    case 2: return tile_cols<2, (WIDE_ROWS >= 2 ? 4 : 2)>(cols, x, w, K, out);
+    case 3: return tile_cols<3, (WIDE_ROWS >= 3 ? 4 : 2)>(cols, x, w, K, out);
+    default: return tile_cols<4, (WIDE_ROWS >= 4 ? 4 : 2)>(cols, x, w, K, out);
   }
 }
 
 template <typename W, typename O>
-void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t P, const float* bias, int64_t N, O* out) {
-  // threads take whole panels; every thread walks all rows of its panels, MR at a time
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, M * K));  // >= ~256K MACs a task
-  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    float acc[MR * NR];
-    for (int64_t p = p0; p < p1; ++p) {
-      const W* panel = w + p * K * NR;
-      const int64_t c0 = p * NR;
-      const int cols = static_cast<int>(std::min<int64_t>(NR, N - c0));
-      for (int64_t m = 0; m < M; m += MR) {
-        const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
-        panel_tail(rows, x + m * K, K, panel, K, acc);
-        for (int r = 0; r < rows; ++r) {
-          const float* lanes = acc + r * NR;
-          O* o = out + (m + r) * N + c0;
-          for (int j = 0; j < cols; ++j) store(o + j, bias ? lanes[j] + bias[c0 + j] : lanes[j]);
+void linear_impl(const float* x, int64_t M, int64_t K, const W* w, const float* bias, int64_t N, O* out) {
+  // threads take whole blocks of weight rows (output columns); never a split of K
+  const int64_t groups = (N + NC - 1) / NC;
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, M * K));  // >= ~64K MACs a task
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    float t[MR * NC];
+    for (int64_t nb = g0 * NC; nb < std::min(N, g1 * NC); nb += NB) {
+      const int64_t ne = std::min({N, g1 * NC, nb + NB});
+      for (int64_t mb = 0; mb < M; mb += MB) {
+        const int64_t me = std::min(M, mb + MB);
+        for (int64_t n = nb; n < ne; n += NC) {
+          const int cols = static_cast<int>(std::min<int64_t>(NC, ne - n));
+          for (int64_t m = mb; m < me; m += MR) {
+            const int rows = static_cast<int>(std::min<int64_t>(MR, me - m));
+            tile_any(rows, cols, x + m * K, w + n * K, K, t);
+            for (int r = 0; r < rows; ++r) {
+              O* o = out + (m + r) * N + n;
+              for (int c = 0; c < cols; ++c) {
+                const float y = t[r * cols + c];
+                store(o + c, bias ? y + bias[n + c] : y);
+              }
+            }
+          }
         }
       }
     }
   });
 }
 
-at::Tensor bi_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == NR, "bi_linear: x [M, K] and w [P, K, 16] expected");
+at::Tensor bi_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "bi_linear: x [M, K] and w [N, K] expected");
   TORCH_CHECK(x.size(1) == w.size(1), "bi_linear: x has ", x.size(1), " inputs, the weight ", w.size(1));
-  TORCH_CHECK(n > 0 && n <= w.size(0) * NR, "bi_linear: ", n, " outputs do not fit ", w.size(0), " panels");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "bi_linear: x must be fp32 or bf16");
   TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "bi_linear: w must be fp32 or bf16");
-  TORCH_CHECK(w.is_contiguous(), "bi_linear: the weight panels must be contiguous");
-  const int64_t M = x.size(0), K = x.size(1), P = w.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const at::Tensor wc = w.contiguous();
   const at::Tensor xf = x.to(at::kFloat).contiguous();  // exact for bf16
   at::Tensor bf;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "bi_linear: bias has ", bias->numel(), " values for ", n, " outputs");
+    TORCH_CHECK(bias->numel() == N, "bi_linear: bias has ", bias->numel(), " values for ", N, " outputs");
     bf = bias->to(at::kFloat).contiguous();
   }
   const float* b = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  at::Tensor out = at::empty({M, n}, x.options());
-  if (M == 0) return out;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
   const float* xp = xf.data_ptr<float>();
   const bool wb = w.scalar_type() == at::kBFloat16, ob = x.scalar_type() == at::kBFloat16;
   if (wb && ob) {
-    linear_impl(xp, M, K, w.data_ptr<c10::BFloat16>(), P, b, n, out.data_ptr<c10::BFloat16>());
+    linear_impl(xp, M, K, wc.data_ptr<c10::BFloat16>(), b, N, out.data_ptr<c10::BFloat16>());
   } else if (wb) {
-    linear_impl(xp, M, K, w.data_ptr<c10::BFloat16>(), P, b, n, out.data_ptr<float>());
+    linear_impl(xp, M, K, wc.data_ptr<c10::BFloat16>(), b, N, out.data_ptr<float>());
   } else if (ob) {
-    linear_impl(xp, M, K, w.data_ptr<float>(), P, b, n, out.data_ptr<c10::BFloat16>());
+    linear_impl(xp, M, K, wc.data_ptr<float>(), b, N, out.data_ptr<c10::BFloat16>());
   } else {
-    linear_impl(xp, M, K, w.data_ptr<float>(), P, b, n, out.data_ptr<float>());
+    linear_impl(xp, M, K, wc.data_ptr<float>(), b, N, out.data_ptr<float>());
   }
   return out;
 }
@@ -167,10 +239,8 @@ inline float dot(const float* q, const T* k, int64_t D) {
   float s = 0.f;
   if (D >= VL) {
     vf acc = vf{};
-    for (; d + VL <= D; d += VL) acc = acc + loadv(q + d) * loadv(k + d);
-    float lanes[VL];
-    std::memcpy(lanes, &acc, sizeof(lanes));
-    for (int i = 0; i < VL; ++i) s += lanes[i];
+    for (; d + VL <= D; d += VL) acc = fmav(loadv(q + d), loadv(k + d), acc);
+    s = hsum(acc);
   }
   for (; d < D; ++d) s = std::fma(q[d], to_float(k[d]), s);
   return s;
@@ -181,7 +251,8 @@ template <typename T>
 inline void axpy(float p, const T* v, float* out, int64_t D) {
   int64_t d = 0;
   for (; d + VL <= D; d += VL) {
-    vf o = loadv(out + d) + p * loadv(v + d);
+    const vf pv = vf{} + p;
+    vf o = fmav(pv, loadv(v + d), loadv(out + d));
     std::memcpy(out + d, &o, sizeof(o));
   }
   for (; d < D; ++d) out[d] = std::fma(p, to_float(v[d]), out[d]);
@@ -256,7 +327,7 @@ at::Tensor bi_attention(const at::Tensor& q, const at::Tensor& k, const at::Tens
 }  // namespace
 
 TORCH_LIBRARY(dflash_cpu, m) {
-  m.def("bi_linear(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
+  m.def("bi_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("bi_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
 }
 
