@@ -81,12 +81,15 @@ def test_smollm2_logits_and_features_match_hf(smollm2, hf_smollm2, prompt_ids):
         H = smollm2.model.cfg.hidden_size
         assert ours.features.shape == (1, len(ids), len(FEATURE_LAYERS) * H)
         for k, layer in enumerate(FEATURE_LAYERS):
-            fd = max_diff(ours.features[..., k * H : (k + 1) * H], ref.hidden_states[layer + 1])
-            print(f"  feature layer {layer}: max abs diff {fd:.3g}")
+            # relative to the layer's scale: the middle layers carry activations of ~2.3e4, where one
+            # fp32 ulp is 2e-3 and a GEMM's summation order (MKL's, ours, the CPU's vector width) moves
+            # the last few bits
+            fd = rel_diff(ours.features[..., k * H : (k + 1) * H], ref.hidden_states[layer + 1])
+            print(f"  feature layer {layer}: max relative diff {fd:.3g}")
             worst_feat = max(worst_feat, fd)
     print(f"SmolLM2 vs HF worst: logits {worst_logit:.3g}, features {worst_feat:.3g}")
     assert worst_logit < 1e-3
-    assert worst_feat < 1e-3
+    assert worst_feat < 1e-5
 
 
 def test_smollm2_logits_index(smollm2, prompt_ids):

@@ -16,6 +16,7 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -181,7 +182,9 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     target, drafter = load_models(
         cfg.target, cfg.drafter, cfg.engine, dtype, fp8_gemm=cfg.fp8_gemm, device=device, weights=cfg.weights
     )
-    engine = DFlashEngine(
+    # the engines of every mode: the same target, drafter and runtime settings
+    make_engine = partial(
+        DFlashEngine,
         target.model,
         drafter,
         target.stop_token_ids,
@@ -189,6 +192,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         cuda_graphs=cfg.cuda_graphs,
         batch_invariant=cfg.batch_invariant,
     )
+    engine = make_engine()
     K = cfg.block_size or drafter.cfg.block_size
     engine.check_block_size(K)
     prompts = [chat_prompt_ids(target.tokenizer, t) for t in texts]
@@ -200,15 +204,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     modes = [(engine, 1), (engine, K)]
     names = f"plain decoding, DFlash (block size {K})"
     if cfg.prompt_lookup is not None:  # a third mode: DFlash with prompt-lookup tokens merged in
-        lookup = DFlashEngine(
-            target.model,
-            drafter,
-            target.stop_token_ids,
-            compile=cfg.compile,
-            prompt_lookup=cfg.prompt_lookup,
-            cuda_graphs=cfg.cuda_graphs,
-            batch_invariant=cfg.batch_invariant,
-        )
+        lookup = make_engine(prompt_lookup=cfg.prompt_lookup)
         lookup.warm_up(prompts[0], K, sampling)
         modes.append((lookup, K))
         names += f", DFlash + prompt lookup (n-grams {cfg.prompt_lookup[0]}-{cfg.prompt_lookup[1]})"
