@@ -28,7 +28,7 @@ def int4_pair():
     """The default target (int4) and shipped drafter, shared by the tests here: dynamo compiles
     per model object, so one pair compiles each graph once for the module. Compiled through
     inductor's Python wrapper: the shipped C++ wrapper (cpp_wrapper) passed the first test too
-    (session 11: 582 s on a cold inductor cache against ~200 s with the Python wrapper), too slow
+    (582 s on a cold inductor cache against ~200 s with the Python wrapper), too slow
     for every `make test`. A hit of dynamo's recompile limit fails the test instead of silently
     running the function eagerly."""
     with pytest.MonkeyPatch.context() as mp:
