@@ -121,7 +121,9 @@ def run_aiperf(aiperf: str, url: str, model: str, tokenizer: str, c: int, args, 
     return {
         "output_tokens_per_s": metric("output_token_throughput"),
         "ttft_ms_p50": metric("time_to_first_token", "p50"),
+        "ttft_ms_p99": metric("time_to_first_token", "p99"),
         "itl_ms_p50": metric("inter_token_latency", "p50"),
+        "itl_ms_p99": metric("inter_token_latency", "p99"),
         "requests_per_s": metric("request_throughput"),
         # aiperf's own CPU use (all its processes), as a share of the run's wall time
         "client_cpu_cores": client_cpu / (time.perf_counter() - t0),
@@ -137,10 +139,11 @@ def cpu_list(spec: str) -> set[int]:
     return out
 
 
-def engine_baseline(args, concurrencies: list[int]) -> dict[int, float]:
-    """Output tokens/s of the in-process engine (one engine, loaded once) at each concurrency:
-    ``args.requests`` prompts of the same lengths, at most ``c`` in flight, fixed-length answers
-    (no stop tokens)."""
+def engine_baseline(args, concurrencies: list[int]) -> dict[int, dict]:
+    """The in-process engine (one engine, loaded once) at each concurrency: ``args.requests``
+    prompts of the same lengths, at most ``c`` in flight, fixed-length answers (no stop tokens).
+    Returns per concurrency: output tokens/s, TTFT p50 (ms, from each request's arrival in the
+    engine) and the p50 / p99 iteration time (ms)."""
     import random
 
     import torch
@@ -175,14 +178,24 @@ def engine_baseline(args, concurrencies: list[int]) -> dict[int, float]:
     for c in concurrencies:
         print(f"in-process engine at concurrency {c} ...", file=sys.stderr, flush=True)
         pending, done, inflight, t0 = list(prompts), 0, 0, time.perf_counter()
+        ttft = []
+        engine.iteration_s.clear()
         while pending or engine.has_unfinished():
             while pending and inflight < c:
                 engine.add_request(Request(pending.pop(), args.output_tokens, stop_token_ids=()))
                 inflight += 1
             for s in engine.step():
                 inflight -= 1
-                done += len(engine.result(s.seq_id).output_ids)
-        rates[c] = done / (time.perf_counter() - t0)
+                out = engine.result(s.seq_id)
+                done += len(out.output_ids)
+                ttft.append(out.ttft_s)
+        iters = sorted(engine.iteration_s)
+        rates[c] = {
+            "output_tokens_per_s": done / (time.perf_counter() - t0),
+            "ttft_ms_p50": 1e3 * sorted(ttft)[len(ttft) // 2],
+            "iteration_ms_p50": 1e3 * iters[len(iters) // 2],
+            "iteration_ms_p99": 1e3 * iters[int(0.99 * (len(iters) - 1))],
+        }
     return rates
 
 
@@ -204,6 +217,11 @@ def main() -> None:
         help="SERVER:CLIENT core lists (e.g. 0:1): the server and the in-process engine on SERVER's cores, "
         "aiperf on CLIENT's, so that the client's CPU does not come out of the server's (use --threads to match)",
     )
+    ap.add_argument(
+        "--server-python",
+        default=sys.executable,
+        help="the Python that runs `dflash-trt serve` (another checkout's venv: a before / after comparison)",
+    )
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--plot")
     args = ap.parse_args()
@@ -213,7 +231,7 @@ def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [
-        sys.executable,
+        args.server_python,
         "-m",
         "dflash_trt.cli",
         "serve",
@@ -227,13 +245,14 @@ def main() -> None:
         "dflash",
     ]
     if args.drafter:
-        cmd += ["--drafter", args.drafter]
+        cmd += ["--drafter", str(Path(args.drafter).resolve())]
     if args.block_size:
         cmd += ["--block-size", str(args.block_size)]
     work = Path(args.json_out or "out/serve-load.json").parent / "aiperf"
     if args.pin:
         cmd = ["taskset", "-c", args.pin[0], *cmd]
-    server = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    # run from elsewhere than this checkout, so that the server imports its own venv's dflash_trt
+    server = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd="/")
     rows = []
     try:
         wait_health(url, server)
@@ -250,16 +269,19 @@ def main() -> None:
         server.wait(60)
     engine_rates = engine_baseline(args, conc)
     for r in rows:
-        r["engine_output_tokens_per_s"] = engine_rates[r["concurrency"]]
+        for k, v in engine_rates[r["concurrency"]].items():
+            r[f"engine_{k}"] = v
         r["server_vs_engine"] = (r["output_tokens_per_s"] or 0) / r["engine_output_tokens_per_s"]
     print(
-        f"{'C':>3} {'server tok/s':>13} {'engine tok/s':>13} {'ratio':>6} {'TTFT p50 ms':>12} {'ITL p50 ms':>11} "
-        f"{'client cores':>12}"
+        f"{'C':>3} {'server tok/s':>13} {'engine tok/s':>13} {'ratio':>6} {'TTFT p50/p99 ms':>16} "
+        f"{'engine TTFT p50':>16} {'ITL p50/p99 ms':>15} {'engine iter p50/p99 ms':>23} {'client cores':>12}"
     )
     for r in rows:
         print(
             f"{r['concurrency']:>3} {r['output_tokens_per_s']:>13.1f} {r['engine_output_tokens_per_s']:>13.1f} "
-            f"{r['server_vs_engine']:>6.2f} {r['ttft_ms_p50']:>12.1f} {r['itl_ms_p50']:>11.1f} "
+            f"{r['server_vs_engine']:>6.2f} {r['ttft_ms_p50']:>8.0f}/{r['ttft_ms_p99']:<7.0f} "
+            f"{r['engine_ttft_ms_p50']:>16.0f} {r['itl_ms_p50']:>7.1f}/{r['itl_ms_p99']:<7.1f} "
+            f"{r['engine_iteration_ms_p50']:>11.1f}/{r['engine_iteration_ms_p99']:<11.1f} "
             f"{r['client_cpu_cores']:>12.2f}"
         )
     if args.json_out:
@@ -278,10 +300,16 @@ def main() -> None:
         axes[0].plot(cs, [r["engine_output_tokens_per_s"] for r in rows], "s--", label="in-process engine")
         axes[0].set_ylabel("output tokens / s")
         axes[0].legend(fontsize=8)
-        axes[1].plot(cs, [r["ttft_ms_p50"] for r in rows], "o-")
-        axes[1].set_ylabel("TTFT p50 (ms)")
-        axes[2].plot(cs, [r["itl_ms_p50"] for r in rows], "o-")
-        axes[2].set_ylabel("inter-token latency p50 (ms)")
+        axes[1].plot(cs, [r["ttft_ms_p50"] for r in rows], "o-", label="server p50")
+        axes[1].plot(cs, [r["ttft_ms_p99"] for r in rows], "^:", label="server p99")
+        axes[1].plot(cs, [r["engine_ttft_ms_p50"] for r in rows], "s--", label="in-process engine p50")
+        axes[1].set_ylabel("TTFT (ms)")
+        axes[1].legend(fontsize=8)
+        axes[2].plot(cs, [r["itl_ms_p50"] for r in rows], "o-", label="server ITL p50")
+        axes[2].plot(cs, [r["itl_ms_p99"] for r in rows], "^:", label="server ITL p99")
+        axes[2].plot(cs, [r["engine_iteration_ms_p99"] for r in rows], "s--", label="engine iteration p99")
+        axes[2].set_ylabel("ms")
+        axes[2].legend(fontsize=8)
         for a in axes:
             a.set_xlabel("concurrency")
             a.set_xscale("log", base=2)

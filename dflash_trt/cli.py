@@ -260,6 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--model-name", help="the model id clients use (default: the target directory's name)")
+    sv.add_argument(
+        "--api-key",
+        default=os.environ.get("DFLASH_TRT_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1 endpoints (default: $DFLASH_TRT_API_KEY; none)",
+    )
     _engine_flags(sv)
     sv.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: the engine's, else bf16)")
     sv.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
@@ -744,6 +749,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel ranks the server starts itself (under mpiexec: the job size)"
     )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=256,
+        help="most requests waiting for admission; beyond it HTTP 503 with Retry-After (-1: no bound)",
+    )
     _graphs_flag(p)
     _invariant_flag(p)
     _lookup_flags(p)
@@ -771,6 +782,7 @@ def _serve_config(args):
         prompt_lookup=_prompt_lookup(args),
         cuda_graphs=args.cuda_graphs,
         batch_invariant=args.batch_invariant,
+        max_waiting_requests=None if args.max_waiting_requests == -1 else args.max_waiting_requests,
     )
 
 
@@ -801,7 +813,7 @@ def cmd_serve(args) -> None:
         flush=True,
     )
     try:
-        uvicorn.run(build_app(service), host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(build_app(service, api_key=args.api_key), host=args.host, port=args.port, log_level="warning")
     finally:
         service.close()
 

@@ -6,7 +6,11 @@ official ``openai`` client and raw HTTP (httpx), on 127.0.0.1:
 * 32 concurrent streams are all right; a client that disconnects mid-stream frees its KV
   blocks and the server keeps serving; a 200-request soak with random lengths and
   cancellations loses and duplicates nothing and ends with every KV block free;
-* bad requests get a 4xx with ``{"error": {...}}`` and the server keeps serving;
+* bad requests get a 4xx with ``{"error": {...}}`` and the server keeps serving; sent beside good
+  requests, the good ones still get plain decoding's answers;
+* 16 and 32 concurrent streams get their tokens as the engine makes them (no burst); 16 clients
+  that leave mid-stream are aborted within a second (the abort counter up by 16);
+* ``--api-key`` (401 / 200), the body size limit (413) and the waiting-queue bound (503);
 * the ``/metrics`` spec-decode counters equal the engine's own counts;
 * ``dflash-trt serve`` starts from the command line and answers.
 """
@@ -147,16 +151,16 @@ def test_completions_and_chat_equal_plain_decoding(server, smollm2, prompts, ref
         assert chunks[-1].usage.completion_tokens == len(ref) and chunks[1].usage is not None
 
 
+def _chat_body(model: str, prompt: str, max_tokens: int, **extra) -> dict:
+    """A greedy chat request of one user message."""
+    messages = [{"role": "user", "content": prompt}]
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
 async def _stream_chat(url: str, model: str, prompt: str, max_tokens: int, stop_after: int | None = None):
     """Stream one chat answer with raw httpx; leave after ``stop_after`` chunks (a client that
     goes away). Returns the text and whether it reached ``[DONE]``."""
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-    }
+    body = _chat_body(model, prompt, max_tokens, stream=True)
     parts, n = [], 0
     async with (
         httpx.AsyncClient(timeout=600) as client,
@@ -180,7 +184,7 @@ def _wait_idle(service, timeout=60.0):
     end = time.time() + timeout
     while time.time() < end:
         e = service.engine
-        if not e.scheduler.running and not e.scheduler.waiting and e.blocks.num_free_blocks == e.blocks.num_blocks:
+        if not e.has_unfinished() and e.blocks.num_free_blocks == e.blocks.num_blocks:
             return True
         time.sleep(0.1)
     return False
@@ -361,3 +365,206 @@ def test_serve_tp2_equals_tp1(smollm2, random_drafter, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
+
+
+def _metric(url: str, name: str, **labels) -> float:
+    text = httpx.get(url + "/metrics").text
+    sel = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pat = rf"^{re.escape(name)}\{{[^}}]*{re.escape(sel)}[^}}]*\}} (\S+)$"
+    return sum(float(m) for m in re.findall(pat, text, re.M))
+
+
+@pytest.fixture(scope="module")
+def keyed_server(server):
+    """A second HTTP front door on the same engine, with an API key."""
+    import uvicorn
+
+    from dflash_trt.serving.openai_api import build_app
+
+    service, _ = server
+    port = free_port()
+    srv = uvicorn.Server(
+        uvicorn.Config(build_app(service, api_key="sk-test", max_request_bytes=1 << 20), port=port, log_level="warning")
+    )
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    th.join(10)
+
+
+def test_api_key_and_body_limit(keyed_server):
+    url = keyed_server
+    body = {"prompt": "One, two,", "max_tokens": 2, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-wrong"}, timeout=60)
+    assert r.status_code == 401
+    assert httpx.get(url + "/v1/models").status_code == 401
+    c = openai.OpenAI(base_url=url + "/v1", api_key="sk-test")  # the official client sends the Bearer header
+    assert c.completions.create(model=c.models.list().data[0].id, **body).usage.completion_tokens == 2
+    assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+    # a body over the limit: 413, by its Content-Length and chunked alike
+    big = {"prompt": "word " * 300_000, "max_tokens": 1}
+    auth = {"Authorization": "Bearer sk-test"}
+    r = httpx.post(url + "/v1/completions", json=big, headers=auth, timeout=60)
+    assert r.status_code == 413, r.text
+
+    def chunks():
+        data = json.dumps(big).encode()
+        for i in range(0, len(data), 65536):
+            yield data[i : i + 65536]
+
+    r = httpx.post(url + "/v1/completions", content=chunks(), headers=auth, timeout=60)
+    assert r.status_code == 413, r.text
+
+
+def test_waiting_queue_bound(server):
+    service, url = server
+    body = {"prompt": "One, two,", "max_tokens": 2, "temperature": 0}
+    old = service.max_waiting_requests
+    service.max_waiting_requests = 0  # no room: every new request is refused
+    try:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert "max_waiting_requests" in r.json()["error"]["message"]
+    finally:
+        service.max_waiting_requests = old
+    assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": [1, 2, 3, 99999999], "max_tokens": 4}, "vocabulary"),
+    ("/v1/completions", {"prompt": [1, 2, -5], "max_tokens": 4}, "vocabulary"),
+    ("/v1/completions", {"prompt": "", "max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [99999999]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**70}, "seed"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1}, "penalty"),
+]
+# JSON that parses to a string Python cannot encode (a lone surrogate escape)
+SURROGATES = [
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 4}'),
+    ("/v1/completions", b'{"prompt": "x\\udfff", "max_tokens": 4}'),
+    ("/v1/completions", b'{"prompt": "hi", "stop": ["\\ud800"], "max_tokens": 4}'),
+]
+
+
+def test_bad_requests_beside_good_ones(server, smollm2, prompts, reference, caplog):
+    """Bad requests sent together with good ones: each bad one a 4xx with a one-line message
+    and no traceback in the log, each good one plain decoding's answer (the bad ones never
+    reach the engine)."""
+    service, url = server
+    model = service.model_name
+    refs = reference["chat"]
+
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+
+            async def good(i):
+                return await client.post("/v1/chat/completions", json=_chat_body(model, prompts[i], MAX_NEW))
+
+            jobs = [good(i) for i in range(4)]
+            jobs += [client.post(path, json=body) for path, body, _ in BAD_REQUESTS]
+            jobs += [
+                client.post(path, content=raw, headers={"content-type": "application/json"}) for path, raw in SURROGATES
+            ]
+            return await asyncio.gather(*jobs)
+
+    with caplog.at_level("WARNING"):
+        got = asyncio.run(go())
+    for i, r in enumerate(got[:4]):
+        ids, ref = refs[i]
+        assert r.status_code == 200 and same_text(smollm2, ids, ref, r.json()["choices"][0]["message"]["content"]), i
+    needles = [n for _, _, n in BAD_REQUESTS] + ["messages", "prompt", "stop"]
+    for r, needle in zip(got[4:], needles):
+        assert r.status_code == 400, (needle, r.text)
+        err = r.json()["error"]
+        assert needle in err["message"] or needle in (err.get("param") or ""), err
+        assert "\n" not in err["message"]
+    assert not [rec for rec in caplog.records if rec.exc_info], "a bad request logged a traceback"
+    assert _wait_idle(service)
+
+
+async def _timed_stream(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, leave_after=None):
+    """Stream one chat answer (``ignore_eos``: exactly ``max_tokens`` tokens); returns the
+    arrival time (``time.perf_counter()``) of every chunk with content. Leaves after
+    ``leave_after`` such chunks (a client that goes away)."""
+    body = _chat_body(model, prompt, max_tokens, ignore_eos=True, stream=True)
+    times = []
+    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            choices = json.loads(line[6:])["choices"] if line.startswith("data: {") else []
+            if choices and choices[0].get("delta", {}).get("content"):
+                times.append(time.perf_counter())
+                if leave_after is not None and len(times) >= leave_after:
+                    break
+    return times
+
+
+def _burst_share(times: list[float], window: float) -> float:
+    """The largest share of a stream's chunks that arrived within ``window`` seconds of each other."""
+    best, j = 0, 0
+    for k in range(len(times)):
+        while times[k] - times[j] > window:
+            j += 1
+        best = max(best, k - j + 1)
+    return best / len(times)
+
+
+@pytest.mark.parametrize("streams", [16, 32])
+def test_streams_arrive_as_the_engine_makes_them(server, prompts, streams):
+    """Many concurrent streams: every stream's tokens arrive spread over its engine iterations,
+    never held back and delivered in one burst (the event loop used to wait for whole engine
+    iterations to queue a request or an abort)."""
+    service, url = server
+    engine = service.engine
+    engine.iteration_s.clear()
+
+    async def go():
+        limits = httpx.Limits(max_connections=streams)
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+            jobs = [_timed_stream(client, service.model_name, prompts[i % 8], 32) for i in range(streams)]
+            return await asyncio.gather(*jobs)
+
+    got = asyncio.run(go())
+    iters = sorted(engine.iteration_s)
+    p50, longest = iters[len(iters) // 2], iters[-1]
+    shares = [_burst_share(ts, p50 / 2) for ts in got]
+    gaps = [b - a for ts in got for a, b in zip(ts, ts[1:])]
+    print(
+        f"\n{streams} streams: {len(iters)} iterations (p50 {p50 * 1e3:.0f} ms, longest {longest * 1e3:.0f} ms: "
+        f"the prompts' prefill); chunks per stream {min(map(len, got))}-{max(map(len, got))}; "
+        f"largest burst share {max(shares):.2f}; gap between chunks max {max(gaps) * 1e3:.0f} ms"
+    )
+    assert all(len(ts) >= 8 for ts in got)
+    assert max(shares) <= 0.5, shares  # (it was 1.0 for most streams when the event loop waited for the engine)
+    assert max(gaps) <= longest + 2 * p50 + 0.05  # a stream waits at most about one iteration for its next token
+    assert _wait_idle(service)
+
+
+def test_sixteen_disconnects_abort_at_once(server, prompts):
+    """16 streams leave after 3 chunks: within 1 s nothing runs, every KV block is free, and the
+    abort counter is up by 16."""
+    service, url = server
+    aborted = _metric(url, "vllm:request_success_total", finished_reason="abort")
+
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=16)) as client:
+            jobs = [_timed_stream(client, service.model_name, prompts[i % 8], 256, leave_after=3) for i in range(16)]
+            return await asyncio.gather(*jobs)
+
+    asyncio.run(go())
+    left = time.perf_counter()
+    assert _wait_idle(service, timeout=1.0), "aborted requests still run or hold KV blocks 1 s after the clients left"
+    print(f"\n16 disconnects: idle {time.perf_counter() - left:.3f} s after the last client left")
+    assert _metric(url, "vllm:num_requests_running") == 0
+    assert _metric(url, "vllm:request_success_total", finished_reason="abort") == aborted + 16

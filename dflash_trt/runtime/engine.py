@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -139,10 +140,16 @@ class LLMEngine:
         self.stats = LoopStats(K)
         self.controller = DraftLengthController(K - 1) if cfg.adaptive and K > 1 else None
         self._next_id = 0
-        self._seqs: dict[int, Sequence] = {}
+        self._seqs: dict[int, Sequence] = {}  # every request not yet collected, by sequence id
+        self._inbox: list[Sequence] = []  # added since the last iteration began
         self._aborts: set[int] = set()
         self._release: list[int] = []
-        self._lock = threading.RLock()  # step() holds it; add_request / abort may come from other threads
+        # step() holds _lock for a whole iteration. add_request and abort come from other threads
+        # (an HTTP server's event loop) and must never wait for an iteration: they take _admit,
+        # held for a few dict operations, and the next iteration picks up what they left
+        self._lock = threading.RLock()
+        self._admit = threading.Lock()
+        self.iteration_s: deque[float] = deque(maxlen=4096)
         self._listeners: list[Callable[[RequestOutput, int], None]] = []
         if self.controller is not None:
             self.calibrate()
@@ -159,29 +166,59 @@ class LLMEngine:
         with every batch of committed tokens, ``on_finish(seq_id, output)`` once when it ends
         (finished or aborted) with its :class:`RequestOutput` (the engine then forgets it;
         without ``on_finish``, :meth:`result` collects it). Both run on the thread that steps
-        the engine.
+        the engine. Thread-safe, and it never waits for a running iteration: the request joins
+        the scheduler's queue when the next iteration begins.
 
         Raises:
-            DFlashError: empty prompt, ``max_new_tokens < 1``, more KV than the whole cache.
+            DFlashError: empty prompt, ``max_new_tokens < 1``, more KV than the whole cache, a
+                ``seq_id`` in use.
         """
-        with self._lock:
+        self.check_request(request)
+        stops = request.stop_token_ids if request.stop_token_ids is not None else self.stop_token_ids
+        with self._admit:
             sid = self._next_id if seq_id is None else seq_id
             if sid in self._seqs:
                 raise DFlashError(f"sequence id {sid} is in use")
             self._next_id = max(self._next_id, sid + 1)
-            stops = request.stop_token_ids if request.stop_token_ids is not None else self.stop_token_ids
             seq = Sequence(sid, request, frozenset(stops), request.sampling.make_generator(), on_tokens, on_finish)
-            self.scheduler.add(seq)
             self._seqs[sid] = seq
+            self._inbox.append(seq)
             return sid
 
+    def check_request(self, request: Request) -> None:
+        """Raises DFlashError for a request the engine could never serve: an empty prompt, a
+        token id outside the target's vocabulary, ``max_new_tokens`` < 1, more KV than the
+        whole cache."""
+        vocab = self.runner.target.cfg.vocab_size
+        ids = request.prompt_ids
+        if ids and not all(type(t) is int and 0 <= t < vocab for t in ids):
+            bad = next(t for t in ids if type(t) is not int or not 0 <= t < vocab)
+            raise DFlashError(f"prompt token id {bad!r} is not in the vocabulary (0..{vocab - 1})")
+        self.scheduler.check(request)
+
     def abort(self, seq_id: int) -> None:
-        """Cancel a request (takes effect before the next iteration; unknown ids are ignored)."""
-        with self._lock:
+        """Cancel a request: it ends (finish reason ``abort``, KV blocks freed, callbacks run)
+        when the next iteration begins. Thread-safe and never waits for a running iteration;
+        unknown ids are ignored."""
+        with self._admit:
             self._aborts.add(seq_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting or self._aborts)
+        return bool(self.scheduler.running or self.scheduler.waiting or self._inbox or self._aborts)
+
+    def num_waiting(self) -> int:
+        """Requests queued and not yet admitted to the running batch."""
+        return len(self.scheduler.waiting) + len(self._inbox)
+
+    def _admit_new(self) -> set[int]:
+        """Move the requests added since the last iteration into the scheduler's queue; returns
+        the aborts asked for meanwhile (the stepping thread only)."""
+        with self._admit:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, set()
+        for seq in inbox:
+            self.scheduler.add(seq)
+        return aborts
 
     def add_finish_listener(self, fn: Callable[[RequestOutput, int], None]) -> None:
         """Call ``fn(output, prompt_tokens)`` for every request that ends (aborted ones too), on
@@ -190,7 +227,9 @@ class LLMEngine:
 
     def result(self, seq_id: int) -> RequestOutput:
         """The output of a finished sequence (removes it from the engine)."""
-        return self._output(self._seqs.pop(seq_id))
+        with self._admit:
+            seq = self._seqs.pop(seq_id)
+        return self._output(seq)
 
     @staticmethod
     def _output(s: Sequence) -> RequestOutput:
@@ -224,7 +263,9 @@ class LLMEngine:
         iteration failed: out of memory, a device error); their KV blocks are freed and their
         callbacks run. Returns how many."""
         with self._lock:
-            seqs = [s for s in self._seqs.values() if not s.finished]
+            self._admit_new()
+            with self._admit:
+                seqs = [s for s in self._seqs.values() if not s.finished]
             now = time.perf_counter()
             for s in seqs:
                 s.finish_reason, s.finish_s = "error", now
@@ -237,14 +278,17 @@ class LLMEngine:
         return self.runner.step(plan)
 
     def step(self) -> list[Sequence]:
-        """Run one iteration; returns the sequences that finished in it (aborts included)."""
+        """Run one iteration; returns the sequences that finished in it (aborts included). Its
+        wall time (seconds) joins :attr:`iteration_s` (the last 4096 iterations)."""
         with self._lock:
-            return self._step()
+            t0 = time.perf_counter()
+            done = self._step()
+            self.iteration_s.append(time.perf_counter() - t0)
+            return done
 
     def _step(self) -> list[Sequence]:
         done: list[Sequence] = []
-        aborts, self._aborts = self._aborts, set()
-        for sid in aborts:
+        for sid in self._admit_new():
             seq = self._seqs.get(sid)
             if seq is not None and not seq.finished:
                 seq.finish_reason = "abort"

@@ -58,7 +58,7 @@ class ServingMetrics:
             g.labels(**lbl).set_function(fn)
 
         gauge("vllm:num_requests_running", "Requests in the running batch.", lambda: len(sched.running))
-        gauge("vllm:num_requests_waiting", "Requests waiting for admission.", lambda: len(sched.waiting))
+        gauge("vllm:num_requests_waiting", "Requests waiting for admission.", engine.num_waiting)
         gauge(
             "vllm:kv_cache_usage_perc",
             "Share of KV-cache blocks in use (1 = full).",

@@ -14,12 +14,20 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the target's
 - Errors: ``{"error": {"message", "type", "param", "code"}}`` with 400 for a bad request (bad
   JSON, bad values, a prompt the KV cache cannot hold), 404 for an unknown model; once a stream
   has started an error is sent as a ``data: {"error": ...}`` event, then ``[DONE]``.
-- A client that disconnects aborts its request (its KV blocks are freed).
+- A client that disconnects aborts its request (its KV blocks are freed) when the engine's next
+  iteration begins.
+- ``api_key``: every ``/v1`` endpoint needs ``Authorization: Bearer <key>`` (401 otherwise, as
+  vLLM's ``--api-key``); ``/health`` and ``/metrics`` stay open.
+- Bounds: more than ``ServeConfig.max_waiting_requests`` waiting gives 503 with
+  ``Retry-After``; a body over ``max_request_bytes`` gives 413.
+- ``logprobs`` / ``top_logprobs``, penalties, ``logit_bias`` and ``best_of`` are refused with 400
+  (not computed), never ignored.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -33,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import DFlashError
 from ..runtime.sampling import SamplingParams
-from .service import Delta, EngineService, Finished
+from .service import Delta, EngineService, Finished, QueueFull
 
 log = logging.getLogger("dflash_trt.serving")
 
@@ -83,9 +91,17 @@ class ChatRequest(_Common):
 class APIError(Exception):
     """An error answered as ``{"error": {...}}`` with an HTTP status."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, kind: str = "BadRequestError"):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        kind: str = "BadRequestError",
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.message, self.status, self.param, self.kind = message, status, param, kind
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
@@ -107,14 +123,110 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def build_app(service: EngineService) -> FastAPI:
-    """The FastAPI application serving ``service``'s model."""
+class _EngineStream(StreamingResponse):
+    """A streamed answer whose generator is always closed when the response ends, so that the
+    request is aborted in the engine at once when the client goes away. (Starlette cancels
+    the response on a disconnect; cancelled while it is sending, it leaves the generator
+    suspended at a ``yield`` until garbage collection finalizes it, and the engine runs the
+    abandoned request to its last token meanwhile.)"""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+# request fields whose meaning we do not implement: refused when set to anything but their default
+UNSUPPORTED = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+}
+MAX_REQUEST_BYTES = 8 << 20
+
+
+def _check_text(value, param: str) -> None:
+    """400 for a string (or strings) that cannot be UTF-8 (a lone surrogate from a JSON escape)."""
+    for text in [value] if isinstance(value, str) else value or ():
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError(f"{param}: not valid Unicode text ({e.reason} at {e.start})", 400, param) from None
+
+
+class _Bounds:
+    """ASGI middleware ahead of the routes: the API key on ``/v1`` paths and the body size limit.
+    It answers by itself (401, 413) so a refused request never reaches the route or the engine."""
+
+    def __init__(self, app, api_key: str | None, max_request_bytes: int):
+        self.app, self.max_bytes = app, max_request_bytes
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def _refuse(self, send, err: APIError) -> None:
+        body = json.dumps(err.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if err.status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.expected is not None and scope["path"].startswith("/v1"):
+            got = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                return await self._refuse(
+                    send, APIError("Unauthorized: a valid API key is required", 401, None, "AuthenticationError")
+                )
+        too_big = APIError(f"the request body is over {self.max_bytes} bytes", 413, None, "RequestTooLargeError")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(send, too_big)
+        seen, refused = 0, False
+
+        async def counted():  # a chunked body: counted as it arrives
+            nonlocal seen, refused
+            msg = await receive()
+            if msg["type"] == "http.request" and not refused:
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    refused = True
+                    await self._refuse(send, too_big)
+                    return {"type": "http.disconnect"}  # the route stops reading
+            return msg
+
+        async def quiet(msg):  # nothing more goes out after the refusal
+            if not refused:
+                await send(msg)
+
+        await self.app(scope, counted, quiet)
+
+
+def build_app(
+    service: EngineService, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES
+) -> FastAPI:
+    """The FastAPI application serving ``service``'s model.
+
+    Args:
+        api_key: when set, ``/v1`` endpoints need ``Authorization: Bearer <api_key>`` (compared
+            in constant time; 401 otherwise).
+        max_request_bytes: largest request body (413 beyond it).
+    """
     app = FastAPI(title="dflash-trt", version="0.1.0")
+    app.add_middleware(_Bounds, api_key=api_key, max_request_bytes=max_request_bytes)
     name = service.model_name
 
     @app.exception_handler(APIError)
     async def _api_error(_req, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req, exc: RequestValidationError):
@@ -150,9 +262,14 @@ def build_app(service: EngineService) -> FastAPI:
         return Response(service.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def prepare(body: _Common, prompt_ids: list[int], max_tokens: int | None):
-        extra = sorted((body.model_extra or {}).keys())
-        if extra:
-            log.info("ignoring unsupported request fields: %s", ", ".join(extra))
+        extra = body.model_extra or {}
+        for field, defaults in UNSUPPORTED.items():
+            if field in extra and not any(extra[field] == d and type(extra[field]) is type(d) for d in defaults):
+                raise APIError(f"{field} is not supported by dflash-trt", 400, field)
+        unknown = sorted(k for k in extra if k not in UNSUPPORTED)
+        if unknown:
+            log.info("ignoring unsupported request fields: %s", ", ".join(unknown))
+        _check_text(body.stop, "stop")
         if body.model is not None and body.model != name:
             raise APIError(f"The model `{body.model}` does not exist.", 404, "model", "NotFoundError")
         if body.n != 1:
@@ -162,6 +279,8 @@ def build_app(service: EngineService) -> FastAPI:
         try:
             sampling = SamplingParams(body.temperature, body.top_p, body.top_k, body.seed)
             req = service.request(prompt_ids, max_tokens, sampling, body.ignore_eos, body.stop_token_ids)
+        except QueueFull as e:
+            raise APIError(str(e), 503, None, "ServiceUnavailableError", {"Retry-After": "1"}) from None
         except DFlashError as e:
             raise APIError(str(e), 400) from None
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -202,6 +321,9 @@ def build_app(service: EngineService) -> FastAPI:
             if len(p) != 1:
                 raise APIError("a list of several prompts is not supported: send one prompt per request", 400, "prompt")
             p = p[0]
+        if not p:
+            raise APIError("prompt must not be empty", 400, "prompt")
+        _check_text(p, "prompt")
         prompt_ids = service.tokenizer.encode(p) if isinstance(p, str) else list(p)
         req, stop = prepare(body, prompt_ids, body.max_tokens)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -212,7 +334,7 @@ def build_app(service: EngineService) -> FastAPI:
             return _envelope(rid, "text_completion", created, name, choice, usage)
 
         if body.stream:
-            return StreamingResponse(
+            return _EngineStream(
                 _stream(service, req, stop, body, chunk, head, len(prompt_ids), None), media_type="text/event-stream"
             )
         got = await run(http, req, stop, False, body)
@@ -225,6 +347,8 @@ def build_app(service: EngineService) -> FastAPI:
     async def chat(body: ChatRequest, http: Request):
         from ..prompts import chat_prompt_ids
 
+        if not body.messages:
+            raise APIError("messages must not be empty", 400, "messages")
         messages = []
         for m in body.messages:
             content = m.content
@@ -232,6 +356,7 @@ def build_app(service: EngineService) -> FastAPI:
                 if any(part.get("type") != "text" for part in content):
                     raise APIError("only text content parts are supported", 400, "messages")
                 content = "".join(part.get("text", "") for part in content)
+            _check_text(content, "messages")
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
         try:
             prompt_ids = chat_prompt_ids(service.tokenizer, messages)
@@ -247,7 +372,7 @@ def build_app(service: EngineService) -> FastAPI:
 
         if body.stream:
             first = chunk("", None, first=True)
-            return StreamingResponse(
+            return _EngineStream(
                 _stream(service, req, stop, body, chunk, "", len(prompt_ids), first), media_type="text/event-stream"
             )
         got = await run(http, req, stop, True, body)

@@ -50,6 +50,9 @@ class ServeConfig:
         batch_invariant: the target's rows computed independently of each other
             (``models/batch_invariant.py``): a request's tokens do not depend on what else is
             in the batch; None: on for bf16 CPU targets.
+        max_waiting_requests: most requests waiting for admission; one more is refused
+            (:class:`QueueFull`: HTTP 503 with ``Retry-After``, a Triton error response).
+            None: no bound.
     """
 
     target: str | None = None
@@ -70,6 +73,11 @@ class ServeConfig:
     prompt_lookup: tuple[int, int] | None = None
     cuda_graphs: bool = False
     batch_invariant: bool | None = None
+    max_waiting_requests: int | None = 256
+
+
+class QueueFull(DFlashError):
+    """The waiting queue is at ``ServeConfig.max_waiting_requests``: try again later (HTTP 503)."""
 
 
 @dataclass
@@ -113,6 +121,9 @@ class EngineService:
 
         if cfg.tp_size < 1:
             raise DFlashError(f"tp_size must be >= 1, got {cfg.tp_size}")
+        if cfg.max_waiting_requests is not None and cfg.max_waiting_requests < 0:
+            raise DFlashError(f"max_waiting_requests must be >= 0, got {cfg.max_waiting_requests}")
+        self.max_waiting_requests = cfg.max_waiting_requests
         self.tp = tp if tp is not None else init_tp()
         if self.tp is not None and cfg.tp_size not in (1, self.tp.size):
             raise DFlashError(f"tp_size {cfg.tp_size} but this mpiexec job has {self.tp.size} ranks")
@@ -212,8 +223,10 @@ class EngineService:
             end_id: the end token instead of the target's EOS ids (TensorRT-LLM's ``end_id``).
 
         Raises:
-            DFlashError: an empty prompt, ``max_tokens`` < 1, a prompt plus ``max_tokens`` past
-                the model's length, or more KV than the whole cache.
+            DFlashError: an empty prompt, a token id outside the vocabulary, ``max_tokens`` < 1,
+                a prompt plus ``max_tokens`` past the model's length, or more KV than the whole
+                cache.
+            QueueFull: ``max_waiting_requests`` requests are already waiting.
         """
         if not prompt_ids:
             raise DFlashError("the prompt is empty")
@@ -228,10 +241,17 @@ class EngineService:
             raise DFlashError(f"num_draft_tokens must be >= 0, got {max_draft_tokens}")
         if min_tokens < 0:
             raise DFlashError(f"min_tokens must be >= 0, got {min_tokens}")
+        vocab = self.engine.runner.target.cfg.vocab_size
+        for name, ids in (("stop_token_ids", stop_token_ids or ()), ("end_id", () if end_id is None else (end_id,))):
+            if not all(0 <= t < vocab for t in ids):
+                raise DFlashError(f"{name} must be token ids in 0..{vocab - 1}, got {list(ids)}")
         ends = self.stop_token_ids if end_id is None else (end_id,)
         stops = () if ignore_eos else tuple(sorted(set(ends) | set(stop_token_ids or ())))
         req = Request(list(prompt_ids), max_tokens, sampling, stops, max_draft_tokens, min_tokens)
-        self.engine.scheduler.check(req)
+        self.engine.check_request(req)
+        limit = self.max_waiting_requests
+        if limit is not None and self.engine.num_waiting() >= limit:
+            raise QueueFull(f"{limit} requests are already waiting (max_waiting_requests); try again later")
         return req
 
     async def stream(self, req: Request, stop: list[str] | None = None) -> AsyncIterator[Delta | Finished]:

@@ -296,7 +296,7 @@ class TritonPythonModel:
         e = self.service.engine
         while self.running:
             self.m_running.set(len(e.scheduler.running))
-            self.m_waiting.set(len(e.scheduler.waiting))
+            self.m_waiting.set(e.num_waiting())
             self.m_kv.set(1.0 - e.blocks.num_free_blocks / e.blocks.num_blocks)
             time.sleep(0.1)
 
