@@ -189,12 +189,16 @@ class LLMEngine:
         """Raises DFlashError for a request the engine could never serve: an empty prompt, a
         token id outside the target's vocabulary, ``max_new_tokens`` < 1, more KV than the
         whole cache."""
-        vocab = self.runner.target.cfg.vocab_size
-        ids = request.prompt_ids
-        if ids and not all(type(t) is int and 0 <= t < vocab for t in ids):
-            bad = next(t for t in ids if type(t) is not int or not 0 <= t < vocab)
-            raise DFlashError(f"prompt token id {bad!r} is not in the vocabulary (0..{vocab - 1})")
+        self.check_token_ids("prompt", request.prompt_ids)
         self.scheduler.check(request)
+
+    def check_token_ids(self, name: str, ids) -> None:
+        """Raises DFlashError naming ``name`` for an id that is not an int in the target's
+        vocabulary."""
+        vocab = self.runner.target.cfg.vocab_size
+        for t in ids:
+            if type(t) is not int or not 0 <= t < vocab:
+                raise DFlashError(f"{name} token id {t!r} is not in the vocabulary (0..{vocab - 1})")
 
     def abort(self, seq_id: int) -> None:
         """Cancel a request: it ends (finish reason ``abort``, KV blocks freed, callbacks run)

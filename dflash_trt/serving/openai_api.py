@@ -168,13 +168,10 @@ class _Bounds:
         self.app, self.max_bytes = app, max_request_bytes
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
-    async def _refuse(self, send, err: APIError) -> None:
-        body = json.dumps(err.body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        if err.status == 401:
-            headers.append((b"www-authenticate", b"Bearer"))
-        await send({"type": "http.response.start", "status": err.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+    @staticmethod
+    async def _refuse(scope, receive, send, err: APIError) -> None:
+        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+        await JSONResponse(err.body(), status_code=err.status, headers=headers)(scope, receive, send)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -183,13 +180,12 @@ class _Bounds:
         if self.expected is not None and scope["path"].startswith("/v1"):
             got = headers.get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):
-                return await self._refuse(
-                    send, APIError("Unauthorized: a valid API key is required", 401, None, "AuthenticationError")
-                )
+                err = APIError("Unauthorized: a valid API key is required", 401, None, "AuthenticationError")
+                return await self._refuse(scope, receive, send, err)
         too_big = APIError(f"the request body is over {self.max_bytes} bytes", 413, None, "RequestTooLargeError")
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._refuse(send, too_big)
+            return await self._refuse(scope, receive, send, too_big)
         seen, refused = 0, False
 
         async def counted():  # a chunked body: counted as it arrives
@@ -199,7 +195,7 @@ class _Bounds:
                 seen += len(msg.get("body", b""))
                 if seen > self.max_bytes:
                     refused = True
-                    await self._refuse(send, too_big)
+                    await self._refuse(scope, receive, send, too_big)
                     return {"type": "http.disconnect"}  # the route stops reading
             return msg
 

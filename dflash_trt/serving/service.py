@@ -241,10 +241,8 @@ class EngineService:
             raise DFlashError(f"num_draft_tokens must be >= 0, got {max_draft_tokens}")
         if min_tokens < 0:
             raise DFlashError(f"min_tokens must be >= 0, got {min_tokens}")
-        vocab = self.engine.runner.target.cfg.vocab_size
-        for name, ids in (("stop_token_ids", stop_token_ids or ()), ("end_id", () if end_id is None else (end_id,))):
-            if not all(0 <= t < vocab for t in ids):
-                raise DFlashError(f"{name} must be token ids in 0..{vocab - 1}, got {list(ids)}")
+        self.engine.check_token_ids("stop_token_ids", stop_token_ids or ())
+        self.engine.check_token_ids("end_id", () if end_id is None else (end_id,))
         ends = self.stop_token_ids if end_id is None else (end_id,)
         stops = () if ignore_eos else tuple(sorted(set(ends) | set(stop_token_ids or ())))
         req = Request(list(prompt_ids), max_tokens, sampling, stops, max_draft_tokens, min_tokens)
