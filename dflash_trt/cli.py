@@ -348,7 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight of the pull towards the target's final hidden state (needs its last layer)",
     )
     t.add_argument("--save-every", type=int, default=500)
-    t.add_argument("--autocast", default="bf16", help="bf16 | fp16 | fp32 (no autocast)")
+    t.add_argument(
+        "--autocast",
+        default="auto",
+        help="auto (bf16 where the GPU or CPU has bf16 GEMMs, else fp32) | bf16 | fp16 | fp32 (no autocast)",
+    )
     t.add_argument("--dtype", default="fp32", help="target dtype for the feature pass: fp32 | bf16")
     t.add_argument("--export-dtype", default="bf16", help="dtype of the exported drafter: bf16 | fp32")
     t.add_argument("--init-drafter", help="start from this z-lab drafter instead of a random one")
