@@ -212,6 +212,108 @@ def test_async_stream_and_cancel(smollm2, random_drafter, reqs16, refs16):
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
+# ---------------------------------------------------------------- a failed iteration ends only its culprit
+def inject_fault(engine: LLMEngine, culprit: int, when) -> list[int]:
+    """Make ``engine``'s runner raise on every plan that holds an item of sequence ``culprit``
+    for which ``when(item)`` is true (a request that makes the engine fail); returns the list
+    that records the size (items) of every plan it failed."""
+    real, failed = engine.runner.step, []
+
+    def step(plan):
+        if any(it.seq_id == culprit and when(it) for it in plan.items):
+            failed.append(len(plan.items))
+            raise RuntimeError(f"injected fault: sequence {culprit}")
+        return real(plan)
+
+    engine.runner.step = step
+    return failed
+
+
+def run_all(engine: LLMEngine, reqs: dict[int, Request], streamed: dict[int, list[int]]) -> dict[int, object]:
+    """Queue ``reqs`` (by sequence id, tokens streamed into ``streamed``), step until all end;
+    returns every request's :class:`RequestOutput`."""
+    for i, r in reqs.items():
+        engine.add_request(r, on_tokens=lambda sid, toks: streamed[sid].extend(toks), seq_id=i)
+    outs = {}
+    while engine.has_unfinished():
+        for s in engine.step():
+            outs[s.seq_id] = engine.result(s.seq_id)
+    engine.run()
+    return outs
+
+
+def assert_only_culprit_failed(engine, reqs, refs, outs, streamed, culprit) -> None:
+    """The culprit ended with ``error`` having streamed a prefix of its answer; every other
+    request has exactly plain decoding's tokens, streamed once each; nothing is left held."""
+    assert outs[culprit].finish_reason == "error"
+    assert streamed[culprit] == outs[culprit].output_ids == refs[culprit][: len(streamed[culprit])]
+    for i in reqs:
+        if i != culprit:
+            assert outs[i].finish_reason in ("stop", "length"), (i, outs[i].finish_reason)
+            assert outs[i].output_ids == refs[i], i  # (the batch-invariant mode: bit-identical after recompute)
+            assert streamed[i] == refs[i], i  # nothing re-sent, nothing lost
+    bm = engine.blocks
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_unreserved_blocks == bm.num_blocks
+    assert engine.runner._features == {} and not engine._suspects
+
+
+def test_failed_decode_iteration_ends_only_its_request(smollm2, random_drafter, reqs16, refs16):
+    """8 requests decode together with DFlash drafting (an oracle drafter: long accepted
+    prefixes, rejections mid-block); the runner fails every iteration that verifies request 5
+    once it has 5 tokens. Request 5 alone ends with ``error``; the other 7 are recomputed, run
+    apart until the culprit fails alone, and end with plain decoding's tokens exactly."""
+    cfg = EngineConfig(block_size=8, max_batch_size=16, max_num_tokens=512, tokens_per_block=8, kv_capacity_tokens=4096)
+    OracleRunner.continuations = [r.prompt_ids + ref for r, ref in zip(reqs16, refs16)]
+    runner = OracleRunner(smollm2.model, random_drafter, cfg.kv_capacity_tokens // 8, 8)
+    engine = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, cfg, runner=runner)
+    engine.isolate_failures = True
+    culprit = 5
+    reqs = {i: reqs16[i] for i in range(8)}
+    start = len(reqs[culprit].prompt_ids) + 5
+    failed = inject_fault(engine, culprit, lambda it: it.num_draft > 0 and it.start >= start)
+    streamed = {i: [] for i in reqs}
+    outs = run_all(engine, reqs, streamed)
+    print(f"\nfailed plans (items): {failed}; tau {engine.stats.tau:.2f}")
+    assert failed[0] == 8 and failed[-1] == 1 and len(failed) == 4  # 8 -> 4 -> 2 -> the culprit alone
+    assert len(streamed[culprit]) >= 5
+    assert_only_culprit_failed(engine, reqs, refs16, outs, streamed, culprit)
+    assert engine.stats.tau > 2.0  # drafting still accepted after the recompute
+
+
+def test_failed_prefill_iteration_ends_only_its_request(smollm2, random_drafter, reqs16, refs16):
+    """Requests 0-3 decode (DFlash, the random drafter) when requests 4-7 arrive; the runner fails
+    every iteration that prefills request 6 (prompts chunked by a 64-token prefill cap, so its
+    chunks run beside others' chunks and verify blocks). Request 6 ends with ``error`` and no
+    tokens, every other request with plain decoding's tokens. Without ``isolate_failures`` the
+    failure propagates out of ``step``."""
+    cfg = EngineConfig(block_size=4, max_batch_size=16, max_num_tokens=256, tokens_per_block=8, kv_capacity_tokens=4096)
+    cfg.max_prefill_tokens = 64
+    engine = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, cfg)
+    culprit = 6
+    inject_fault(engine, culprit, lambda it: it.start < len(reqs16[culprit].prompt_ids))
+    engine.add_request(reqs16[culprit], seq_id=culprit)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        engine.run()
+    engine.fail_all()
+    engine.run()
+    assert engine.result(culprit).finish_reason == "error"
+
+    engine = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, cfg)
+    engine.isolate_failures = True
+    failed = inject_fault(engine, culprit, lambda it: it.start < len(reqs16[culprit].prompt_ids))
+    streamed = {i: [] for i in range(8)}
+    for i in range(4):
+        engine.add_request(reqs16[i], on_tokens=lambda sid, toks: streamed[sid].extend(toks), seq_id=i)
+    outs = {}
+    while not all(streamed[i] for i in range(4)):
+        outs |= {s.seq_id: engine.result(s.seq_id) for s in engine.step()}
+    outs |= run_all(engine, {i: reqs16[i] for i in range(4, 8)}, streamed)
+    print(f"\nfailed plans (items): {failed}")
+    assert failed[0] > 4 and failed[-1] == 1
+    assert streamed[culprit] == []
+    assert_only_culprit_failed(engine, {i: reqs16[i] for i in range(8)}, refs16, outs, streamed, culprit)
+
+
 # ---------------------------------------------------------------- adaptive draft length
 def test_controller_prefers_drafting_when_verify_is_flat_and_accepted():
     c = DraftLengthController(max_draft=7, probe=4)

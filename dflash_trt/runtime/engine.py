@@ -12,15 +12,25 @@ One :meth:`LLMEngine.step`:
      the committed length are rolled back (freed); tokens are streamed; finished sequences
      leave and free their blocks.
 Every rank of a TP group runs step 3 on the same plan; steps 1, 2 and 4 run on rank 0 only.
+
+A failed iteration (``isolate_failures``: the serving loop) ends only the request that makes it
+fail. Nothing of it is committed; every sequence it held is preempted by recompute (its KV
+blocks freed, the runner's features of it dropped, its prompt and committed tokens prefilled
+again) and the failed iteration's sequences then run apart from the others, bisected group by
+group, until the one that fails alone ends with finish reason ``error``. A sequence that runs an
+iteration apart and commits a token rejoins the batch. A failure while one sequence's tokens are
+committed ends that sequence.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +67,8 @@ class EngineConfig:
             before; None: the drafter's alone.
         batch_invariant: the target's rows computed independently of each other
             (``models/batch_invariant.py``): True, False, or None = on for bf16 CPU targets.
+        max_prefill_tokens: most prompt tokens per iteration (None: up to ``max_num_tokens``):
+            how long an iteration that prefills can hold back the decoding sequences.
     """
 
     block_size: int | None = None
@@ -69,6 +81,7 @@ class EngineConfig:
     cuda_graphs: bool = False
     prompt_lookup: tuple[int, int] | None = None
     batch_invariant: bool | None = None
+    max_prefill_tokens: int | None = None
 
 
 def check_block_size(drafter: DFlashDrafter | None, block_size: int) -> None:
@@ -91,6 +104,12 @@ class LLMEngine:
         config: :class:`EngineConfig`.
         runner: the :class:`ModelRunner` to use (default: one built from the config).
         tp: TP group helper (rank 0's view) that broadcasts each plan, or None.
+
+    Attributes:
+        isolate_failures: False (default): an exception in an iteration propagates out of
+            :meth:`step`. True (:class:`AsyncLLM` sets it): the engine handles it, ending only
+            the request that makes iterations fail (module docstring); only a failure it cannot
+            attribute (under tensor parallelism, or in scheduling itself) propagates.
 
     Raises:
         DFlashError: impossible settings (block size, capacity below one block, ...).
@@ -125,7 +144,9 @@ class LLMEngine:
         if num_blocks < 1:
             raise DFlashError(f"KV capacity {cfg.kv_capacity_tokens} is below one block of {cfg.tokens_per_block}")
         self.blocks = BlockManager(num_blocks, cfg.tokens_per_block)
-        self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, cfg.max_num_tokens, reserve_extra=K)
+        self.scheduler = Scheduler(
+            self.blocks, cfg.max_batch_size, cfg.max_num_tokens, K, max_prefill_tokens=cfg.max_prefill_tokens
+        )
         self.runner = runner or ModelRunner(
             target,
             drafter if K > 1 else None,
@@ -151,6 +172,10 @@ class LLMEngine:
         self._admit = threading.Lock()
         self.iteration_s: deque[float] = deque(maxlen=4096)
         self._listeners: list[Callable[[RequestOutput, int], None]] = []
+        self.isolate_failures = False
+        # the sequences of failed iterations, in groups that run apart from the others (front first)
+        self._suspects: deque[list[int]] = deque()
+        self._suspects_turn = False
         if self.controller is not None:
             self.calibrate()
 
@@ -274,6 +299,7 @@ class LLMEngine:
             for s in seqs:
                 s.finish_reason, s.finish_s = "error", now
                 self._finish(s, [])
+            self._suspects.clear()
             return len(seqs)
 
     def _run(self, plan: StepPlan):
@@ -282,8 +308,14 @@ class LLMEngine:
         return self.runner.step(plan)
 
     def step(self) -> list[Sequence]:
-        """Run one iteration; returns the sequences that finished in it (aborts included). Its
-        wall time (seconds) joins :attr:`iteration_s` (the last 4096 iterations)."""
+        """Run one iteration; returns the sequences that finished in it (aborts and failed ones
+        included). Its wall time (seconds) joins :attr:`iteration_s` (the last 4096 iterations).
+
+        Raises:
+            Exception: whatever the iteration raised, unless :attr:`isolate_failures` (then only
+                what cannot be attributed to a request: under tensor parallelism, or raised
+                while scheduling).
+        """
         with self._lock:
             t0 = time.perf_counter()
             done = self._step()
@@ -299,25 +331,97 @@ class LLMEngine:
                 seq.finish_s = time.perf_counter()
                 self._finish(seq, done)
         t0 = time.perf_counter()
-        decoding = self.scheduler.decoding()
+        only, held = self._turn()
+        decoding = self.scheduler.decoding(only, held)
         probe = False
         if self.controller is not None:
             nd, probe = self.controller.choose(len(decoding), token_budget=self.config.max_num_tokens)
         else:
             nd = self.block_size - 1
-        sched = self.scheduler.schedule(1 if probe else 1 + nd)
+        sched = self.scheduler.schedule(1 if probe else 1 + nd, only, held)
         caps = [s.request.max_draft_tokens for s in sched.decode]
         drafts = [nd if c is None else min(nd, c) for c in caps[: 1 if probe else len(caps)]]
-        plan = self._plan(sched, drafts)
-        if not plan.items:
-            if plan.release:
-                self._run(plan)  # let the other ranks drop released state
+        seqs = sched.decode + [s for s, _ in sched.prefill]
+        rng = {s.seq_id: s.generator.get_state() for s in seqs if s.generator is not None}
+        plan = None
+        try:
+            plan = self._plan(sched, drafts)
+            if not plan.items:
+                if plan.release:
+                    self._run(plan)  # let the other ranks drop released state
+                return done
+            out = self._run(plan)
+        except Exception:
+            if not self.isolate_failures or self.tp is not None:
+                raise
+            self._release[:0] = plan.release if plan is not None else []
+            self._failed(seqs, rng, done)
             return done
-        out = self._run(plan)
+        before = {s.seq_id: len(s.output) for s in seqs} if only is not None else {}
         committed = self._commit(sched, plan, out, done)
+        if only is not None:  # a turn apart: whoever committed a token since rejoins the batch
+            self._clear([s.seq_id for s in seqs if s.finished or len(s.output) > before[s.seq_id]])
         if self.controller is not None:
             self._feedback(sched, plan, out, committed, time.perf_counter() - t0, probe)
         return done
+
+    # ---- failed iterations ----
+    def _turn(self) -> tuple[AbstractSet[int] | None, AbstractSet[int]]:
+        """Who runs this iteration while failed iterations' sequences are being run apart:
+        ``(only, held)`` for :meth:`Scheduler.schedule`. Turns alternate between the front group
+        of suspects alone and everyone else (the suspects held), so that the other requests
+        keep streaming meanwhile; the group runs whenever no one else can."""
+        running = {s.seq_id for s in self.scheduler.running}
+        groups = [kept for g in self._suspects if (kept := [sid for sid in g if sid in running])]
+        self._suspects = deque(groups)
+        if not groups:
+            return None, frozenset()
+        held = frozenset(sid for g in groups for sid in g)
+        others = self.scheduler.waiting or len(running) > len(held)
+        self._suspects_turn = not self._suspects_turn
+        if self._suspects_turn or not others:
+            return frozenset(groups[0]), frozenset()
+        return None, held
+
+    def _clear(self, seq_ids: list[int]) -> None:
+        """These sequences ran apart and committed: they rejoin the batch."""
+        gone = set(seq_ids)
+        self._suspects = deque(kept for g in self._suspects if (kept := [sid for sid in g if sid not in gone]))
+
+    def _failed(self, seqs: list[Sequence], rng: dict[int, torch.Tensor], done: list[Sequence]) -> None:
+        """The iteration of ``seqs`` raised (the exception is being handled) and nothing of it
+        was committed. One sequence: it ends with ``error``. Several: each is preempted by
+        recompute (its generator back where the iteration found it) and they are split in two
+        groups that run apart from the others, ahead of any earlier suspects."""
+        for s in seqs:
+            if s.seq_id in rng:
+                s.generator.set_state(rng[s.seq_id])
+        ids = [s.seq_id for s in seqs]
+        self._clear(ids)
+        if len(seqs) == 1:
+            log.error("an engine iteration failed on request %d alone: it ends with an error", ids[0], exc_info=True)
+            self._fail(seqs[0], done)
+            return
+        if not seqs:
+            log.exception("an engine iteration without requests failed")
+            return
+        log.warning(
+            "an engine iteration of %d requests failed; they are recomputed and run apart to find the one that fails",
+            len(seqs),
+            exc_info=log.isEnabledFor(logging.DEBUG),
+        )
+        for s in seqs:
+            s.preempt(self.blocks)
+            self._release.append(s.seq_id)  # the runner drops its features with the next plan
+        half = (len(ids) + 1) // 2
+        self._suspects.extendleft([ids[half:], ids[:half]])
+
+    def _fail(self, s: Sequence, done: list[Sequence]) -> None:
+        """End ``s`` with finish reason ``error`` (unless it has ended already)."""
+        if s in done:
+            return
+        s.finish_reason, s.finish_s = "error", time.perf_counter()
+        self._finish(s, done)
 
     def _feedback(self, sched: Schedule, plan: StepPlan, out, committed: int, wall_s: float, probe: bool) -> None:
         """The adaptive controller learns from the iteration: forward costs (every iteration),
@@ -340,7 +444,7 @@ class LLMEngine:
         items = []
         for s, n in sched.prefill:
             table = self.blocks.ensure(s.seq_id, s.num_cached + n)
-            ends_prompt = s.num_cached + n == s.prompt_len
+            ends_prompt = not s.output and s.num_cached + n == s.prompt_len  # (a recompute commits nothing)
             item = StepItem(
                 s.seq_id,
                 s.tokens[s.num_cached : s.num_cached + n],
@@ -395,15 +499,17 @@ class LLMEngine:
 
         n_prefill = len(sched.prefill)
         committed_before = st.committed
-        for i, (s, n) in enumerate(sched.prefill):
+
+        def prefill(i: int, s: Sequence, n: int) -> None:
             s.num_cached += n
             if plan.items[i].num_logits:
                 s.commit(choice(i, s)[:1])
                 if s.finished:
                     self._finish(s, done)
+
         n_drafting = sum(bool(out.drafts[n_prefill + j]) for j in range(len(sched.decode)))
-        for j, s in enumerate(sched.decode):
-            i = n_prefill + j
+
+        def verify(i: int, s: Sequence) -> None:
             drafts = out.drafts[i]
             choice_l = choice(i, s)
             if not drafts:
@@ -425,7 +531,24 @@ class LLMEngine:
                 self._finish(s, done)
             else:
                 self.blocks.truncate(s.seq_id, s.num_cached)  # roll back rejected positions
+
+        for i, (s, n) in enumerate(sched.prefill):
+            self._guarded(s, done, prefill, i, s, n)
+        for j, s in enumerate(sched.decode):
+            self._guarded(s, done, verify, n_prefill + j, s)
         return st.committed - committed_before
+
+    def _guarded(self, s: Sequence, done: list[Sequence], fn: Callable, *args) -> None:
+        """``fn(*args)``, which commits sequence ``s``'s tokens; with :attr:`isolate_failures`,
+        an exception in it ends ``s`` alone with ``error`` (the other sequences of the iteration
+        commit theirs)."""
+        if not self.isolate_failures:
+            return fn(*args)
+        try:
+            fn(*args)
+        except Exception:
+            log.error("committing the tokens of request %d failed: it ends with an error", s.seq_id, exc_info=True)
+            self._fail(s, done)
 
     def run(self) -> None:
         """Step until every queued request has finished, then hand the runner (every TP rank)
@@ -547,11 +670,14 @@ class AsyncLLM:
 
     ``async for tokens in llm.generate(request)`` yields each batch of committed tokens (one
     list per verify step); leaving the loop early (``break``, task cancellation) aborts the
-    request. ``close()`` stops the thread.
+    request. ``close()`` stops the thread. A failed iteration ends only the request that makes
+    it fail (:attr:`LLMEngine.isolate_failures` is turned on); a failure the engine cannot
+    attribute to a request ends every request in flight (:meth:`LLMEngine.fail_all`).
     """
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        engine.isolate_failures = True
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
@@ -562,8 +688,8 @@ class AsyncLLM:
             if self.engine.has_unfinished():
                 try:
                     self.engine.step()
-                except Exception:  # keep serving: the requests in flight end with an error
-                    log.exception("an engine iteration failed")
+                except Exception:  # not attributable to one request: keep serving, those in flight end
+                    log.exception("an engine iteration failed; every request in flight ends with an error")
                     self.engine.fail_all()
             else:
                 self._wake.wait(0.05)

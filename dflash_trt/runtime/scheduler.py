@@ -1,12 +1,18 @@
 """In-flight (continuous) batching: which sequences run in the next iteration.
 
-Requests join (``add``) and leave (finish, ``abort``) between iterations. Each iteration:
+Requests join (``add``) and leave (finish, ``abort``) between iterations. Each iteration
+(decode first, then prompt chunks, as vLLM v1's scheduler and Sarathi-Serve's stall-free batching):
 1. every running sequence whose prompt is in the KV cache decodes (one verify block each);
-2. the remaining token budget (``max_num_tokens``) goes to prompt chunks: first sequences
-   already part-way through their prompt, then waiting requests in arrival order (FIFO: the
-   head of the queue is never overtaken), each admitted only when the block manager can
-   reserve its worst case (prompt + max new tokens + one draft block) and fewer than
-   ``max_batch_size`` sequences run. Admitted sequences are never evicted.
+2. the remaining token budget (``max_num_tokens``), at most ``max_prefill_tokens``, goes to
+   prompt chunks: first sequences already part-way through their prompt, then waiting requests
+   in arrival order (FIFO: the head of the queue is never overtaken), each admitted only when
+   the block manager can reserve its worst case (prompt + max new tokens + one draft block) and
+   fewer than ``max_batch_size`` sequences run. Admitted sequences are never evicted for memory.
+
+A running sequence can be preempted by recompute (vLLM's ``PreemptionMode.RECOMPUTE``, used
+here after a failed iteration, ``engine.py``): its KV blocks are freed (its reservation kept)
+and ``num_cached`` goes back to 0, so its prompt and the tokens it has committed are prefilled
+again before it decodes on.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import torch
@@ -46,7 +53,7 @@ class Sequence:
         tokens: prompt then committed output tokens.
         num_cached: positions whose target K/V is in the cache (decode: ``len(tokens) - 1``).
         output: committed output tokens.
-        finish_reason: None while running; ``"stop"``, ``"length"`` or ``"abort"``.
+        finish_reason: None while running; ``"stop"``, ``"length"``, ``"abort"`` or ``"error"``.
     """
 
     seq_id: int
@@ -75,8 +82,21 @@ class Sequence:
         return len(self.request.prompt_ids)
 
     @property
+    def prefill_len(self) -> int:
+        """Positions to prefill before the sequence decodes: its prompt, or, when it has
+        committed tokens (recomputed after a preemption), every token but the last (the next
+        verify block's anchor)."""
+        return len(self.tokens) - 1 if self.output else self.prompt_len
+
+    @property
     def prefilled(self) -> bool:
-        return self.num_cached >= self.prompt_len
+        return self.num_cached >= self.prefill_len
+
+    def preempt(self, blocks: BlockManager) -> None:
+        """Preemption by recompute: free the sequence's KV blocks (keeping its reservation)
+        and prefill it again from position 0."""
+        self.num_cached = 0
+        blocks.truncate(self.seq_id, 0)
 
     @property
     def finished(self) -> bool:
@@ -123,12 +143,27 @@ class Scheduler:
         max_num_tokens: most target tokens per iteration (verify blocks + prompt chunks).
         reserve_extra: positions reserved past ``prompt + max_new_tokens`` (the drafter writes
             a whole block past the last committed token).
+        max_prefill_tokens: most prompt tokens per iteration (None: ``max_num_tokens``); bounds
+            how long an iteration that prefills holds back the decoding sequences.
+
+    Raises:
+        DFlashError: ``max_prefill_tokens`` < 1.
     """
 
-    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_tokens: int, reserve_extra: int):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_batch_size: int,
+        max_num_tokens: int,
+        reserve_extra: int,
+        max_prefill_tokens: int | None = None,
+    ):
+        if max_prefill_tokens is not None and max_prefill_tokens < 1:
+            raise DFlashError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.blocks = blocks
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
+        self.max_prefill_tokens = max_num_tokens if max_prefill_tokens is None else max_prefill_tokens
         self.reserve_extra = reserve_extra
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -162,20 +197,44 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.release(seq.seq_id)
 
-    def decoding(self) -> list[Sequence]:
-        return [s for s in self.running if s.prefilled]
+    def runs(self, only: AbstractSet[int] | None = None, held: AbstractSet[int] = frozenset()) -> list[Sequence]:
+        """The running sequences that take part in the next iteration: those in ``only`` when
+        given, else all but those ``held``."""
+        if only is not None:
+            return [s for s in self.running if s.seq_id in only]
+        return [s for s in self.running if s.seq_id not in held]
 
-    def schedule(self, decode_tokens: int) -> Schedule:
-        """Plan the iteration given ``decode_tokens`` target tokens per decoding sequence."""
-        decode = self.decoding()
-        budget = self.max_num_tokens - decode_tokens * len(decode)
+    def decoding(self, only: AbstractSet[int] | None = None, held: AbstractSet[int] = frozenset()) -> list[Sequence]:
+        """The sequences that decode in the next iteration (``only`` / ``held``: :meth:`runs`)."""
+        return [s for s in self.runs(only, held) if s.prefilled]
+
+    def schedule(
+        self, decode_tokens: int, only: AbstractSet[int] | None = None, held: AbstractSet[int] = frozenset()
+    ) -> Schedule:
+        """Plan the iteration given ``decode_tokens`` target tokens per decoding sequence.
+
+        Args:
+            decode_tokens: target tokens of each decoding sequence's verify block.
+            only: run just these running sequences, and admit nobody (a failed iteration's
+                sequences, run apart from the others); None: every running sequence not
+                ``held``, and admit waiting requests.
+            held: running sequences that sit this iteration out.
+
+        Returns:
+            the :class:`Schedule`: every decoding sequence that runs, then prompt chunks of at
+            most ``max_num_tokens`` minus the verify tokens, and at most ``max_prefill_tokens``,
+            in all.
+        """
+        runs = self.runs(only, held)
+        decode = [s for s in runs if s.prefilled]
+        budget = min(self.max_num_tokens - decode_tokens * len(decode), self.max_prefill_tokens)
         prefill: list[tuple[Sequence, int]] = []
-        for s in self.running:
+        for s in runs:
             if not s.prefilled and budget > 0:
-                n = min(s.prompt_len - s.num_cached, budget)
+                n = min(s.prefill_len - s.num_cached, budget)
                 prefill.append((s, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+        while only is None and self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             s = self.waiting[0]
             if not self.blocks.can_reserve(self.need(s.request)):
                 break  # FIFO: nothing overtakes the head of the queue
