@@ -212,6 +212,103 @@ def test_async_stream_and_cancel(smollm2, random_drafter, reqs16, refs16):
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
+# ---------------------------------------------------------------- the prefill cap: decoding never stalls
+def test_prefill_cap_bounds_every_iteration_and_decoding_always_advances():
+    """The scheduler alone (no model): 4 sequences decode while 6 prompts of 100 tokens wait,
+    under a 2048-token budget and a 64-token prefill cap. Every iteration schedules all
+    decoding sequences (decode first) and at most 64 prompt tokens; FIFO admission; every
+    prompt is prefilled exactly once. Then a preempted sequence (recompute) prefills its
+    prompt and committed tokens but the last, within the cap, and decodes again."""
+    from dflash_trt.runtime.scheduler import Scheduler, Sequence
+
+    bm = BlockManager(num_blocks=256, tokens_per_block=8)
+    sched = Scheduler(bm, max_batch_size=16, max_num_tokens=2048, reserve_extra=4, max_prefill_tokens=64)
+    with pytest.raises(DFlashError, match="max_prefill_tokens"):
+        Scheduler(bm, 16, 2048, 4, max_prefill_tokens=0)
+    seqs = [Sequence(i, Request(list(range(1, 21 if i < 4 else 101)), 30), frozenset(), None) for i in range(10)]
+
+    def run(s: Sequence, n: int | None) -> None:  # what the engine commits: a prompt chunk or one token
+        if n is None or s.num_cached + n == s.prefill_len:
+            s.commit([7])
+        s.num_cached = len(s.tokens) - 1 if n is None else s.num_cached + n
+
+    for s in seqs[:4]:
+        sched.add(s)
+    while sched.waiting or not all(s.prefilled for s in sched.running):
+        for s, n in sched.schedule(4).prefill:
+            run(s, n)
+    for s in seqs[4:]:
+        sched.add(s)
+    prefilled, admitted = {}, []
+    while sched.waiting or not all(s.prefilled for s in sched.running):
+        decoding = sched.decoding()
+        plan = sched.schedule(4)
+        assert plan.decode == decoding and len(decoding) >= 4  # every decoding sequence runs
+        assert 0 < sum(n for _, n in plan.prefill) <= 64, plan.prefill
+        for s, n in plan.prefill:
+            if s.num_cached == 0:
+                admitted.append(s.seq_id)
+            prefilled[s.seq_id] = prefilled.get(s.seq_id, 0) + n
+            run(s, n)
+        for s in plan.decode:
+            run(s, None)
+    assert admitted == list(range(4, 10)) and prefilled == dict.fromkeys(range(4, 10), 100)
+    s = seqs[5]
+    s.preempt(bm)
+    assert s.num_cached == 0 and not bm.table(5) and s.prefill_len == len(s.tokens) - 1 > 100
+    chunks = []
+    while not s.prefilled:
+        plan = sched.schedule(4, only={5})
+        assert plan.decode == [] and [x for x, _ in plan.prefill] == [s]
+        chunks.append(plan.prefill[0][1])
+        s.num_cached += chunks[-1]  # a recompute commits nothing
+    assert chunks[:-1] == [64] * (len(chunks) - 1) and sum(chunks) == len(s.tokens) - 1
+    plan = sched.schedule(4, held={5})
+    assert s not in plan.decode and len(plan.decode) == 9 and sched.schedule(4, only={5}).decode == [s]
+
+
+def test_prefill_cap_in_the_engine_stays_lossless(smollm2, random_drafter, reqs16, refs16):
+    """The real engine with a 32-token prefill cap: 4 requests decode (DFlash) when 6 more
+    arrive; every iteration prefills at most 32 prompt tokens, every sequence that was
+    decoding commits at least one token in every iteration, and every output is plain
+    decoding's."""
+    cfg = EngineConfig(
+        block_size=4, max_batch_size=16, max_num_tokens=2048, tokens_per_block=8, kv_capacity_tokens=4096
+    )
+    cfg.max_prefill_tokens = 32
+    engine = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, cfg)
+    schedule, mixed = engine.scheduler.schedule, []
+
+    def spy(*args, **kwargs):  # the engine's own schedules
+        plan = schedule(*args, **kwargs)
+        prompt_tokens = sum(n for _, n in plan.prefill)
+        assert prompt_tokens <= 32, plan.prefill
+        mixed.append(bool(plan.decode) and prompt_tokens > 0)
+        return plan
+
+    engine.scheduler.schedule = spy
+    streamed = {i: [] for i in range(10)}
+
+    def add(i: int) -> None:
+        engine.add_request(reqs16[i], on_tokens=lambda sid, toks: streamed[sid].extend(toks), seq_id=i)
+
+    for i in range(4):
+        add(i)
+    outs, arrived = {}, False
+    while engine.has_unfinished() or not arrived:
+        if not arrived and all(streamed[i] for i in range(4)):
+            for i in range(4, 10):
+                add(i)
+            arrived = True
+        decoding = {s.seq_id: len(streamed[s.seq_id]) for s in engine.scheduler.decoding()}
+        for s in engine.step():
+            outs[s.seq_id] = engine.result(s.seq_id).output_ids
+        assert all(len(streamed[i]) > n for i, n in decoding.items()), "a decoding sequence stalled"
+    engine.run()
+    assert sum(mixed) >= 6  # prompt chunks ran beside verify blocks
+    assert all(outs[i] == refs16[i] == streamed[i] for i in range(10))
+
+
 # ---------------------------------------------------------------- a failed iteration ends only its culprit
 def inject_fault(engine: LLMEngine, culprit: int, when) -> list[int]:
     """Make ``engine``'s runner raise on every plan that holds an item of sequence ``culprit``

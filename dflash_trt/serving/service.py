@@ -53,6 +53,9 @@ class ServeConfig:
         max_waiting_requests: most requests waiting for admission; one more is refused
             (:class:`QueueFull`: HTTP 503 with ``Retry-After``, a Triton error response).
             None: no bound.
+        max_prefill_tokens: most prompt tokens per engine iteration (the decoding streams wait
+            for an iteration that prefills); None: :func:`default_max_prefill_tokens` (a CPU:
+            :data:`CPU_MAX_PREFILL_TOKENS`; a GPU: up to ``max_num_tokens``).
     """
 
     target: str | None = None
@@ -74,6 +77,22 @@ class ServeConfig:
     cuda_graphs: bool = False
     batch_invariant: bool | None = None
     max_waiting_requests: int | None = 256
+    max_prefill_tokens: int | None = None
+
+
+#: a CPU server's prompt tokens per iteration: on 2 cores (bf16) 256 prompt tokens take about
+#: 0.75 s, so a stream waits under a second for its next token while prompts are prefilled
+#: (2048, all of ``max_num_tokens``, held every stream for 6-8 s); chunks this long still fill
+#: the GEMMs. As Sarathi-Serve's token budget / SGLang's ``--chunked-prefill-size``; vLLM's CPU
+#: server keeps a 2048-token budget on faster CPU kernels.
+CPU_MAX_PREFILL_TOKENS = 256
+
+
+def default_max_prefill_tokens(device: torch.device | str) -> int | None:
+    """The serving default of ``max_prefill_tokens`` on ``device``: :data:`CPU_MAX_PREFILL_TOKENS`
+    on a CPU; None (prompt chunks up to ``max_num_tokens``, as before) on a GPU, where a
+    prefill iteration is short."""
+    return CPU_MAX_PREFILL_TOKENS if torch.device(device).type == "cpu" else None
 
 
 class QueueFull(DFlashError):
@@ -123,6 +142,8 @@ class EngineService:
             raise DFlashError(f"tp_size must be >= 1, got {cfg.tp_size}")
         if cfg.max_waiting_requests is not None and cfg.max_waiting_requests < 0:
             raise DFlashError(f"max_waiting_requests must be >= 0, got {cfg.max_waiting_requests}")
+        if cfg.max_prefill_tokens is not None and cfg.max_prefill_tokens < 1:
+            raise DFlashError(f"max_prefill_tokens must be >= 1, got {cfg.max_prefill_tokens}")
         self.max_waiting_requests = cfg.max_waiting_requests
         self.tp = tp if tp is not None else init_tp()
         if self.tp is not None and cfg.tp_size not in (1, self.tp.size):
@@ -173,6 +194,7 @@ class EngineService:
             prompt_lookup=tuple(cfg.prompt_lookup) if cfg.prompt_lookup else None,  # a list after JSON
             cuda_graphs=cfg.cuda_graphs,
             batch_invariant=cfg.batch_invariant,
+            max_prefill_tokens=cfg.max_prefill_tokens or default_max_prefill_tokens(device),
         )
         self.worker = False
         if self.tp is None:
