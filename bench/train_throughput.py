@@ -37,7 +37,9 @@ SETTINGS = [
 def subset(data: Path, n: int, out: Path) -> Path:
     """The first ``n`` samples of ``data`` as a complete dataset in ``out``."""
     from dflash_trt.atomic import write_json
-    from dflash_trt.training.data import MANIFEST, SHARD_TEMPLATE, _write_shard, load_dataset, read_manifest
+    from dflash_trt.training.dataset import MANIFEST, SHARD_TEMPLATE, load_dataset
+    from dflash_trt.training.dataset import read_data_manifest as read_manifest
+    from dflash_trt.training.dataset import write_shard as _write_shard
 
     samples = load_dataset(data, allow_incomplete=True)[:n]
     m = read_manifest(data)

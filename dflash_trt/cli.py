@@ -629,7 +629,8 @@ def cmd_distill(args) -> None:
 
     from .checkpoints.loader import load_target, parse_device, parse_dtype
     from .prompts import read_prompts_file, sharegpt_prompts
-    from .training.data import generate_dataset, read_manifest
+    from .training.dataset import read_data_manifest
+    from .training.distill import generate_dataset
 
     if args.max_new_tokens < 1 or args.batch < 1:
         raise DFlashError("--max-new-tokens and --batch must be >= 1")
@@ -664,13 +665,15 @@ def cmd_distill(args) -> None:
         max_num_tokens=args.max_num_tokens,
         max_minutes=args.max_minutes,
     )
-    m = read_manifest(out)
+    m = read_data_manifest(out)
     state = "complete" if m["complete"] else f"{len(m['shards'])} of {m['num_shards']} shards (re-run to continue)"
     print(f"wrote {out}: {m['totals']['samples']} samples, {m['totals']['response_tokens']} response tokens, {state}")
 
 
 def cmd_train(args) -> None:
-    from .training.trainer import TrainConfig, read_log, train
+    from .training.config import TrainConfig
+    from .training.run_dir import read_log
+    from .training.trainer import train
 
     cfg = TrainConfig(
         steps=args.steps,
@@ -705,7 +708,7 @@ def cmd_train(args) -> None:
             raise DFlashError(f"training data not found: {d}")
     _setup_threads(args.threads)
     try:
-        from .training.data import load_dataset, read_manifest
+        from .training.dataset import load_dataset, read_data_manifest
     except ImportError as e:
         raise DFlashError(f"the training data reader is not available ({e})") from None
     from .checkpoints.loader import load_target, parse_device, parse_dtype
@@ -714,7 +717,7 @@ def cmd_train(args) -> None:
     samples = []
     for d in args.data:
         samples += load_dataset(d, allow_incomplete=True)
-        m = read_manifest(d)
+        m = read_data_manifest(d)
         if not m["complete"]:
             print(
                 f"note: {d} is incomplete ({len(m['shards'])} of {m['num_shards']} shards): training on the "
@@ -865,14 +868,15 @@ def cmd_kernels_aot(args) -> None:
 def cmd_text_data(args) -> None:
     from .checkpoints.loader import load_target
     from .prompts import sharegpt_conversations
-    from .training.data import read_manifest, write_text_dataset
+    from .training.dataset import read_data_manifest
+    from .training.text_data import write_text_dataset
 
     skip = args.skip_conversations
     convs = sharegpt_conversations(args.num_conversations, skip=skip)
     target = load_target(args.target)
     source = "ShareGPT conversations" + (f" {skip}..{skip + len(convs) - 1}" if skip else "")
     out = write_text_dataset(target, convs, Path(args.out), args.max_seq_len, source=source)
-    t = read_manifest(out)["totals"]
+    t = read_data_manifest(out)["totals"]
     print(f"wrote {out}: {t['samples']} conversations, {t['tokens']} tokens, {t['response_tokens']} assistant tokens")
 
 

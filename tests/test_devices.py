@@ -25,8 +25,10 @@ from dflash_trt.models.target import TargetModel
 from dflash_trt.runtime.engine import EngineConfig, LLMEngine
 from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
 from dflash_trt.runtime.sampling import SamplingParams
-from dflash_trt.training.data import Sample
-from dflash_trt.training.trainer import TrainConfig, read_log, train
+from dflash_trt.training.config import TrainConfig
+from dflash_trt.training.dataset import Sample
+from dflash_trt.training.run_dir import read_log
+from dflash_trt.training.trainer import train
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 VOCAB = 256

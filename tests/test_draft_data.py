@@ -26,10 +26,14 @@ from dflash_trt.checkpoints.zlab import init_drafter, load_drafter, save_drafter
 from dflash_trt.errors import DFlashError
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts, sharegpt_conversations
 from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
-from dflash_trt.training import trainer as T
-from dflash_trt.training.data import Sample, conversation_ids, load_dataset, write_text_dataset
+from dflash_trt.training.batching import IGNORE, TrainSequence, build_batch
+from dflash_trt.training.config import TrainConfig
+from dflash_trt.training.dataset import Sample, load_dataset
 from dflash_trt.training.draft_vocab import coverage, d2t_from_ids, token_counts, top_tokens
 from dflash_trt.training.feature_cache import FeatureCache, features_and_predictions
+from dflash_trt.training.run_dir import read_log
+from dflash_trt.training.text_data import conversation_ids, write_text_dataset
+from dflash_trt.training.trainer import train
 
 
 @pytest.fixture(scope="module")
@@ -123,18 +127,18 @@ def _causal(model, n):
 def test_target_labels_follow_the_greedy_path():
     ids = torch.tensor([5, 6, 10, 11, 12, 13, 14, 15])
     mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1], dtype=torch.bool)
-    seq = T.TrainSequence(ids, mask, torch.tensor([2, 3]), target_labels=True)
+    seq = TrainSequence(ids, mask, torch.tensor([2, 3]), target_labels=True)
     # the target agrees with the text at 3 and 5, not at 4: preds[p] is its choice for p + 1
     preds = torch.tensor([0, 0, 11, 99, 13, 14, 77, 0])
-    b = T.build_batch([seq], [torch.zeros(8, 4)], 10, 5, 1, torch.Generator().manual_seed(0), preds=[preds])
+    b = build_batch([seq], [torch.zeros(8, 4)], 10, 5, 1, torch.Generator().manual_seed(0), preds=[preds])
     assert b.anchors[0].tolist() == [2, 3]
     # anchor 2: slot 1 -> preds[2] = 11 (on path: 11 == ids[3]); slot 2 -> preds[3] = 99 (ids[4] = 12 is
     # off the path after it), so slots 3.. are unsupervised
-    assert b.labels[0, 0].tolist() == [11, 99, T.IGNORE, T.IGNORE]
+    assert b.labels[0, 0].tolist() == [11, 99, IGNORE, IGNORE]
     # anchor 3: slot 1 -> preds[3] = 99; the text leaves the path at once
-    assert b.labels[0, 1].tolist() == [99, T.IGNORE, T.IGNORE, T.IGNORE]
-    text = T.build_batch(
-        [T.TrainSequence(ids, mask, torch.tensor([2, 3]))],
+    assert b.labels[0, 1].tolist() == [99, IGNORE, IGNORE, IGNORE]
+    text = build_batch(
+        [TrainSequence(ids, mask, torch.tensor([2, 3]))],
         [torch.zeros(8, 4)],
         10,
         5,
@@ -226,7 +230,7 @@ def test_training_with_draft_vocab_target_labels_and_holdout(smollm2, text_data,
         Sample(s.input_ids, s.loss_mask, 100 + i, False, True) for i, s in enumerate(load_dataset(text_data)[:2])
     ]
     target = LoadedTarget(smollm2.model, smollm2.tokenizer, smollm2.path, smollm2.stop_token_ids)
-    cfg = T.TrainConfig(
+    cfg = TrainConfig(
         steps=4,
         batch=2,
         anchors_per_seq=8,
@@ -240,24 +244,24 @@ def test_training_with_draft_vocab_target_labels_and_holdout(smollm2, text_data,
         progress=False,
         feature_cache=str(tmp_path / "fc"),
     )
-    out = T.train(target, samples, tmp_path / "run", cfg)
+    out = train(target, samples, tmp_path / "run", cfg)
     d = load_drafter(out)
     assert d.cfg.draft_vocab_size == 64
     counts = token_counts(((s.input_ids[:200], s.loss_mask[:200]) for s in samples), 49152)
     ids = d.draft_token_ids()
     assert int(counts.argmax()) in ids.tolist() and len(set(ids.tolist())) == 64  # the data's commonest tokens
-    recs, evals = T.read_log(tmp_path / "run"), T.read_log(tmp_path / "run", evals=True)
+    recs, evals = read_log(tmp_path / "run"), read_log(tmp_path / "run", evals=True)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     assert any(r["outside_vocab"] > 0 for r in recs), "64 tokens cannot cover every label"
     assert [e["step"] for e in evals] == [2, 4] and len(evals[0]["eval"]["acc"]) == 3
     assert evals[-1]["eval"]["supervised"] > 0
     assert (Path(tmp_path / "fc") / "meta.json").is_file()
     with pytest.raises(DFlashError, match="exclude each other"):
-        T.train(
+        train(
             target,
             samples,
             tmp_path / "run2",
-            T.TrainConfig(
+            TrainConfig(
                 steps=2,
                 block_size=4,
                 draft_vocab=512,

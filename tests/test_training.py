@@ -30,8 +30,12 @@ from dflash_trt.models.layers import AttentionMetadata
 from dflash_trt.runtime.executor import DFlashEngine, Request, first_divergence, top2_margin
 from dflash_trt.runtime.kv_cache import KVCache
 from dflash_trt.runtime.model_runner import ModelRunner, StepItem
-from dflash_trt.training import trainer as T
+from dflash_trt.training.batching import IGNORE, TrainSequence, build_batch, holdout_split, prepare_sequences
+from dflash_trt.training.config import TrainConfig, autocast_dtype, default_gamma
 from dflash_trt.training.feature_cache import features_and_predictions
+from dflash_trt.training.loss import HeadCrossEntropy, compute_loss, sampled_vocab, slot_weights
+from dflash_trt.training.run_dir import read_log
+from dflash_trt.training.trainer import train
 
 SENTENCES = [
     "The train left the station at dawn, carrying farmers and their baskets to the market in town.",
@@ -174,7 +178,7 @@ def test_head_cross_entropy_matches_autograd():
     W = torch.randn(V, Hd, generator=g)
     y = torch.randint(0, V, (M,), generator=g)
     w = torch.rand(M, generator=g)
-    total, pred = T._HeadCrossEntropy.apply(h, W, y, w, 8, torch.float32)
+    total, pred = HeadCrossEntropy.apply(h, W, y, w, 8, torch.float32)
     (total * 0.7).backward()
     h2 = h.detach().clone().requires_grad_(True)
     logits = h2 @ W.t()
@@ -188,15 +192,15 @@ def test_head_cross_entropy_matches_autograd():
 
 
 def test_batch_layout_and_weights(samples):
-    assert T.default_gamma(16) == 7 and T.default_gamma(8) == 4
-    w = T.slot_weights(16)
+    assert default_gamma(16) == 7 and default_gamma(8) == 4
+    w = slot_weights(16)
     assert w[0] == 1 and abs(float(w[7]) - torch.exp(torch.tensor(-1.0)).item()) < 1e-6
-    seqs = T.prepare_sequences(samples, 49152, 2048)
+    seqs = prepare_sequences(samples, 49152, 2048)
     s = seqs[0]
     start = s.mask.int().argmax().item()  # first response position
     assert s.candidates.min() == start and s.candidates.max() == len(s.ids) - 2
     feats = [torch.zeros(len(x.ids), 4) for x in seqs[:2]]
-    b = T.build_batch(seqs[:2], feats, 1000, 8, 7, torch.Generator().manual_seed(0))
+    b = build_batch(seqs[:2], feats, 1000, 8, 7, torch.Generator().manual_seed(0))
     nb = b.anchors.shape[1]
     assert b.labels.shape == (2, nb, 7) and b.block_ids.shape == (2, nb, 8)
     for i, x in enumerate(seqs[:2]):
@@ -205,26 +209,26 @@ def test_batch_layout_and_weights(samples):
         assert (b.block_ids[i, :n, 0] == x.ids[x.candidates]).all() and (b.block_ids[i, :, 1:] == 7).all()
         for j, a in enumerate(x.candidates.tolist()):
             for k in range(1, 8):
-                want = int(x.ids[a + k]) if a + k < len(x.ids) and x.mask[a + k] else T.IGNORE
+                want = int(x.ids[a + k]) if a + k < len(x.ids) and x.mask[a + k] else IGNORE
                 assert int(b.labels[i, j, k - 1]) == want
-        assert (b.labels[i, n:] == T.IGNORE).all()
-    few = T.build_batch(seqs[:1], feats[:1], 5, 8, 7, torch.Generator().manual_seed(0))
+        assert (b.labels[i, n:] == IGNORE).all()
+    few = build_batch(seqs[:1], feats[:1], 5, 8, 7, torch.Generator().manual_seed(0))
     assert few.anchors.shape == (1, 5) and set(few.anchors[0].tolist()) <= set(seqs[0].candidates.tolist())
     with pytest.raises(DFlashError, match="no training sample"):
-        T.prepare_sequences([Sample([1, 2, 3], [0, 0, 1])], 49152, 2048)
+        prepare_sequences([Sample([1, 2, 3], [0, 0, 1])], 49152, 2048)
     with pytest.raises(DFlashError, match="vocabulary"):
-        T.prepare_sequences([Sample([1, 99999], [1, 1])], 49152, 2048)
+        prepare_sequences([Sample([1, 99999], [1, 1])], 49152, 2048)
     with pytest.raises(DFlashError, match="batch"):
-        T.TrainConfig(batch=0).validate()
+        TrainConfig(batch=0).validate()
 
 
 def _fixed_batch_loss(smollm2, drafter, samples, B) -> float:
-    seqs = T.prepare_sequences(samples, smollm2.model.cfg.vocab_size, 2048)
+    seqs = prepare_sequences(samples, smollm2.model.cfg.vocab_size, 2048)
     feats = [f for f, _ in features_and_predictions(smollm2.model, [s.ids for s in seqs], drafter.cfg.target_layer_ids)]
-    batch = T.build_batch(seqs, feats, 16, B, drafter.cfg.mask_token_id, torch.Generator().manual_seed(123))
+    batch = build_batch(seqs, feats, 16, B, drafter.cfg.mask_token_id, torch.Generator().manual_seed(123))
     with torch.no_grad():
-        loss, _ = T.compute_loss(
-            drafter.float(), smollm2.model.embed.weight, smollm2.model.lm_head.weight, batch, T.slot_weights(B), None
+        loss, _ = compute_loss(
+            drafter.float(), smollm2.model.embed.weight, smollm2.model.lm_head.weight, batch, slot_weights(B), None
         )
     return float(loss)
 
@@ -235,19 +239,19 @@ def test_sampled_softmax_and_feature_regression(smollm2, samples):
     target = smollm2.model
     L = target.cfg.num_layers
     drafter = init_drafter(target.cfg, 1, 8, mask_id(smollm2), seed=5, target_layer_ids=[3, L - 1]).float()
-    seqs = T.prepare_sequences(samples[:3], target.cfg.vocab_size, 2048)
+    seqs = prepare_sequences(samples[:3], target.cfg.vocab_size, 2048)
     feats = [f for f, _ in features_and_predictions(target, [s.ids for s in seqs], drafter.cfg.target_layer_ids)]
-    batch = T.build_batch(seqs, feats, 8, 8, drafter.cfg.mask_token_id, torch.Generator().manual_seed(1))
-    E, W, w = target.embed.weight, target.lm_head.weight, T.slot_weights(8)
+    batch = build_batch(seqs, feats, 8, 8, drafter.cfg.mask_token_id, torch.Generator().manual_seed(1))
+    E, W, w = target.embed.weight, target.lm_head.weight, slot_weights(8)
     with torch.no_grad():
-        full, st_full = T.compute_loss(drafter, E, W, batch, w, None)
-        every, _ = T.compute_loss(drafter, E, W, batch, w, None, vocab=torch.arange(W.shape[0]))
+        full, st_full = compute_loss(drafter, E, W, batch, w, None)
+        every, _ = compute_loss(drafter, E, W, batch, w, None, vocab=torch.arange(W.shape[0]))
         seen = torch.zeros(W.shape[0], dtype=torch.bool)
         for sq in seqs:
             seen[sq.ids] = True
-        sub = T._step_vocab(seen, 100, torch.Generator().manual_seed(2))
-        part, _ = T.compute_loss(drafter, E, W, batch, w, None, vocab=sub)
-        reg, _ = T.compute_loss(drafter, E, W, batch, w, None, reg_weight=0.5)
+        sub = sampled_vocab(seen, 100, torch.Generator().manual_seed(2))
+        part, _ = compute_loss(drafter, E, W, batch, w, None, vocab=sub)
+        reg, _ = compute_loss(drafter, E, W, batch, w, None, reg_weight=0.5)
         # the regression term by hand: slot k of block b vs the final normed hidden at anchor + k - 1
         hidden = drafter.forward_train(
             F.embedding(batch.block_ids, E), batch.features, batch.positions, batch.anchors, batch.valid
@@ -257,7 +261,7 @@ def test_sampled_softmax_and_feature_regression(smollm2, samples):
         for i in range(batch.labels.shape[0]):
             for j in range(batch.labels.shape[1]):
                 for k in range(1, 8):
-                    if batch.labels[i, j, k - 1] == T.IGNORE:
+                    if batch.labels[i, j, k - 1] == IGNORE:
                         continue
                     t = feats[i][batch.anchors[i, j] + k - 1, -H:]
                     num += float(w[k - 1]) * float((hidden[i, j, k] - t).pow(2).mean() / t.pow(2).mean())
@@ -274,13 +278,13 @@ def test_sampled_softmax_and_feature_regression(smollm2, samples):
     assert float(part) < float(full) - 1e-3  # fewer competitors: lower CE on the same logits
     assert abs(float(reg) - float(full) - 0.5 * num / den) < 1e-3 * max(1.0, num / den)
     with pytest.raises(DFlashError, match="outside the training vocabulary"), torch.no_grad():
-        T.compute_loss(drafter, E, W, batch, w, None, vocab=torch.arange(10))
+        compute_loss(drafter, E, W, batch, w, None, vocab=torch.arange(10))
 
 
 @pytest.fixture(scope="module")
 def trained(smollm2, samples, tmp_path_factory):
     out = tmp_path_factory.mktemp("train") / "run"
-    cfg = T.TrainConfig(
+    cfg = TrainConfig(
         steps=30,
         batch=4,
         anchors_per_seq=16,
@@ -292,7 +296,7 @@ def trained(smollm2, samples, tmp_path_factory):
         autocast="fp32",  # bf16 autocast is ~12x slower on an AVX2-only CPU (test_autocast_auto)
         progress=False,
     )
-    path = T.train(smollm2, samples, out, cfg)
+    path = train(smollm2, samples, out, cfg)
     return out, path, cfg
 
 
@@ -300,7 +304,7 @@ def test_loss_goes_down(smollm2, samples, trained):
     out, path, cfg = trained
     before = _fixed_batch_loss(smollm2, init_drafter(smollm2.model.cfg, 1, 8, mask_id(smollm2), seed=0), samples, 8)
     after = _fixed_batch_loss(smollm2, load_drafter(path), samples, 8)
-    recs = T.read_log(out)
+    recs = read_log(out)
     print(
         f"\n30 steps (1 layer, B=8, 4 seq x 16 anchors, fp32): fixed-batch loss {before:.3f} -> {after:.3f}; "
         f"log loss {recs[0]['loss']:.3f} -> {recs[-1]['loss']:.3f}, "
@@ -315,7 +319,7 @@ def test_loss_goes_down(smollm2, samples, trained):
 
 def test_resume_reproduces_uninterrupted_run(smollm2, samples, tmp_path):
     out = tmp_path / "run"
-    cfg = T.TrainConfig(
+    cfg = TrainConfig(
         steps=6,
         batch=2,
         anchors_per_seq=8,
@@ -327,14 +331,14 @@ def test_resume_reproduces_uninterrupted_run(smollm2, samples, tmp_path):
         autocast="bf16",
         progress=False,
     )
-    T.train(smollm2, samples, out, cfg)
+    train(smollm2, samples, out, cfg)
     want = torch.load(out / "ckpt-000006" / "train_state.pt", weights_only=False)
     want_w = load_drafter(out / "ckpt-000006").state_dict()
-    want_log = T.read_log(out)
+    want_log = read_log(out)
     # interrupted after step 3: drop everything later, then resume
     shutil.rmtree(out / "ckpt-000006")
     shutil.rmtree(out / "drafter")
-    T.train(smollm2, samples, out, cfg)
+    train(smollm2, samples, out, cfg)
     got = torch.load(out / "ckpt-000006" / "train_state.pt", weights_only=False)
     got_w = load_drafter(out / "ckpt-000006").state_dict()
     assert got["step"] == 6 and got["scheduler"]["last_epoch"] == 6
@@ -343,14 +347,14 @@ def test_resume_reproduces_uninterrupted_run(smollm2, samples, tmp_path):
     for pid, st in want["optimizer"]["state"].items():
         for name in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(st[name], got["optimizer"]["state"][pid][name]), (pid, name)
-    got_log = T.read_log(out)
+    got_log = read_log(out)
     assert [r["step"] for r in got_log] == list(range(1, 7))
     assert [r["loss"] for r in got_log] == [r["loss"] for r in want_log]
     # an existing run is not silently restarted or continued with another shape
     with pytest.raises(DFlashError, match="already holds checkpoints"):
-        T.train(smollm2, samples, out, cfg, resume=False)
+        train(smollm2, samples, out, cfg, resume=False)
     with pytest.raises(DFlashError, match="block size"):
-        T.train(smollm2, samples, out, T.TrainConfig(steps=6, block_size=4, progress=False))
+        train(smollm2, samples, out, TrainConfig(steps=6, block_size=4, progress=False))
 
 
 def test_autocast_auto():
@@ -358,10 +362,10 @@ def test_autocast_auto():
     from dflash_trt.models.cpu_linear import onednn_available
 
     cpu = torch.device("cpu")
-    assert T.autocast_dtype("auto", cpu) == (torch.bfloat16 if onednn_available() else None)
-    assert T.autocast_dtype("fp32", cpu) is None and T.autocast_dtype("bf16", cpu) == torch.bfloat16
+    assert autocast_dtype("auto", cpu) == (torch.bfloat16 if onednn_available() else None)
+    assert autocast_dtype("fp32", cpu) is None and autocast_dtype("bf16", cpu) == torch.bfloat16
     with pytest.raises(DFlashError, match="autocast must be auto"):
-        T.TrainConfig(autocast="int8").validate()
+        TrainConfig(autocast="int8").validate()
 
 
 def test_exported_drafter_is_lossless(smollm2, trained):
@@ -385,10 +389,10 @@ def test_cli_train(smollm2, samples, tmp_path, monkeypatch, capsys):
 
     data = tmp_path / "data"
     data.mkdir()
-    fake = types.ModuleType("dflash_trt.training.data")
+    fake = types.ModuleType("dflash_trt.training.dataset")
     fake.load_dataset = lambda d, allow_incomplete=False: samples
-    fake.read_manifest = lambda d: {"complete": True, "shards": [], "num_shards": 0}
-    monkeypatch.setitem(sys.modules, "dflash_trt.training.data", fake)
+    fake.read_data_manifest = lambda d: {"complete": True, "shards": [], "num_shards": 0}
+    monkeypatch.setitem(sys.modules, "dflash_trt.training.dataset", fake)
     monkeypatch.setattr("dflash_trt.checkpoints.loader.load_target", lambda spec, dtype=None, device=None: smollm2)
     out = tmp_path / "run"
     rc = main(
@@ -459,19 +463,19 @@ def test_holdout_split_keeps_the_same_sequences_out_when_data_is_added():
         out = []
         for _ in range(n):
             ids = torch.randint(0, 1000, (int(torch.randint(8, 40, (1,), generator=gen)),), generator=gen)
-            out.append(T.TrainSequence(ids, torch.ones_like(ids, dtype=torch.bool), torch.arange(len(ids) - 1)))
+            out.append(TrainSequence(ids, torch.ones_like(ids, dtype=torch.bool), torch.arange(len(ids) - 1)))
         return out
 
     a, b = seqs(400), seqs(300)
     key = lambda s: tuple(s.ids.tolist())  # noqa: E731
-    train_a, held_a = T.holdout_split(a, 0.1)
-    train_ab, held_ab = T.holdout_split(b[:150] + a + b[150:], 0.1)
+    train_a, held_a = holdout_split(a, 0.1)
+    train_ab, held_ab = holdout_split(b[:150] + a + b[150:], 0.1)
     assert 20 <= len(held_a) <= 60 and len(train_a) + len(held_a) == len(a)
     in_a = {key(s) for s in a}
     assert {key(s) for s in held_a} == {key(s) for s in held_ab if key(s) in in_a}  # the old ones stay out
     assert not {key(s) for s in held_ab} & {key(s) for s in train_ab}
     assert len(held_ab) > len(held_a)  # new data adds held-out sequences too
-    assert T.holdout_split(a, 0.0) == (a, [])
-    assert len(T.holdout_split(a[:3], 0.01)[1]) == 1  # at least one
+    assert holdout_split(a, 0.0) == (a, [])
+    assert len(holdout_split(a[:3], 0.01)[1]) == 1  # at least one
     with pytest.raises(DFlashError, match="leaves no sequence"):
-        T.holdout_split(a[:1], 0.5)
+        holdout_split(a[:1], 0.5)

@@ -14,11 +14,8 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.prompts import chat_prompt_ids, iter_json_array, load_prompts, sharegpt_prompts, sharegpt_stats
 from dflash_trt.runtime.executor import DFlashEngine, Request, first_divergence, top2_margin
 from dflash_trt.runtime.sampling import SamplingParams
-from dflash_trt.training.data import (
-    _request_seed,
-    generate_dataset,
-    load_dataset,
-)
+from dflash_trt.training.dataset import load_dataset
+from dflash_trt.training.distill import generate_dataset, request_seed
 from dflash_trt.training.word_problems import word_problems
 
 
@@ -116,7 +113,7 @@ def test_generate_load_resume(smollm2, tmp_path):
         assert s.loss_mask == [0] * n + [1] * (len(s.input_ids) - n)
         resp = s.input_ids[n:]
         assert 1 <= len(resp) <= 8 and s.stopped == (resp[-1] in smollm2.stop_token_ids)
-        sampling = SamplingParams(0.7, seed=_request_seed(0, i)) if s.sampled else SamplingParams()
+        sampling = SamplingParams(0.7, seed=request_seed(0, i)) if s.sampled else SamplingParams()
         ref = engine.generate([Request(ids, 8, sampling)], block_size=1)[0].output_ids
         if s.sampled:
             assert resp == ref  # per-request seed: independent of the batch it ran in
