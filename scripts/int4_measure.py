@@ -32,7 +32,7 @@ def linears(args) -> None:
         "issue [1536x576]": (1536, 576),
         "lm_head [49152x576]": (49152, 576),
     }
-    from dflash_trt.models.quant_linear import PackedLinear
+    from dflash_trt.quantization.packed import PackedLinear
 
     torch.manual_seed(0)
     print(f"threads {torch.get_num_threads()}; microseconds per GEMM, median (min) of {args.reps} interleaved reps")
@@ -69,8 +69,8 @@ def linears(args) -> None:
 def models(args) -> None:
     from dflash_trt.checkpoints.loader import load_target
     from dflash_trt.models.layers import AttentionMetadata
-    from dflash_trt.models.quant_linear import packed_summary
     from dflash_trt.prompts import chat_prompt_ids, load_prompts
+    from dflash_trt.quantization.packed import packed_summary
     from dflash_trt.runtime.executor import DFlashEngine, Request, first_divergence, top2_margin
     from dflash_trt.runtime.kv_cache import KVCache
 

@@ -24,8 +24,8 @@ from dflash_trt.checkpoints.loader import load_pair
 from dflash_trt.errors import DFlashError
 from dflash_trt.kernels.cpu_ops import bi_attention, bi_linear
 from dflash_trt.models.batch_invariant import BatchInvariantLinear, check_batch_invariant, set_batch_invariant
-from dflash_trt.models.quant_linear import PackedLinear
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
+from dflash_trt.quantization.packed import PackedLinear
 from dflash_trt.runtime.engine import EngineConfig, LLMEngine
 from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
 

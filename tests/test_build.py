@@ -25,7 +25,8 @@ from dflash_trt.checkpoints import trtllm as L
 from dflash_trt.config import BuildConfig
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.config import TargetConfig
-from dflash_trt.quantization.formats import dequantize_fp8, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
+from dflash_trt.quantization.fp8 import dequantize_fp8, quantize_fp8
+from dflash_trt.quantization.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "build_configs").glob("*.yaml"))
@@ -360,7 +361,7 @@ def test_fp8_engine_runs_in_the_runtime(tmp_path, smollm2):
 
     # FP8 GEMMs (torch._scaled_mm over the engine's own e4m3 bytes and calibrated input scale)
     from dflash_trt.checkpoints.sources import load_safetensors_file
-    from dflash_trt.quantization.fp8_linear import Fp8Linear
+    from dflash_trt.quantization.fp8 import Fp8Linear
 
     t8, d8, _ = load_engine(out, fp8_gemm=True)
     qkv = t8.model.layers[3].attn.qkv

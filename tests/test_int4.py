@@ -14,13 +14,14 @@ import pytest
 import torch
 from helpers import ROWS_TIE, OracleRunner, plain_outputs, same_or_tie
 
-from dflash_trt.checkpoints.gguf_packed import _qk_inverse_rows, q4_1_codes
+from dflash_trt.checkpoints.gguf_packed import _qk_inverse_rows
 from dflash_trt.checkpoints.loader import load_pair, load_target
 from dflash_trt.checkpoints.sources import default_target_gguf
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.layers import AttentionMetadata
-from dflash_trt.models.quant_linear import PackedLinear, packed_stack
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
+from dflash_trt.quantization.int4 import q4_1_codes
+from dflash_trt.quantization.packed import PackedLinear, packed_stack
 from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request, first_divergence, top2_margin
 from dflash_trt.runtime.kv_cache import KVCache
 
@@ -231,8 +232,9 @@ def test_builder_engine_round_trip(tmp_path, smollm2, fmt):
     from dflash_trt.builder.builder import build_engine
     from dflash_trt.checkpoints.engine import load_engine, load_models, read_manifest
     from dflash_trt.config import BuildConfig
-    from dflash_trt.models.quant_linear import quantize_int4, quantize_linears
     from dflash_trt.models.target import TargetModel
+    from dflash_trt.quantization.int4 import quantize_int4
+    from dflash_trt.quantization.packed import quantize_linears
 
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / fmt

@@ -36,69 +36,14 @@ from ..checkpoints import trtllm as L
 from ..checkpoints.engine import ENGINE_FORMAT, ENGINE_VERSION
 from ..checkpoints.loader import LoadedTarget, dtype_name
 from ..checkpoints.sources import sha256_file
-from ..config import INT_QUANT_FORMATS, BuildConfig
+from ..config import BuildConfig
 from ..errors import DFlashError
 from ..models.config import DrafterConfig, TargetConfig
 from ..models.drafter import DFlashDrafter
-from ..quantization.formats import activation_scale, quantize_fp8, quantize_nvfp4
+from ..quantization.common import HF_SUFFIX, QuantizedLinear, linear_rows, needs_calibration, weight_format
 from .plan import MemoryPlan, memory_plan
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-QUANT_ALGO = {"none": None, "fp8": "FP8", "nvfp4": "NVFP4", "int4": "W4A16_GPTQ", "int8": "W8A16"}
-#: TRT-LLM checkpoint suffix -> unified HF (ModelOpt export) suffix
-HF_SUFFIX = {
-    "weights_scaling_factor": "weight_scale",
-    "weights_scaling_factor_2": "weight_scale_2",
-    "activation_scaling_factor": "input_scale",
-    "zero": "weight_zero_point",
-}
-
-
-#: one quantized GEMM weight over its whole (unsharded) output range: TRT-LLM suffix ->
-#: tensor (``weight``, ``weights_scaling_factor``, ``weights_scaling_factor_2``,
-#: ``activation_scaling_factor``); the 2-D ones (weight, NVFP4 block scales) are per output row
-QuantizedLinear = dict
-
-
-def _rows(q: QuantizedLinear, a: int, b: int) -> QuantizedLinear:
-    """Output rows ``a:b`` of a quantized linear; per-tensor scales are shared by the slices."""
-    return {k: (v[a:b] if v.dim() == 2 else v) for k, v in q.items()}
-
-
-def quantize_int_linear(w: torch.Tensor, fmt: str, group_size: int) -> QuantizedLinear:
-    """Weight-only int4 / int8 of one linear ``[out, in]``, round to nearest
-    (:func:`~dflash_trt.models.quant_linear.quantize_int4` / ``quantize_int8``); no activation
-    scale. Tensors (all per output row, so fused members slice by rows):
-
-    * int4: ``weight`` uint8 ``[out, in / 2]`` (codes 0..15, the even element in the low
-      nibble), ``weights_scaling_factor`` and ``zero`` fp32 ``[out, in / group_size]``,
-      ``w = q * scale + zero`` (GGUF Q4_1's convention);
-    * int8: ``weight`` int8 ``[out, in]``, ``weights_scaling_factor`` fp32 ``[out, 1]``,
-      ``w = q * scale``.
-
-    Raises:
-        DFlashError: ``in`` not divisible by ``group_size`` (int4).
-    """
-    from ..models.quant_linear import pack_nibbles, quantize_int4, quantize_int8
-
-    if fmt == "int4":
-        q, scale, zero = quantize_int4(w, group_size)
-        return {"weight": pack_nibbles(q), "weights_scaling_factor": scale, "zero": zero}
-    q, scale = quantize_int8(w)
-    return {"weight": q, "weights_scaling_factor": scale.unsqueeze(-1)}
-
-
-def quantize_linear(w: torch.Tensor, fmt: str, act_amax: float) -> QuantizedLinear:
-    """Quantize one (possibly fused) linear weight ``[out, in]`` with ModelOpt; fused members
-    (q/k/v, gate/up) share the per-tensor scales, as ModelOpt's exports make them."""
-    if fmt == "fp8":
-        q, s = quantize_fp8(w)
-        t = {"weight": q, "weights_scaling_factor": s}
-    else:
-        q, bs, s2 = quantize_nvfp4(w)
-        t = {"weight": q, "weights_scaling_factor": bs, "weights_scaling_factor_2": s2}
-    t["activation_scaling_factor"] = activation_scale(fmt, act_amax)
-    return t
 
 
 def quantize_model(
@@ -110,28 +55,32 @@ def quantize_model(
     desc: str = "quantize",
     group_size: int = 32,
 ) -> dict[str, QuantizedLinear]:
-    """``{spec.source: QuantizedLinear}`` for every linear of ``specs`` (whole fused sources:
-    the gate/up halves are quantized together and sliced later). int4 / int8 are weight-only
-    (:func:`quantize_int_linear`, ``group_size`` for int4) and read no ``amax``.
+    """``{spec.source: QuantizedLinear}`` for every linear of ``specs`` in weight format ``fmt``
+    (:attr:`~dflash_trt.quantization.common.WeightFormat.quantize`; whole fused sources: the
+    gate/up halves are quantized together and sliced later, fused members share per-tensor
+    scales as ModelOpt's exports make them). FP8 / NVFP4 take the largest calibrated input range
+    ``amax`` of the source's modules; int4 / int8 are weight-only (``group_size`` for int4) and
+    read no ``amax``.
 
     Raises:
         DFlashError: a linear without a calibrated activation range.
     """
     from tqdm import tqdm
 
+    wf = weight_format(fmt)
     out: dict[str, QuantizedLinear] = {}
     todo = [s for s in specs if s.linear]
     for s in tqdm(todo, desc=desc, unit="linear", disable=not progress, file=sys.stderr):
         if s.source in out:
             continue
-        if fmt in INT_QUANT_FORMATS:  # weight-only: no activation range needed
-            out[s.source] = quantize_int_linear(L.gather_source(sd, s.source).float(), fmt, group_size)
-            continue
-        mods = s.module.split("|")
-        missing = [m for m in mods if m not in amax]
-        if missing:
-            raise DFlashError(f"no calibrated activation range for {missing[0]}")
-        out[s.source] = quantize_linear(L.gather_source(sd, s.source).float(), fmt, max(amax[m] for m in mods))
+        act_amax = None
+        if not wf.weight_only:
+            mods = s.module.split("|")
+            missing = [m for m in mods if m not in amax]
+            if missing:
+                raise DFlashError(f"no calibrated activation range for {missing[0]}")
+            act_amax = max(amax[m] for m in mods)
+        out[s.source] = wf.quantize(L.gather_source(sd, s.source).float(), act_amax, group_size)
     return out
 
 
@@ -142,7 +91,7 @@ def linear_tensors(
     the quantized tensors (``weight``, scales)."""
     if spec.source in qlin:
         q = qlin[spec.source]
-        return _rows(q, *spec.rows) if spec.rows else q
+        return linear_rows(q, *spec.rows) if spec.rows else q
     return {"": L.gather(sd, spec).to(dtype)}
 
 
@@ -239,19 +188,16 @@ def drafter_trtllm_config(cfg: DrafterConfig, bc: BuildConfig) -> dict:
 
 def quant_algos(fmt: str, kv: str, exclude: list[str] | None, group_size: int = 32) -> dict:
     """The quantization block both TensorRT-LLM's ``config.json`` and ModelOpt's
-    ``hf_quant_config.json`` carry: ``quant_algo``, ``kv_cache_quant_algo``, ``exclude_modules``
-    (+ ``group_size`` 16 for NVFP4; int4 / int8: ``group_size`` and ``has_zero_point``)."""
+    ``hf_quant_config.json`` carry: ``quant_algo``, ``kv_cache_quant_algo``, ``exclude_modules``,
+    and the format's own keys (:attr:`~dflash_trt.quantization.common.WeightFormat.trtllm_keys`:
+    ``group_size`` 16 for NVFP4; int4 / int8: ``group_size`` and ``has_zero_point``)."""
+    wf = None if fmt == "none" else weight_format(fmt)
     q = {
-        "quant_algo": QUANT_ALGO[fmt],
+        "quant_algo": None if wf is None else wf.quant_algo,
         "kv_cache_quant_algo": "FP8" if kv == "fp8" else None,
         "exclude_modules": exclude,
     }
-    if fmt == "nvfp4":
-        q["group_size"] = 16
-    if fmt in INT_QUANT_FORMATS:
-        q["group_size"] = group_size if fmt == "int4" else None
-        q["has_zero_point"] = fmt == "int4"
-    return q
+    return q if wf is None else q | wf.trtllm_keys(group_size)
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,34 +231,14 @@ def hf_quant_config(fmt: str, kv: str, exclude: list[str], group_size: int = 32)
 
 
 def hf_quantization_config(fmt: str, kv: str, exclude: list[str], group_size: int = 32) -> dict | None:
-    """``config.json`` ``quantization_config`` (ModelOpt ``convert_hf_quant_config_format``)."""
+    """``config.json`` ``quantization_config``
+    (:attr:`~dflash_trt.quantization.common.WeightFormat.hf_config`: ModelOpt's
+    ``convert_hf_quant_config_format`` for FP8 / NVFP4, our own layout for int4 / int8), None
+    when the weights are not quantized."""
     if fmt == "none":
         return None
-    if fmt in INT_QUANT_FORMATS:  # weight-only: our own layout (see quantize_int_linear)
-        return {
-            "quant_method": "dflash-trt",
-            "quant_algo": QUANT_ALGO[fmt],
-            "bits": 4 if fmt == "int4" else 8,
-            "group_size": group_size if fmt == "int4" else None,
-            "sym": fmt == "int8",
-            "ignore": sorted(exclude),
-            "producer": {"name": "dflash-trt", "version": _version("dflash-trt")},
-        }
-    bits = (
-        {"num_bits": 8, "type": "float", "dynamic": False}
-        if fmt == "fp8"
-        else {"num_bits": 4, "type": "float", "dynamic": False, "group_size": 16}
-    )
-    out = {
-        "config_groups": {"group_0": {"input_activations": dict(bits), "weights": dict(bits), "targets": ["Linear"]}},
-        "ignore": sorted(exclude),
-        "quant_algo": QUANT_ALGO[fmt],
-        "quant_method": "modelopt",
-        "producer": {"name": "dflash-trt", "version": _version("dflash-trt")},
-    }
-    if kv == "fp8":
-        out["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
-    return out
+    producer = {"name": "dflash-trt", "version": _version("dflash-trt")}
+    return weight_format(fmt).hf_config(group_size, kv, sorted(exclude), producer)
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,7 +248,7 @@ def hf_quantization_config(fmt: str, kv: str, exclude: list[str], group_size: in
 
 def trtllm_build_command(bc: BuildConfig) -> str:
     """The ``trtllm-build`` line for ``target/`` (TensorRT-LLM 1.2.x ``commands/build.py`` flags)."""
-    gemm = {"fp8": "fp8", "nvfp4": "nvfp4"}.get(bc.target_quant, "auto")
+    gemm = "auto" if bc.target_quant == "none" else weight_format(bc.target_quant).gemm_plugin
     return (
         f"trtllm-build --checkpoint_dir target --output_dir trtllm/engine/target --gemm_plugin {gemm} "
         f"--max_batch_size {bc.max_batch_size} --max_seq_len {bc.max_seq_len} --max_num_tokens {bc.max_num_tokens} "
@@ -498,7 +424,7 @@ def build_engine(
     if bc.target_quant != "none" or bc.drafter_quant != "none":
         t_amax: dict[str, float] = {}
         d_amax: dict[str, float] = {}
-        if {bc.target_quant, bc.drafter_quant} - {"none", *INT_QUANT_FORMATS}:  # FP8 / NVFP4 activations
+        if needs_calibration(bc.target_quant, bc.drafter_quant):  # FP8 / NVFP4 activations
             from .calibration import calibrate_pair
 
             t_amax, d_amax = calibrate_pair(target, drafter, bc, progress)
@@ -508,7 +434,7 @@ def build_engine(
         if bc.drafter_quant != "none":
             dq = quantize_model(dsd, dspecs, bc.drafter_quant, d_amax, progress, "quantize drafter", g)
         if bc.head_quant != "none":  # the LM head (tied or not) as its own packed tensor
-            tq["lm_head.weight"] = quantize_int_linear(tsd["lm_head.weight"].float(), bc.head_quant, g)
+            tq["lm_head.weight"] = weight_format(bc.head_quant).quantize(tsd["lm_head.weight"].float(), None, g)
 
     contents = EngineContents(
         bc, target, drafter, tsd, dsd, tspecs, dspecs, tq, dq, dtype, plan, target_spec, drafter_path
@@ -612,7 +538,7 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
         "drafter_quant": bc.drafter_quant,
         # int4 / int8: how the runtime's packed CPU path reads the rank files
         "weight_quant": {"group_size": bc.group_size, "head_quant": bc.head_quant}
-        if {bc.target_quant, bc.drafter_quant} & set(INT_QUANT_FORMATS)
+        if any(f != "none" and weight_format(f).weight_only for f in (bc.target_quant, bc.drafter_quant))
         else None,
         "memory_plan": c.plan.to_dict(),
         "packages": {

@@ -1,8 +1,10 @@
 """Read an engine directory written by ``dflash-trt build`` into runtime models.
 
-The TensorRT-LLM rank files are mapped back onto our modules (:mod:`.trtllm` names);
-FP8 / NVFP4 weights are dequantized to the compute dtype on load (plain torch, no ModelOpt). A
-process reads only the rank file of its own TP rank.
+The TensorRT-LLM rank files are mapped back onto our modules (:mod:`.trtllm` names). Quantized
+weights are read by their format's module (:mod:`dflash_trt.quantization`): dequantized to the
+compute dtype (plain torch, no ModelOpt), or kept as stored under that format's run-time linear
+(FP8 GEMMs with ``fp8_gemm``, packed int4 / int8 CPU GEMMs with ``packed``). A process reads only
+the rank file of its own TP rank.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from ..errors import DFlashError
 from ..models.config import TargetConfig
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
-from ..quantization.formats import dequantize_fp8, dequantize_nvfp4
+from ..quantization.common import replace_module, stored_format
 from . import trtllm as L
 from .loader import LoadedTarget, parse_dtype, with_tokenizer
 from .sources import load_safetensors_file, read_json, sha256_file
@@ -69,25 +71,12 @@ def read_manifest(engine_dir: str | Path) -> dict:
 
 
 def dequantized(tensors: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
-    """Tensor ``name`` of a rank file, dequantized when it has FP8 / NVFP4 / int4 / int8 scales."""
-    base = name[: -len(".weight")] if name.endswith(".weight") else name
-    w = tensors[name]
-    s = tensors.get(base + ".weights_scaling_factor")
-    if s is None:
-        return w.to(dtype)
-    if base + ".zero" in tensors:  # int4: q * scale + zero per group
-        from ..models.quant_linear import unpack_nibbles
-
-        q = unpack_nibbles(w).float()
-        g = q.shape[1] // s.shape[1]
-        return (q * s.float().repeat_interleave(g, -1) + tensors[base + ".zero"].float().repeat_interleave(g, -1)).to(
-            dtype
-        )
-    if w.dtype == torch.int8:  # int8: q * scale per row
-        return (w.float() * s.float().reshape(-1, 1)).to(dtype)
-    if w.dtype == torch.uint8:
-        return dequantize_nvfp4(w, s, tensors[base + ".weights_scaling_factor_2"], dtype)
-    return dequantize_fp8(w, s, dtype)
+    """Tensor ``name`` of a rank file in ``dtype``, dequantized by its weight format when it has
+    scales (:func:`~dflash_trt.quantization.common.stored_format`)."""
+    fmt = stored_format(tensors, name)
+    if fmt is None:
+        return tensors[name].to(dtype)
+    return fmt.dequantize(tensors, name[: -len(".weight")] if name.endswith(".weight") else name, dtype)
 
 
 def state_dict_from_rank(
@@ -114,86 +103,39 @@ def state_dict_from_rank(
     return out
 
 
-def fp8_modules(model: torch.nn.Module, specs: list[L.TensorSpec], tensors: dict[str, torch.Tensor]) -> int:
-    """Swap every linear whose engine weight is FP8 for an :class:`Fp8Linear` over the engine's
-    own e4m3 bytes (``torch._scaled_mm``), instead of the dequantized copy. Fused tensors (q/k/v,
-    fc/gate) are split or joined onto our modules; the builder quantizes each fused source as one
-    tensor, so its members share the per-tensor scales (ModelOpt's fused export) and the FP8
-    GEMM is exact to the stored format. Returns how many modules were swapped.
+def quantized_modules(
+    model: torch.nn.Module, specs: list[L.TensorSpec], tensors: dict[str, torch.Tensor], formats: tuple[str, ...]
+) -> int:
+    """Swap every linear whose engine weight is stored in one of ``formats`` for that format's
+    run-time linear over the engine's own bytes (:attr:`WeightFormat.runtime_linears`: FP8 GEMMs,
+    packed int4 / int8 CPU GEMMs), instead of the dequantized copy. Fused tensors (q/k/v, fc/gate)
+    are joined by rows and split onto our modules; a module the format cannot run stays dense.
+
+    Returns:
+        how many modules were swapped.
 
     Raises:
-        DFlashError: members of one module with different scales (not a file we wrote).
+        DFlashError: what the format raises on tensors the builder would not write.
     """
-    from ..quantization.fp8_linear import Fp8Linear, replace_linear
-
-    parts: dict[str, list[tuple[int, str]]] = {}
+    groups: dict[str, list[tuple[int, str]]] = {}
     for sp in specs:
-        if sp.linear and tensors[sp.name].dtype == torch.float8_e4m3fn:
-            parts.setdefault(sp.module, []).append((sp.rows[0] if sp.rows else 0, sp.name))
-    swapped = 0
-    for module, names in parts.items():
-        names = [n for _, n in sorted(names)]
-        bases = [n[: -len(".weight")] for n in names]
-        ws = {tensors[b + ".weights_scaling_factor"].item() for b in bases}
-        acts = {tensors[b + ".activation_scaling_factor"].item() for b in bases}
-        if len(ws) != 1 or len(acts) != 1:
-            raise DFlashError(f"engine tensors of {module} have different FP8 scales; rebuild the engine")
-        w = torch.cat([tensors[n] for n in names])
-        w_scale = tensors[bases[0] + ".weights_scaling_factor"]
-        a_scale = tensors[bases[0] + ".activation_scaling_factor"]
-        targets = module.split("|")
-        sizes = [model.get_submodule(t).weight.shape[0] for t in targets]
-        for t, piece in zip(targets, torch.split(w, sizes)):
-            old = model.get_submodule(t)
-            replace_linear(model, t, Fp8Linear(piece, w_scale, a_scale, old.bias))
-            swapped += 1
-    return swapped
-
-
-def int_modules(model: torch.nn.Module, specs: list[L.TensorSpec], tensors: dict[str, torch.Tensor]) -> int:
-    """Swap every linear whose engine weight is int4 / int8 (and a packed ``lm_head``) for a
-    :class:`~dflash_trt.models.quant_linear.PackedLinear` over the engine's own codes and scales
-    (torch's packed CPU GEMMs; activations and scales in the model's dtype). Fused tensors
-    (fc / gate) are joined onto our modules by rows. An int4 module whose shape the kernel cannot
-    pack stays dense (its weights are already the dequantized codes). Returns how many modules
-    were swapped.
-    """
-    from ..models.quant_linear import PackedLinear, int4_fits, replace_module, unpack_nibbles
-
-    parts: dict[str, list[tuple[int, str]]] = {}
-    for sp in specs:
-        base = sp.name[: -len(".weight")]
-        if not sp.name.endswith(".weight") or base + ".weights_scaling_factor" not in tensors:
+        if not sp.name.endswith(".weight"):
             continue
-        if base + ".zero" in tensors or tensors[sp.name].dtype == torch.int8:
+        fmt = stored_format(tensors, sp.name)
+        if fmt is not None and fmt.name in formats and fmt.runtime_linears is not None:
             module = sp.module or sp.source[: -len(".weight")]
-            parts.setdefault(module, []).append((sp.rows[0] if sp.rows else 0, sp.name))
+            groups.setdefault(module, []).append((sp.rows[0] if sp.rows else 0, sp.name[: -len(".weight")]))
     swapped = 0
-    for module, names in parts.items():
-        names = [n for _, n in sorted(names)]
-        bases = [n[: -len(".weight")] for n in names]
-        int4 = bases[0] + ".zero" in tensors
-        q = torch.cat([unpack_nibbles(tensors[n]) if int4 else tensors[n] for n in names])
-        scale = torch.cat([tensors[b + ".weights_scaling_factor"] for b in bases])
+    for module, members in groups.items():
+        bases = [b for _, b in sorted(members)]
         targets = module.split("|")
-        mods = [model.get_submodule(t) for t in targets]
-        sizes = [m.weight.shape[0] for m in mods]
-        dtype = mods[0].weight.dtype
-        zero = torch.cat([tensors[b + ".zero"] for b in bases]) if int4 else None
-        group = q.shape[1] // scale.shape[1] if int4 else 0
-        row = 0
-        for t, old, n in zip(targets, mods, sizes):
-            r = slice(row, row + n)
-            row += n
-            if int4 and not int4_fits(n, q.shape[1], group):
-                continue
-            new = (
-                PackedLinear.from_int4(q[r], scale[r], zero[r], group, old.bias, dtype)
-                if int4
-                else PackedLinear.from_int8(q[r], scale[r].reshape(-1), old.bias, dtype)
-            )
-            replace_module(model, t, new)
-            swapped += 1
+        news = stored_format(tensors, bases[0] + ".weight").runtime_linears(
+            tensors, bases, [model.get_submodule(t) for t in targets]
+        )
+        for t, new in zip(targets, news):
+            if new is not None:
+                replace_module(model, t, new)
+                swapped += 1
     return swapped
 
 
@@ -209,11 +151,11 @@ def unshard_rank_files(
     for name in ranks[0]:
         parts = [r[name] for r in ranks]
         sp = by_name.get(name)
-        if sp is None:  # a scale tensor: "<base>.<suffix>"
+        if sp is None and parts[0].dim() != 2:  # per-tensor scales (weights, KV cache): the same on every rank
+            out[name] = parts[0]
+            continue
+        if sp is None:  # a per-row scale tensor: "<base>.<suffix>"
             sp = by_base[name.rsplit(".", 1)[0]]
-            if parts[0].dim() != 2:  # per-tensor scales: the same on every rank
-                out[name] = parts[0]
-                continue
         out[name] = L.unshard(parts, sp.split, qkv)
     return out
 
@@ -250,11 +192,12 @@ def load_engine(
         engine_dir: output of ``dflash-trt build``.
         dtype: compute dtype (default: the build's ``dtype``).
         rank: TP rank whose file is read.
-        fp8_gemm: run FP8 linears as FP8 GEMMs (``torch._scaled_mm``, see :func:`fp8_modules`)
-            instead of dequantizing them to ``dtype``.
+        fp8_gemm: run FP8 linears as FP8 GEMMs (``torch._scaled_mm``,
+            :class:`~dflash_trt.quantization.fp8.Fp8Linear`) instead of dequantizing them to ``dtype``.
         world_size: ranks in this job.
         packed: int4 / int8 linears (``target_quant`` / ``drafter_quant`` / ``weight_quant``
-            in the manifest) run as packed CPU GEMMs (:func:`int_modules`); False (a GPU run)
+            in the manifest) run as packed CPU GEMMs (:class:`~dflash_trt.quantization.packed.PackedLinear`,
+            see :func:`quantized_modules`); False (a GPU run)
             dequantizes them to ``dtype``.
 
     Returns:
@@ -272,14 +215,27 @@ def load_engine(
             f"engine {d} has tp_size {tp}: run it as {tp} ranks (mpiexec -n {tp}); this job has {world_size}"
         )
     cdt = dtype or parse_dtype(m.get("dtype", "fp32"))
-    hf = read_json(d / "hf" / "target" / "config.json", "engine target")
-    hf.pop("quantization_config", None)
-    tcfg = TargetConfig.from_hf(hf)
+    formats = (("fp8",) if fp8_gemm else ()) + (("int4", "int8") if packed else ())
+    target = with_tokenizer(_load_target(d, tp, rank, cdt, formats), d / "hf" / "target")
+    return target, _load_drafter(d, tp, cdt, formats), m
+
+
+def _hf_config(d: Path, model: str) -> dict:
+    """``hf/<model>/config.json`` of an engine without its ``quantization_config``."""
+    cfg = read_json(d / "hf" / model / "config.json", f"engine {model}")
+    cfg.pop("quantization_config", None)
+    return cfg
+
+
+def _load_target(d: Path, tp: int, rank: int, dtype: torch.dtype, formats: tuple[str, ...]) -> TargetModel:
+    """The target (tp 1) or its rank-``rank`` shard, in ``dtype``, linears of ``formats`` run
+    as their format's run-time linears (see :func:`load_engine`)."""
+    tcfg = TargetConfig.from_hf(_hf_config(d, "target"))
     tt = load_safetensors_file(d / "target" / f"rank{rank if tp > 1 else 0}.safetensors", "engine target")
     specs = L.target_specs(tcfg)
     if tp == 1:
         model = TargetModel(tcfg)
-        sd = state_dict_from_rank(specs, tt, model.state_dict(), cdt)
+        sd = state_dict_from_rank(specs, tt, model.state_dict(), dtype)
         if tcfg.tie_word_embeddings:
             sd["lm_head.weight"] = sd["embed.weight"]
     else:
@@ -290,23 +246,22 @@ def load_engine(
             intermediate_size=tcfg.intermediate_size // tp,
         )
         model = TargetModel(local)
-        head = dequantized(tt, "lm_head.weight", cdt)
+        head = dequantized(tt, "lm_head.weight", dtype)
         model.lm_head = torch.nn.Linear(tcfg.hidden_size, head.shape[0], bias=False)  # unties a tied head
-        sd = state_dict_from_rank([sp for sp in specs if sp.split != L.VOCAB], tt, model.state_dict(), cdt)
+        sd = state_dict_from_rank([sp for sp in specs if sp.split != L.VOCAB], tt, model.state_dict(), dtype)
         sd["lm_head.weight"] = head
-        sd["embed.weight"] = torch.zeros_like(model.embed.weight, dtype=cdt)  # gathered by the runtime
-        model.engine_shard = EngineShard(rank, tp, dequantized(tt, "transformer.vocab_embedding.weight", cdt))
+        sd["embed.weight"] = torch.zeros_like(model.embed.weight, dtype=dtype)  # gathered by the runtime
+        model.engine_shard = EngineShard(rank, tp, dequantized(tt, "transformer.vocab_embedding.weight", dtype))
     model.load_state_dict(sd, strict=True)
-    model = model.to(cdt).eval()
-    if fp8_gemm:
-        fp8_modules(model, specs, tt)
-    if packed:
-        int_modules(model, specs, tt)
-    target = with_tokenizer(model, d / "hf" / "target")
+    model = model.to(dtype).eval()
+    quantized_modules(model, specs, tt, formats)
+    return model
 
-    dj = read_json(d / "hf" / "drafter" / "config.json", "engine drafter")
-    dj.pop("quantization_config", None)
-    dcfg = drafter_config_from_json(dj)
+
+def _load_drafter(d: Path, tp: int, dtype: torch.dtype, formats: tuple[str, ...]) -> DFlashDrafter:
+    """The drafter, reassembled from every rank file (it runs replicated), in ``dtype``, linears
+    of ``formats`` run as their format's run-time linears."""
+    dcfg = drafter_config_from_json(_hf_config(d, "drafter"))
     dspecs = L.drafter_specs(dcfg)
     dt = [load_safetensors_file(d / "drafter" / f"rank{r}.safetensors", "engine drafter") for r in range(tp)]
     d2t = dt[0].get("d2t")  # replicated in every rank file, not sharded: set apart
@@ -317,19 +272,16 @@ def load_engine(
         else unshard_rank_files(dspecs, dt, L.qkv_sizes(dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim))
     )
     drafter = DFlashDrafter(dcfg)
-    dsd = state_dict_from_rank(dspecs, dt, drafter.state_dict(), cdt)
+    dsd = state_dict_from_rank(dspecs, dt, drafter.state_dict(), dtype)
     if dcfg.draft_vocab_size is not None:  # the draft vocabulary, int64, beside the weights
         if d2t is None:
             raise DFlashError(f"engine drafter declares draft_vocab_size {dcfg.draft_vocab_size} but has no d2t")
         check_d2t(d2t, dcfg.vocab_size, f"engine drafter {d}")
         dsd["d2t"] = d2t
     drafter.load_state_dict(dsd, strict=True)
-    drafter = drafter.to(cdt).eval()
-    if fp8_gemm:
-        fp8_modules(drafter, dspecs, dt)
-    if packed:
-        int_modules(drafter, dspecs, dt)
-    return target, drafter, m
+    drafter = drafter.to(dtype).eval()
+    quantized_modules(drafter, dspecs, dt, formats)
+    return drafter
 
 
 def engine_files_ok(engine_dir: str | Path) -> list[str]:

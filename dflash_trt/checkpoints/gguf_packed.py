@@ -1,18 +1,11 @@
-"""A GGUF target loaded straight into packed int4 / int8 linears (:mod:`..models.quant_linear`),
-without dequantizing its weights to fp32.
+"""A GGUF target loaded straight into packed int4 / int8 linears
+(:class:`~dflash_trt.quantization.packed.PackedLinear`), without dequantizing its weights to fp32.
 
-Block formats (llama.cpp ``ggml/src/ggml-common.h`` / ``ggml-quants.c``; each block covers 32
-consecutive input elements of one output row, rows stored one after another):
-
-* ``Q4_1``: ``{fp16 d; fp16 m; uint8 qs[16]}`` (20 bytes), ``w[j] = d * q[j] + m`` with
-  ``q[j] = qs[j] & 0xF`` and ``q[j + 16] = qs[j] >> 4`` for ``j < 16``. Maps onto one int4 group of
-  32 exactly (scale ``d``, zero ``m``).
-* ``Q4_0``: ``{fp16 d; uint8 qs[16]}`` (18 bytes), ``w = d * (q - 8)``: int4 with zero ``-8 d``.
-* ``Q8_0``: ``{fp16 d; int8 qs[32]}`` (34 bytes), ``w = d * q``.
-
-Q4_1 / Q4_0 linears load as int4 group 32 codes as they are. Every other type (Q8_0, K-quants,
-F16, ...) is dequantized by ``gguf.quants.dequantize`` and requantized round-to-nearest, with one
-line on stderr per type; a type the ``gguf`` package cannot dequantize is a DFlashError.
+Q4_1 / Q4_0 linears load as int4 group 32 codes as they are (the block layouts and the mapping
+are :mod:`dflash_trt.quantization.int4`'s). Every other type (Q8_0, K-quants, F16, ...) and every
+tensor of an int8 load is dequantized by ``gguf.quants.dequantize`` and requantized round to
+nearest, with one line on stderr per type; a type the ``gguf`` package cannot dequantize is a
+DFlashError.
 
 llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` of ``llama`` models for its
 RoPE layout (``convert_hf_to_gguf.py`` ``LlamaModel.permute``); the inverse permutation
@@ -32,56 +25,12 @@ import torch
 from ..errors import DFlashError
 from ..models.config import TargetConfig
 from ..models.layers import RotaryEmbedding
-from ..models.quant_linear import INT_FORMATS, PackedLinear, quantize_int4, quantize_int8
 from ..models.target import TargetModel
+from ..quantization.packed import PackedLinear, packed_class
 
-#: GGUF block types loaded into int4 codes without requantization
-DIRECT_INT4 = ("Q4_1", "Q4_0")
 #: families whose GGUF q/k rows carry llama.cpp's RoPE permutation
 PERMUTED_QK = ("llama",)
 GGUF_GROUP = 32
-
-
-def _blocks(t, block_bytes: int) -> np.ndarray:
-    """Raw bytes of a block-quantized GGUF tensor as ``[out, in / 32, block_bytes]`` uint8."""
-    data = np.asarray(t.data)
-    n = int(t.shape[1]) if len(t.shape) > 1 else 1
-    return data.reshape(n, -1, block_bytes)
-
-
-def q4_1_codes(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A GGUF ``Q4_1`` tensor as int4 codes.
-
-    Args:
-        t: a ``gguf.ReaderTensor`` of type Q4_1, logical shape ``[out, in]`` (GGUF ``ne`` =
-            ``[in, out]``).
-
-    Returns:
-        ``(q uint8 [out, in] 0..15, d fp16 [out, in / 32], m fp16 [out, in / 32])`` with
-        ``w = d * q + m`` per block (ggml ``dequantize_row_q4_1``).
-    """
-    b = _blocks(t, 20)
-    d = torch.from_numpy(np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0])
-    m = torch.from_numpy(np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0])
-    return _nibbles(b[..., 4:20]), d, m
-
-
-def q4_0_codes(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A GGUF ``Q4_0`` tensor as int4 codes: ``(q, d, -8 d)`` (``w = d * (q - 8)``; ggml
-    ``dequantize_row_q4_0``), shapes as :func:`q4_1_codes`; the zero is fp32."""
-    b = _blocks(t, 18)
-    d = torch.from_numpy(np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0])
-    return _nibbles(b[..., 2:18]), d, -8 * d.float()
-
-
-def _nibbles(qs: np.ndarray) -> torch.Tensor:
-    """``[out, nb, 16]`` packed bytes -> uint8 ``[out, nb * 32]``: low nibbles are elements
-    0..15 of the block, high nibbles 16..31."""
-    n, nb, _ = qs.shape
-    q = np.empty((n, nb, 32), dtype=np.uint8)
-    np.bitwise_and(qs, 0x0F, out=q[..., :16])
-    np.right_shift(qs, 4, out=q[..., 16:])
-    return torch.from_numpy(q.reshape(n, nb * 32))
 
 
 def dequantize_tensor(t) -> torch.Tensor:
@@ -106,46 +55,106 @@ def _qk_inverse_rows(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(n_rows).reshape(n_head, dim, 2).transpose(1, 2).reshape(-1)
 
 
-class _Notes:
-    """One stderr line per GGUF type that is requantized instead of loaded as it is."""
+class _GgufFile:
+    """The tensors of one GGUF file, read into dense tensors or packed linears of one format
+    (one stderr line per GGUF type that is requantized instead of loaded as it is)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Path, fmt: str, dtype: torch.dtype) -> None:
+        import gguf
+
+        try:
+            reader = gguf.GGUFReader(str(path))
+        except Exception as e:  # gguf raises ValueError / struct errors on a bad file
+            raise DFlashError(f"cannot read GGUF {path}: {type(e).__name__}: {e}") from None
+        self.path, self.dtype = path, dtype
+        self.linear_class = packed_class(fmt)
+        self.byname = {t.name: t for t in reader.tensors}
         self.seen: set[tuple[str, str]] = set()
 
-    def note(self, tname: str, fmt: str, group_size: int) -> None:
-        if (tname, fmt) not in self.seen:
-            self.seen.add((tname, fmt))
-            how = f"int4 group {group_size}" if fmt == "int4" else "int8 per output row"
+    def get(self, name: str):
+        """The ``gguf.ReaderTensor`` called ``name``.
+
+        Raises:
+            DFlashError: the file lacks it.
+        """
+        if name not in self.byname:
+            raise DFlashError(f"GGUF {self.path.name}: tensor {name} missing")
+        return self.byname[name]
+
+    def dense(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` dequantized, in the load dtype."""
+        return dequantize_tensor(self.get(name)).to(self.dtype)
+
+    def note(self, tname: str, cls: type[PackedLinear]) -> None:
+        """Say once per (GGUF type, format) that such tensors are requantized."""
+        if (tname, cls.fmt) not in self.seen:
+            self.seen.add((tname, cls.fmt))
             print(
-                f"GGUF {tname} tensors: dequantized and requantized to {how} (round to nearest)",
+                f"GGUF {tname} tensors: dequantized and requantized to {cls.describe(GGUF_GROUP)} (round to nearest)",
                 file=sys.stderr,
                 flush=True,
             )
 
+    def linear(
+        self, names: list[str], rows: list[torch.Tensor | None], bias: torch.Tensor | None = None
+    ) -> PackedLinear:
+        """One packed linear whose members are the GGUF tensors ``names`` (q|k|v or gate|up, rows
+        one after another), each optionally row-permuted by ``rows``: codes as stored where the
+        format maps the block type (Q4_1 / Q4_0 as int4), else requantized round to nearest."""
+        cls = self.linear_class
+        parts = []
+        for name, idx in zip(names, rows):
+            t = self.get(name)
+            part = cls.gguf_codes(t)
+            if part is None:
+                self.note(t.tensor_type.name, cls)
+                part = cls.quantize_codes(dequantize_tensor(t), GGUF_GROUP)
+            if idx is not None:
+                part = tuple(p[idx] for p in part)
+            parts.append(part)
+        return cls.from_codes(tuple(torch.cat(x) for x in zip(*parts)), GGUF_GROUP, bias, self.dtype)
 
-def _linear_parts(tensors, fmt: str, rows: list[torch.Tensor | None], notes: _Notes):
-    """Codes of one fused linear whose members are ``tensors`` (GGUF q|k|v or gate|up), each
-    optionally row-permuted by ``rows``: int4 ``(q, scale, zero)``, int8 ``(q, scale)``."""
-    parts = []
-    for t, idx in zip(tensors, rows):
-        tname = t.tensor_type.name
-        if fmt == "int4" and tname in DIRECT_INT4:
-            q, s, z = q4_1_codes(t) if tname == "Q4_1" else q4_0_codes(t)
-            part = (q, s.float(), z.float())
-        else:
-            notes.note(tname, fmt, GGUF_GROUP)
-            w = dequantize_tensor(t)
-            part = quantize_int4(w, GGUF_GROUP) if fmt == "int4" else quantize_int8(w)
-        if idx is not None:
-            part = tuple(p[idx] for p in part)
-        parts.append(part)
-    return tuple(torch.cat(x) for x in zip(*parts))
+
+def _pack_layer(f: _GgufFile, cfg: TargetConfig, i: int, layer, sd: dict[str, torch.Tensor]) -> None:
+    """Layer ``i``: its norms into ``sd``, its linears packed into ``layer`` (llama.cpp's q/k row
+    permutation undone for :data:`PERMUTED_QK` families)."""
+    p = f"blk.{i}."
+    sd[f"layers.{i}.attn_norm.weight"] = f.dense(p + "attn_norm.weight")
+    sd[f"layers.{i}.mlp_norm.weight"] = f.dense(p + "ffn_norm.weight")
+    if cfg.qk_norm:
+        sd[f"layers.{i}.attn.q_norm.weight"] = f.dense(p + "attn_q_norm.weight")
+        sd[f"layers.{i}.attn.k_norm.weight"] = f.dense(p + "attn_k_norm.weight")
+    qrows = krows = None
+    if cfg.family in PERMUTED_QK:
+        qrows = _qk_inverse_rows(cfg.num_heads * cfg.head_dim, cfg.num_heads)
+        krows = _qk_inverse_rows(cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads)
+    bias = None
+    if cfg.attention_bias:
+        qb = f.dense(p + "attn_q.bias")
+        bias = torch.cat(
+            [qb[qrows] if qrows is not None else qb, f.dense(p + "attn_k.bias"), f.dense(p + "attn_v.bias")]
+        )
+    qkv = [p + n + ".weight" for n in ("attn_q", "attn_k", "attn_v")]
+    layer.attn.qkv = f.linear(qkv, [qrows, krows, None], bias)
+    layer.attn.o = f.linear([p + "attn_output.weight"], [None])
+    layer.mlp.gate_up = f.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], [None, None])
+    layer.mlp.down = f.linear([p + "ffn_down.weight"], [None])
 
 
-def _packed(parts, fmt: str, bias: torch.Tensor | None, dtype: torch.dtype) -> PackedLinear:
-    if fmt == "int4":
-        return PackedLinear.from_int4(*parts, GGUF_GROUP, bias, dtype)
-    return PackedLinear.from_int8(*parts, bias, dtype)
+def _lm_head(f: _GgufFile, model: TargetModel, head: str | None, sd: dict[str, torch.Tensor]) -> bool:
+    """The LM head: packed as ``head`` (requantized from the fp32 dequantized ``output`` or, tied,
+    ``token_embd`` tensor, not the dtype-rounded embedding) into ``model``, or dense into ``sd``.
+    Returns whether a dense head is tied to the embedding."""
+    tied = model.cfg.tie_word_embeddings or "output.weight" not in f.byname
+    if head in (None, "none"):
+        if not tied:
+            sd["lm_head.weight"] = f.dense("output.weight")
+        return tied
+    cls = packed_class(head)
+    t = f.get("token_embd.weight" if tied else "output.weight")
+    f.note(t.tensor_type.name + " (LM head)", cls)
+    model.lm_head = cls.from_weight(dequantize_tensor(t), GGUF_GROUP, None, f.dtype)
+    return False
 
 
 def load_gguf_packed(
@@ -169,70 +178,22 @@ def load_gguf_packed(
         DFlashError: unknown format, a tensor missing from the file, a type ``gguf`` cannot
             dequantize, a shape int4 cannot pack.
     """
-    import gguf
-
     from .sources import read_json
 
-    if fmt not in INT_FORMATS:
-        raise DFlashError(f"unknown weight format {fmt!r}; choose from {', '.join(INT_FORMATS)}")
+    packed_class(fmt)  # an unknown format before the file is read
     cfg = TargetConfig.from_hf(read_json(hf_dir / "config.json", "target"))
-    try:
-        reader = gguf.GGUFReader(str(gguf_path))
-    except Exception as e:  # gguf raises ValueError / struct errors on a bad file
-        raise DFlashError(f"cannot read GGUF {gguf_path}: {type(e).__name__}: {e}") from None
-    byname = {t.name: t for t in reader.tensors}
-
-    def get(name: str):
-        if name not in byname:
-            raise DFlashError(f"GGUF {gguf_path.name}: tensor {name} missing")
-        return byname[name]
-
-    def dense(name: str) -> torch.Tensor:
-        return dequantize_tensor(get(name)).to(dtype)
-
-    notes = _Notes()
+    f = _GgufFile(gguf_path, fmt, dtype)
     with torch.device("meta"):
         model = TargetModel(cfg)
-    permute = cfg.family in PERMUTED_QK
-    qrows = _qk_inverse_rows(cfg.num_heads * cfg.head_dim, cfg.num_heads) if permute else None
-    krows = _qk_inverse_rows(cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads) if permute else None
     sd: dict[str, torch.Tensor] = {
-        "embed.weight": dense("token_embd.weight"),
-        "norm.weight": dense("output_norm.weight"),
+        "embed.weight": f.dense("token_embd.weight"),
+        "norm.weight": f.dense("output_norm.weight"),
     }
     for i, layer in enumerate(model.layers):
-        p = f"blk.{i}."
-        sd[f"layers.{i}.attn_norm.weight"] = dense(p + "attn_norm.weight")
-        sd[f"layers.{i}.mlp_norm.weight"] = dense(p + "ffn_norm.weight")
-        if cfg.qk_norm:
-            sd[f"layers.{i}.attn.q_norm.weight"] = dense(p + "attn_q_norm.weight")
-            sd[f"layers.{i}.attn.k_norm.weight"] = dense(p + "attn_k_norm.weight")
-        bias = None
-        if cfg.attention_bias:
-            bias = torch.cat(
-                [dense(p + "attn_q.bias")[qrows] if permute else dense(p + "attn_q.bias"), dense(p + "attn_k.bias")]
-                + [dense(p + "attn_v.bias")]
-            )
-        qkv = [get(p + n + ".weight") for n in ("attn_q", "attn_k", "attn_v")]
-        layer.attn.qkv = _packed(_linear_parts(qkv, fmt, [qrows, krows, None], notes), fmt, bias, dtype)
-        layer.attn.o = _packed(_linear_parts([get(p + "attn_output.weight")], fmt, [None], notes), fmt, None, dtype)
-        gu = [get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")]
-        layer.mlp.gate_up = _packed(_linear_parts(gu, fmt, [None, None], notes), fmt, None, dtype)
-        layer.mlp.down = _packed(_linear_parts([get(p + "ffn_down.weight")], fmt, [None], notes), fmt, None, dtype)
-    tied = cfg.tie_word_embeddings or "output.weight" not in byname
-    if head in (None, "none"):
-        if not tied:
-            sd["lm_head.weight"] = dense("output.weight")
-    else:  # from the fp32 dequantized tensor, not the dtype-rounded embedding
-        hw = dequantize_tensor(get("token_embd.weight" if tied else "output.weight"))
-        if head == "int4" or head == "int8":
-            notes.note(
-                get("token_embd.weight" if tied else "output.weight").tensor_type.name + " (LM head)", head, GGUF_GROUP
-            )
-        model.lm_head = PackedLinear.quantize(hw, head, GGUF_GROUP, None, dtype)
-        del hw
+        _pack_layer(f, cfg, i, layer, sd)
+    tied_dense = _lm_head(f, model, head, sd)
     model.load_state_dict(sd, strict=False, assign=True)
-    if head in (None, "none") and tied:
+    if tied_dense:
         model.lm_head.weight = model.embed.weight
     model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]

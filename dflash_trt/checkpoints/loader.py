@@ -198,7 +198,7 @@ def load_target(
 def _load_packed_target(spec: str | None, dtype: torch.dtype, weights: str, head: str) -> LoadedTarget:
     """:func:`load_target` with ``weights``: GGUF blocks straight into packed linears, or an HF
     checkpoint quantized after a dense load."""
-    from ..models.quant_linear import quantize_linears
+    from ..quantization.packed import quantize_linears
     from .gguf_packed import load_gguf_packed
     from .sources import default_target_gguf
 
@@ -287,7 +287,7 @@ def load_pair(
     drafter = load_drafter(path, torch.float32 if weights else dtype)
     validate_pair(target.model.cfg, drafter.cfg)
     if weights:
-        from ..models.quant_linear import quantize_linears
+        from ..quantization.packed import quantize_linears
 
         quantize_linears(drafter, weights, DEFAULT_GROUP_SIZE, None, dtype)
         drafter.to(dtype)

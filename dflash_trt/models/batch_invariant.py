@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import DFlashError
+from ..quantization.common import replace_module
 from .cpu_linear import OneDNNLinear, dense_linear
-from .quant_linear import replace_module
 
 #: activation and weight dtypes the kernels take
 INVARIANT_DTYPES = (torch.float32, torch.bfloat16)

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..quantization.common import replace_module
 from .layers import as_dtype
-from .quant_linear import replace_module
 
 #: dtypes whose CPU linears are packed
 PACKED_DTYPES = (torch.bfloat16,)
@@ -46,9 +46,9 @@ class OneDNNLinear(nn.Module):
     """``nn.Linear`` (bf16, CPU) over a weight prepacked once in oneDNN's blocked layout.
 
     ``forward(x [..., in])`` returns ``[..., out]`` in ``x.dtype``; the GEMM runs in bf16 (``x``
-    is cast to it and back, like :class:`~.quant_linear.PackedLinear`). Build with :meth:`from_linear` or
-    :meth:`from_weight`. The packed copy (an opaque mkldnn tensor, not a buffer) replaces the
-    dense weight, so memory does not grow; :meth:`dense_weight` restores it bit for bit
+    is cast to it and back, like :class:`~dflash_trt.quantization.packed.PackedLinear`). Build
+    with :meth:`from_linear` or :meth:`from_weight`. The packed copy (an opaque mkldnn tensor,
+    not a buffer) replaces the dense weight, so memory does not grow; :meth:`dense_weight` restores it bit for bit
     (``to_dense``), and the module's ``state_dict`` carries it as ``weight`` like ``nn.Linear``'s,
     so saving a drafter or loading its weights into another model works as before.
     ``.to()`` / ``.float()`` move the weight: still bf16 on the CPU it is packed again, otherwise

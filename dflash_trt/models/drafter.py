@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..quantization.packed import PackedLinear, packed_rows, packed_stack
 from .batch_invariant import BatchInvariantLinear
 from .config import DrafterConfig
 from .cpu_linear import OneDNNLinear
@@ -32,7 +33,6 @@ from .layers import (
     as_dtype,
     cached_attention,
 )
-from .quant_linear import PackedLinear, packed_rows, packed_stack
 
 
 def sliding_visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
