@@ -306,6 +306,28 @@ def test_tp_shards_reassemble_to_modelopt_quantization(built, smollm2):
     assert torch.equal(emb, sd["embed.weight"])
 
 
+def test_tp_engine_loads_on_every_rank(built, smollm2):
+    """Every rank of the NVFP4 TP-3 engine loads its target shard and the same drafter; the fp8
+    KV cache's per-tensor ``kv_cache_scaling_factor`` in each rank file is not a weight's scale
+    (reassembling the drafter from its rank files once raised KeyError on it)."""
+    from dflash_trt.checkpoints.engine import load_engine
+
+    out, _ = built
+    tc = smollm2.model.cfg
+    drafters = []
+    for r in range(3):
+        t, d, _ = load_engine(out, rank=r, world_size=3)
+        assert t.model.engine_shard.rank == r and t.model.engine_shard.embed_rows.shape == (
+            tc.vocab_size // 3,
+            tc.hidden_size,
+        )
+        qkv_rows = (tc.num_heads + 2 * tc.num_kv_heads) * tc.head_dim // 3
+        assert t.model.layers[0].attn.qkv.weight.shape == (qkv_rows, tc.hidden_size)
+        drafters.append(d.state_dict())
+    for sd in drafters[1:]:
+        assert sd.keys() == drafters[0].keys() and all(torch.equal(sd[k], drafters[0][k]) for k in sd)
+
+
 def test_memory_plan_numbers(smollm2):
     from dflash_trt.builder.plan import memory_plan
     from dflash_trt.checkpoints.sources import read_json
