@@ -35,7 +35,7 @@ from dflash_trt.training.config import TrainConfig, autocast_dtype, default_gamm
 from dflash_trt.training.feature_cache import features_and_predictions
 from dflash_trt.training.loss import HeadCrossEntropy, compute_loss, sampled_vocab, slot_weights
 from dflash_trt.training.run_dir import read_log
-from dflash_trt.training.trainer import train
+from dflash_trt.training.trainer import Trainer, train
 
 SENTENCES = [
     "The train left the station at dawn, carrying farmers and their baskets to the market in town.",
@@ -315,6 +315,30 @@ def test_loss_goes_down(smollm2, samples, trained):
     assert len(recs[-1]["acc"]) == 7 and recs[-1]["lr"] < recs[5]["lr"]
     assert (out / "loss.png").stat().st_size > 1000
     assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-000010", "ckpt-000020", "ckpt-000030"]
+
+
+def test_trainer_by_hand(smollm2, samples, tmp_path):
+    """``Trainer.step`` / ``evaluate`` / ``save`` one at a time: the log gets a record per step and
+    per evaluation, a checkpoint is what a later ``Trainer`` resumes from, and an evaluation does
+    not change the weights."""
+    cfg = TrainConfig(steps=4, batch=2, anchors_per_seq=4, block_size=4, holdout=0.25, autocast="fp32", progress=False)
+    out = tmp_path / "run"
+    tr = Trainer(smollm2, samples, out, cfg)
+    assert tr.steps_done == 0 and tr.held and len(tr.held) + len(tr.seqs) == len(samples)
+    recs = [tr.step(), tr.step()]
+    assert [r["step"] for r in recs] == [1, 2] and all(r["loss"] > 0 and r["supervised"] > 0 for r in recs)
+    before = {k: v.clone() for k, v in tr.drafter.state_dict().items()}
+    ev = tr.evaluate()
+    assert all(torch.equal(before[k], v) for k, v in tr.drafter.state_dict().items())
+    assert len(ev["acc"]) == 3 and ev["supervised"] > 0 and ev["loss"] > 0
+    assert tr.evaluate() == ev  # fixed held-out blocks
+    assert tr.save().name == "ckpt-000002" and (out / "loss.png").is_file()
+    assert [r["step"] for r in read_log(out)] == [1, 2]
+    assert read_log(out, evals=True) == [{"step": 2, "eval": ev}] * 2
+    again = Trainer(smollm2, samples, out, cfg)
+    assert again.steps_done == 2
+    assert all(torch.equal(before[k], v) for k, v in again.drafter.state_dict().items())
+    assert [r["step"] for r in read_log(out)] == [1, 2]
 
 
 def test_resume_reproduces_uninterrupted_run(smollm2, samples, tmp_path):
