@@ -7,7 +7,13 @@ nvidia-pytriton wheel), the real SmolLM2 target and real prompts, through real c
 * 32 concurrent streams are all right; cancelled gRPC streams and disconnected HTTP clients
   free their KV blocks; a 200-request soak with random lengths and cancellations loses and
   duplicates nothing and ends with every KV block free;
+* 16 concurrent gRPC streams (a client each) get their tokens as the engine makes them (no
+  burst); 16 gRPC clients that cancel mid-stream are aborted within a second (nothing running,
+  the KV cache free, the abort counter up by 16) with at most one log line each;
 * bad requests get one-line error responses and the server keeps serving;
+* a request that makes the engine fail (a fault injected into the served model's runner) gets
+  an error response, HTTP and gRPC alike, and the requests batched with it plain decoding's
+  text;
 * the spec-decode counters on the metrics port add up to what the responses report.
 """
 
@@ -21,7 +27,9 @@ import queue
 import random
 import re
 import subprocess
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -33,6 +41,32 @@ from dflash_trt.prompts import mixed_prompts
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install tritonclient[grpc]")
 pytest.importorskip("pytriton", reason="pip install nvidia-pytriton (ships tritonserver)")
 MAX_NEW = 20
+FAULT = "FAULT-INJECTED"
+# the served model with a fault: its runner raises on every iteration that holds a request
+# whose prompt contains FAULT (a request that makes the engine fail)
+FAULTY_MODEL = f'''
+from dflash_trt.serving.triton_model import TritonPythonModel as _Model
+
+
+class TritonPythonModel(_Model):
+    def initialize(self, args):
+        super().initialize(args)
+        engine, tok, culprits = self.service.engine, self.service.tokenizer, set()
+        add, step = engine.add_request, engine.runner.step
+
+        def add_request(request, *args, **kwargs):
+            sid = add(request, *args, **kwargs)
+            if "{FAULT}" in tok.decode(request.prompt_ids):
+                culprits.add(sid)
+            return sid
+
+        def faulty_step(plan):
+            if any(it.seq_id in culprits for it in plan.items):
+                raise RuntimeError("injected fault")
+            return step(plan)
+
+        engine.add_request, engine.runner.step = add_request, faulty_step
+'''
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +89,15 @@ def triton(random_drafter, tmp_path_factory):
             max_batch_size=64,
         ),
     )
+    (repo / "dflash" / "1" / "model.py").write_text(FAULTY_MODEL)
     http, grpc, metrics = free_ports(3)
     proc = start_server(repo, http, grpc, metrics, log_path=tmp / "server.log")
-    yield {"http": f"http://127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}", "metrics": f"http://127.0.0.1:{metrics}"}
+    yield {
+        "http": f"http://127.0.0.1:{http}",
+        "grpc": f"127.0.0.1:{grpc}",
+        "metrics": f"http://127.0.0.1:{metrics}",
+        "log": tmp / "server.log",
+    }
     proc.terminate()
     proc.wait(60)
 
@@ -99,9 +139,12 @@ async def stream_http(url: str, body: dict, stop_after: int | None = None) -> tu
     return "".join(parts), None
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, name: str, **labels) -> float:
+    """The sum of ``name``'s series on the metrics port (those with ``labels``)."""
     text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M))
+    sel = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pat = rf"^{re.escape(name)}\{{[^}}]*{re.escape(sel)}[^}}]*\}} (\S+)$"
+    return sum(float(v) for v in re.findall(pat, text, re.M))
 
 
 def wait_idle(url: str, timeout: float = 60.0) -> bool:
@@ -127,12 +170,14 @@ def test_http_generate_and_stream_equal_plain_decoding(triton, smollm2, prompts,
         assert final is not None and same_text(smollm2, ids, ref, text)
 
 
-def _grpc_inputs(prompt: str, max_tokens: int, stream: bool = True):
+def _grpc_inputs(prompt: str, max_tokens: int, stream: bool = True, min_tokens: int | None = None):
     vals = [
         ("text_input", np.array([[prompt.encode()]], dtype=np.object_), "BYTES"),
         ("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
         ("stream", np.array([[stream]], dtype=bool), "BOOL"),
     ]
+    if min_tokens is not None:  # no stop before this many tokens: a fixed-length answer
+        vals.append(("min_tokens", np.array([[min_tokens]], dtype=np.int32), "INT32"))
     out = []
     for name, arr, dtype in vals:
         t = grpcclient.InferInput(name, list(arr.shape), dtype)
@@ -277,3 +322,117 @@ def test_tp2_model_equals_tp1(random_drafter, tmp_path, smollm2, prompts, refere
         time.sleep(0.5)
     else:
         raise AssertionError("a TP worker outlived the server")
+
+
+class _TimedStream:
+    """One gRPC client with one stream and one request: the arrival time of each response with
+    text, and the final flag or error; ``cancel_after`` responses with text, it cancels the
+    stream and closes the client (a client that goes away)."""
+
+    def __init__(self, url: str, prompt: str, max_tokens: int, cancel_after: int | None = None):
+        self.times: list[float] = []
+        self.error = None
+        self.done = threading.Event()
+        self.cancel_after = cancel_after
+        self.client = grpcclient.InferenceServerClient(url)
+        self.client.start_stream(callback=self._on_response)
+        inputs = _grpc_inputs(prompt, max_tokens, min_tokens=max_tokens)
+        self.client.async_stream_infer("dflash", inputs, request_id="0")
+
+    def _on_response(self, result, error) -> None:
+        if self.done.is_set():  # (a cancelled stream's CANCELLED error)
+            return
+        if error is not None:
+            self.error = error
+            self.done.set()
+            return
+        if result.as_numpy("text_output").reshape(-1)[0]:
+            self.times.append(time.perf_counter())
+        final = bool(result.as_numpy("finish_reason").reshape(-1)[0])
+        if final or (self.cancel_after is not None and len(self.times) >= self.cancel_after):
+            self.done.set()
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+
+def _burst_share(times: list[float], window: float) -> float:
+    """The largest share of a stream's chunks that arrived within ``window`` seconds of each other."""
+    best, j = 0, 0
+    for k in range(len(times)):
+        while times[k] - times[j] > window:
+            j += 1
+        best = max(best, k - j + 1)
+    return best / len(times)
+
+
+def _log_lines(path) -> list[str]:
+    return path.read_text(errors="replace").splitlines()
+
+
+def test_grpc_streams_under_load_and_disconnects(triton, prompts):
+    """16 concurrent gRPC streams, one client each: every stream's tokens arrive spread over the
+    engine's iterations (never over half of them within 20 ms: the burst the issue measured).
+    Then 16 clients cancel their streams after 3 responses and close: within a second nothing
+    runs and the KV cache is free, the abort counter is up by 16, and the server's log has at
+    most one line per abort and no traceback."""
+    murl = triton["metrics"]
+    assert wait_idle(murl)
+    streams = [_TimedStream(triton["grpc"], prompts[i % 8], 32) for i in range(16)]
+    for s in streams:
+        assert s.done.wait(600)
+        s.close()
+    gaps = sorted(b - a for s in streams for a, b in zip(s.times, s.times[1:]))
+    shares = [_burst_share(s.times, 0.02) for s in streams]
+    print(
+        f"\n16 gRPC streams: responses per stream {min(len(s.times) for s in streams)}-"
+        f"{max(len(s.times) for s in streams)}; gap between responses p50 {gaps[len(gaps) // 2] * 1e3:.0f} ms, "
+        f"max {gaps[-1] * 1e3:.0f} ms; largest burst share {max(shares):.2f}"
+    )
+    assert all(s.error is None for s in streams), [s.error for s in streams if s.error]
+    assert all(len(s.times) >= 8 for s in streams)
+    assert max(shares) <= 0.5, shares
+
+    assert wait_idle(murl)
+    aborted = metric(murl, "vllm:request_success", finished_reason="abort")
+    lines = len(_log_lines(triton["log"]))
+    leaving = [_TimedStream(triton["grpc"], prompts[i % 8], 256, cancel_after=3) for i in range(16)]
+    for s in leaving:
+        assert s.done.wait(600)
+        s.close(cancel=True)
+    left = time.perf_counter()
+    assert wait_idle(murl, timeout=1.0), "cancelled requests still run or hold KV blocks 1 s after the clients left"
+    print(f"16 gRPC cancellations: idle {time.perf_counter() - left:.3f} s after the last client left")
+    assert all(s.error is None and len(s.times) >= 3 for s in leaving)
+    end = time.time() + 5
+    while metric(murl, "vllm:request_success", finished_reason="abort") < aborted + 16 and time.time() < end:
+        time.sleep(0.1)
+    assert metric(murl, "vllm:request_success", finished_reason="abort") == aborted + 16
+    new = _log_lines(triton["log"])[lines:]
+    assert len(new) <= 16 and not [x for x in new if "Traceback" in x or "xception" in x], new
+
+
+def test_engine_failure_fails_only_its_request(triton, smollm2, prompts, reference):
+    """A request that makes every engine iteration holding it fail, sent (HTTP and gRPC) beside
+    four good ones: both bad ones get an error response, the good ones plain decoding's text,
+    and ``vllm:request_success{finished_reason="error"}`` rises by 2."""
+    url, murl = triton["http"], triton["metrics"]
+    assert wait_idle(murl)
+    errors = metric(murl, "vllm:request_success", finished_reason="error")
+    bad_stream = _TimedStream(triton["grpc"], f"{FAULT} {prompts[5]}", MAX_NEW)
+
+    texts = [*prompts[:4], f"{FAULT} {prompts[4]}"]
+    with ThreadPoolExecutor(len(texts)) as pool:
+        got = list(pool.map(lambda t: generate(url, {"text_input": t, "max_tokens": MAX_NEW}), texts))
+    assert bad_stream.done.wait(600)
+    bad_stream.close()
+    for p, (ids, ref), r in zip(prompts, reference, got[:4]):
+        assert r["_status"] == 200 and same_text(smollm2, ids, ref, r["text_output"][len(p) :]), r
+    assert "engine failed on this request" in got[4]["error"] and got[4]["_status"] >= 400, got[4]
+    assert "engine failed on this request" in str(bad_stream.error)
+    assert wait_idle(murl)
+    end = time.time() + 5
+    while metric(murl, "vllm:request_success", finished_reason="error") < errors + 2 and time.time() < end:
+        time.sleep(0.1)
+    assert metric(murl, "vllm:request_success", finished_reason="error") == errors + 2

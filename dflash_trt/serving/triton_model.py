@@ -19,7 +19,12 @@ Inputs (dims ``[1]`` after the batch dimension; one request per batch): ``text_i
 ``total_accepted_draft_tokens``, ``total_draft_tokens``.
 
 Metrics (Triton's custom-metrics API, on its metrics port): vLLM's names
-(:mod:`dflash_trt.serving.metrics`), without the ``_total`` suffix that Triton does not add.
+(:mod:`dflash_trt.serving.metrics`), without the ``_total`` suffix that Triton does not add;
+``vllm:request_success`` counts every request by ``finished_reason`` (``stop``, ``length``,
+``abort`` for a cancelled one, ``error`` for one the engine failed on).
+
+A request that makes an engine iteration fail gets an error response; the requests batched with
+it complete as if it had not been there (``runtime/engine.py``, failed iterations).
 """
 
 from __future__ import annotations
@@ -212,6 +217,7 @@ class TritonPythonModel:
         if live is None:
             return
         live.done = True
+        self._counter(self.m_success, "finished_reason", "stop" if live.detok.stopped else out.finish_reason)
         if out.finish_reason in ("abort", "error") and not live.detok.stopped:  # cancelled, or the engine failed
             err = (
                 pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
@@ -272,13 +278,23 @@ class TritonPythonModel:
         self.m_drafts = metric("vllm:spec_decode_num_drafts", "Verify steps that checked drafts.", fam.COUNTER)
         self.m_draft_tokens = metric("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", fam.COUNTER)
         self.m_accepted = metric("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", fam.COUNTER)
-        self.per_pos_family = fam(
-            name="vllm:spec_decode_num_accepted_tokens_per_pos",
-            description="Accepted draft tokens per draft position.",
-            kind=fam.COUNTER,
-        )
-        self.m_per_pos: dict[int, object] = {}
         self.labels = lbl
+
+        def labelled(name, doc):  # a counter family whose series (per label value) appear when first counted
+            self.families.append(fam(name=name, description=doc, kind=fam.COUNTER))
+            return self.families[-1], {}
+
+        self.m_per_pos = labelled(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens per draft position."
+        )
+        self.m_success = labelled("vllm:request_success", "Requests finished, by finish reason.")
+
+    def _counter(self, family_and_series, label: str, value, n: int = 1) -> None:
+        """Add ``n`` to the series of a :meth:`_metrics` ``labelled`` family with ``label=value``."""
+        family, series = family_and_series
+        if value not in series:
+            series[value] = family.Metric(labels={**self.labels, label: str(value)})
+        series[value].increment(n)
 
     def _count(self, out, prompt_tokens: int) -> None:
         self.m_prompt.increment(prompt_tokens)
@@ -288,9 +304,7 @@ class TritonPythonModel:
         self.m_draft_tokens.increment(draft_tokens)
         self.m_accepted.increment(accepted)
         for i, n in enumerate(per_pos):
-            if i not in self.m_per_pos:
-                self.m_per_pos[i] = self.per_pos_family.Metric(labels={**self.labels, "position": str(i)})
-            self.m_per_pos[i].increment(n)
+            self._counter(self.m_per_pos, "position", i, n)
 
     def _metrics_loop(self) -> None:
         e = self.service.engine
