@@ -11,6 +11,8 @@ official ``openai`` client and raw HTTP (httpx), on 127.0.0.1:
 * 16 and 32 concurrent streams get their tokens as the engine makes them (no burst); 16 clients
   that leave mid-stream are aborted within a second (the abort counter up by 16);
 * ``--api-key`` (401 / 200), the body size limit (413) and the waiting-queue bound (503);
+* requests that make the engine fail (a fault injected into its runner) get a 500 (streamed: an
+  error event) and the requests batched with them plain decoding's answers;
 * the ``/metrics`` spec-decode counters equal the engine's own counts;
 * ``dflash-trt serve`` starts from the command line and answers.
 """
@@ -568,3 +570,78 @@ def test_sixteen_disconnects_abort_at_once(server, prompts):
     print(f"\n16 disconnects: idle {time.perf_counter() - left:.3f} s after the last client left")
     assert _metric(url, "vllm:num_requests_running") == 0
     assert _metric(url, "vllm:request_success_total", finished_reason="abort") == aborted + 16
+
+
+def test_engine_failure_fails_only_its_request(server, smollm2, prompts, reference, caplog):
+    """Two requests that make every engine iteration holding them fail (a fault injected into the
+    runner: one in its prompt's prefill, the other once it has 3 tokens), sent beside 4 good ones
+    (2 streamed): the first gets HTTP 500 with an OpenAI error body, the second its first tokens,
+    an error event and ``[DONE]``; every good one plain decoding's answer; the error counter up
+    by 2, one traceback logged per failed request, and the engine idle after."""
+    service, url = server
+    engine, tok, model, refs = service.engine, service.tokenizer, service.model_name, reference["chat"]
+    errors = _metric(url, "vllm:request_success_total", finished_reason="error")
+    add, step = engine.add_request, engine.runner.step
+    lock, culprits = threading.Lock(), {}  # sequence id -> (prompt length, "prefill" | "decode")
+
+    def add_request(request, *args, **kwargs):
+        with lock:  # registered before the engine's runner can see it
+            sid = add(request, *args, **kwargs)
+            text = tok.decode(request.prompt_ids)
+            if "FAULT-INJECTED" in text:
+                culprits[sid] = (len(request.prompt_ids), "decode" if "decode" in text else "prefill")
+            return sid
+
+    def faulty_step(plan):
+        with lock:
+            for it in plan.items:
+                n, when = culprits.get(it.seq_id, (0, None))
+                if (when == "prefill" and it.start < n) or (when == "decode" and it.start >= n + 3):
+                    raise RuntimeError(f"injected fault: sequence {it.seq_id}")
+        return step(plan)
+
+    async def streamed(client, body):
+        events = []
+        async with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+        return events
+
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+            good = [_chat_body(model, prompts[i], MAX_NEW) for i in range(4)]
+            return await asyncio.gather(
+                client.post("/v1/chat/completions", json=good[0]),
+                client.post("/v1/chat/completions", json=good[1]),
+                streamed(client, good[2]),
+                streamed(client, good[3]),
+                client.post("/v1/chat/completions", json=_chat_body(model, "FAULT-INJECTED. " + prompts[4], MAX_NEW)),
+                streamed(client, _chat_body(model, "FAULT-INJECTED decode. " + prompts[5], MAX_NEW)),
+            )
+
+    engine.add_request, engine.runner.step = add_request, faulty_step
+    try:
+        with caplog.at_level("WARNING"):
+            ok0, ok1, ok2, ok3, bad, bad_stream = asyncio.run(go())
+    finally:
+        del engine.add_request, engine.runner.step
+    for i, r in enumerate([ok0, ok1]):
+        ids, ref = refs[i]
+        assert r.status_code == 200 and same_text(smollm2, ids, ref, r.json()["choices"][0]["message"]["content"]), i
+    for i, events in [(2, ok2), (3, ok3)]:
+        ids, ref = refs[i]
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
+        assert (
+            events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] and same_text(smollm2, ids, ref, text)
+        )
+    assert bad.status_code == 500 and bad.json()["error"]["type"] == "InternalServerError", bad.text
+    assert "engine failed" in bad.json()["error"]["message"]
+    assert bad_stream[-1] == "[DONE]" and bad_stream[-2]["error"]["code"] == 500, bad_stream[-3:]
+    assert sum(bool(e["choices"][0]["delta"].get("content")) for e in bad_stream[1:-2]) >= 1  # tokens before it failed
+    assert not any(e["choices"][0]["finish_reason"] for e in bad_stream[:-2])
+    assert _wait_idle(service)
+    assert _metric(url, "vllm:request_success_total", finished_reason="error") == errors + 2
+    traced = [rec.getMessage() for rec in caplog.records if rec.exc_info]
+    assert len(traced) == 2 and all("alone" in m for m in traced), traced

@@ -12,8 +12,10 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the target's
   ``max_tokens`` (chat: also ``max_completion_tokens``), ``stop`` (strings), ``stop_token_ids``,
   ``ignore_eos``; ``n`` must be 1. Fields we do not know are logged and ignored.
 - Errors: ``{"error": {"message", "type", "param", "code"}}`` with 400 for a bad request (bad
-  JSON, bad values, a prompt the KV cache cannot hold), 404 for an unknown model; once a stream
-  has started an error is sent as a ``data: {"error": ...}`` event, then ``[DONE]``.
+  JSON, bad values, a prompt the KV cache cannot hold), 404 for an unknown model, 500 for a
+  request the engine failed on (the requests batched with it are unaffected: ``runtime/engine.py``,
+  failed iterations); once a stream has started an error is sent as a ``data: {"error": ...}``
+  event, then ``[DONE]``.
 - A client that disconnects aborts its request (its KV blocks are freed) when the engine's next
   iteration begins.
 - ``api_key``: every ``/v1`` endpoint needs ``Authorization: Bearer <key>`` (401 otherwise, as
@@ -41,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import DFlashError
 from ..runtime.sampling import SamplingParams
-from .service import Delta, EngineService, Finished, QueueFull
+from .service import ENGINE_FAILED, Delta, EngineService, Finished, QueueFull
 
 log = logging.getLogger("dflash_trt.serving")
 
@@ -117,6 +119,11 @@ def _envelope(rid: str, obj: str, created: int, model: str, choice: dict, usage:
 
 def _usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _engine_failed() -> APIError:
+    """The 500 of a request the engine failed on (the requests batched with it are unaffected)."""
+    return APIError(ENGINE_FAILED, 500, None, "InternalServerError")
 
 
 def _sse(obj) -> str:
@@ -304,7 +311,7 @@ def build_app(
         if fin is None:
             return Response(status_code=499)
         if fin.reason == "error":
-            raise APIError("the engine failed on this request; see the server log", 500, None, "InternalServerError")
+            raise _engine_failed()
         return "".join(text), fin
 
     def reason(fin: Finished) -> str:
@@ -400,7 +407,7 @@ async def _stream(
     """The SSE events of one streamed answer (see the module docstring)."""
     opts = body.stream_options or StreamOptions()
     cont = opts.continuous_usage_stats
-    done = 0
+    done, failed = 0, False
     try:
         if first is not None:
             if cont:
@@ -412,13 +419,14 @@ async def _stream(
             if isinstance(ev, Delta):
                 done += ev.tokens
                 yield _sse(chunk(ev.text, None, _usage(prompt_tokens, done) if cont else None))
+            elif ev.reason == "error":  # (the engine has logged why)
+                failed = True
+                yield _sse(_engine_failed().body())
             else:
-                if ev.reason == "error":
-                    raise RuntimeError("the engine failed on this request; see the server log")
                 done = ev.completion_tokens
                 finish = "length" if ev.reason == "length" else "stop"
                 yield _sse(chunk("", finish, _usage(prompt_tokens, done) if cont else None))
-        if opts.include_usage:
+        if opts.include_usage and not failed:
             obj = chunk("", None)
             obj["choices"] = []
             obj["usage"] = _usage(prompt_tokens, done)

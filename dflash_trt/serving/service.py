@@ -95,6 +95,10 @@ def default_max_prefill_tokens(device: torch.device | str) -> int | None:
     return CPU_MAX_PREFILL_TOKENS if torch.device(device).type == "cpu" else None
 
 
+#: what a client is told about a request the engine failed on (finish reason ``error``)
+ENGINE_FAILED = "the engine failed on this request; see the server log"
+
+
 class QueueFull(DFlashError):
     """The waiting queue is at ``ServeConfig.max_waiting_requests``: try again later (HTTP 503)."""
 

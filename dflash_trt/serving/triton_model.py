@@ -212,6 +212,8 @@ class TritonPythonModel:
             live.sender.send(self._response(live, text, len(tokens), None, None))
 
     def _on_finish(self, sid: int, out) -> None:
+        from dflash_trt.serving.service import ENGINE_FAILED
+
         with self.lock:
             live = self.live.pop(sid, None)
         if live is None:
@@ -222,7 +224,7 @@ class TritonPythonModel:
             err = (
                 pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
                 if out.finish_reason == "abort"
-                else pb_utils.TritonError("the engine failed on this request; see the server log")
+                else pb_utils.TritonError(ENGINE_FAILED)
             )
             live.sender.send(pb_utils.InferenceResponse(error=err), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
