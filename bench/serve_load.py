@@ -9,6 +9,10 @@ With ``--pin 0:1 --threads 1`` the server (and the in-process engine) run on cor
 core 1, so the client's CPU does not come out of the server's (on a real deployment the load
 generator is another machine).
 
+The in-process engine runs the server's scheduling: at most ``--max-prefill-tokens`` prompt
+tokens per iteration (default: the serving default on a CPU,
+:data:`~dflash_trt.serving.service.CPU_MAX_PREFILL_TOKENS`; 0: no cap, as servers before it had).
+
 The requests are aiperf's synthetic prompts (``--input-tokens`` long, fixed seed), chat
 completions streamed with ``ignore_eos`` so each answer is exactly ``--output-tokens`` long; the
 in-process side replays the same prompt token counts (random text of that many tokens through
@@ -31,6 +35,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from dflash_trt.serving.service import CPU_MAX_PREFILL_TOKENS  # noqa: E402
 
 
 def free_port() -> int:
@@ -159,7 +165,12 @@ def engine_baseline(args, concurrencies: list[int]) -> dict[int, dict]:
         target.model,
         drafter,
         target.stop_token_ids,
-        EngineConfig(block_size=args.block_size, adaptive=True, max_batch_size=64),
+        EngineConfig(
+            block_size=args.block_size,
+            adaptive=True,
+            max_batch_size=64,
+            max_prefill_tokens=args.max_prefill_tokens or None,
+        ),
     )
     tok = target.tokenizer
     rng = random.Random(7)
@@ -210,6 +221,12 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=CPU_MAX_PREFILL_TOKENS,
+        help="the in-process engine's prompt tokens per iteration, as the server's (0: no cap, as before the cap)",
+    )
     ap.add_argument(
         "--pin",
         type=lambda v: v.split(":"),
