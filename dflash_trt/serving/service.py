@@ -82,9 +82,9 @@ class ServeConfig:
 
 #: a CPU server's prompt tokens per iteration: on 2 cores (bf16) 256 prompt tokens take about
 #: 0.75 s, so a stream waits under a second for its next token while prompts are prefilled
-#: (2048, all of ``max_num_tokens``, held every stream for 6-8 s); chunks this long still fill
-#: the GEMMs. As Sarathi-Serve's token budget / SGLang's ``--chunked-prefill-size``; vLLM's CPU
-#: server keeps a 2048-token budget on faster CPU kernels.
+#: (2048, all of ``max_num_tokens``, held every stream for 6-8 s; docs/serving.md). As
+#: Sarathi-Serve's token budget / SGLang's ``--chunked-prefill-size``; vLLM's CPU server keeps a
+#: 2048-token budget on faster CPU kernels.
 CPU_MAX_PREFILL_TOKENS = 256
 
 
