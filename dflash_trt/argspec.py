@@ -64,7 +64,7 @@ def add_arguments(
             kw["type"] = _int_tuple(flag_of(cls, name))
         else:
             kw["type"] = kind
-        for extra in ("choices", "metavar"):
+        for extra in ("choices", "metavar", "required"):
             if extra in meta:
                 kw[extra] = meta[extra]
         parser.add_argument(*(meta["flags"] or (flag_of(cls, name),)), **kw)

@@ -956,9 +956,15 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dflash-trt`` console script; returns the exit status."""
+    from .engine_args import cli_error
+    from .errors import ConfigError
+
     try:
         args = build_parser().parse_args(argv)
         COMMANDS[args.command](args)
+    except ConfigError as e:  # a setting named by its field: show the flag
+        print(f"dflash-trt: error: {cli_error(e)}", file=sys.stderr)
+        return 2
     except DFlashError as e:
         print(f"dflash-trt: error: {e}", file=sys.stderr)
         return 2

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from .argspec import add_arguments, arg, flag_of, from_arguments
 from .errors import DFlashError
 from .runtime.config import (
-    DTYPE_NAMES,
     WEIGHT_FORMATS,
     CacheConfig,
     ConfigError,
@@ -46,7 +45,6 @@ class EngineArgs:
     dtype: str = arg(
         "compute dtype: auto (an engine's build dtype, else bf16, vLLM's auto on its CPU backend) | fp32 | bf16 | fp16",
         default="auto",
-        choices=DTYPE_NAMES,
     )
     device: str | None = arg("cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
     weights: str | None = arg(

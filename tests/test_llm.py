@@ -20,9 +20,8 @@ import pytest
 from helpers import run
 
 from dflash_trt import LLM, EngineArgs, SamplingParams
-from dflash_trt.errors import DFlashError
+from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.prompts import load_prompts
-from dflash_trt.runtime.config import ConfigError
 
 MAX_NEW = 40
 #: one fixed KV size for every LLM here (a few prompts at a time)
@@ -39,12 +38,14 @@ def test_llm_equals_cli_generate_token_for_token(tmp_path):
         "import json, sys\n"
         "from dflash_trt import LLM, SamplingParams\n"
         "from dflash_trt.prompts import load_prompts\n"
-        f"llm = LLM(dtype='fp32', kv_capacity={KV}, speculative_config={{'method': 'dflash', 'num_speculative_tokens': 3}})\n"
+        f"spec = {{'method': 'dflash', 'num_speculative_tokens': 3}}\n"
+        f"llm = LLM(dtype='fp32', kv_capacity={KV}, speculative_config=spec)\n"
         "msgs = [[{'role': 'user', 'content': t}] for t in load_prompts('gsm8k', 3)]\n"
         f"outs = llm.chat(msgs, SamplingParams(max_tokens={MAX_NEW}), use_tqdm=False)\n"
         "json.dump([dict(ids=o.outputs[0].token_ids, text=o.outputs[0].text, prompt=o.prompt_token_ids,\n"
         "  tau=o.spec_decode.acceptance_length, drafts=o.spec_decode.num_draft_tokens,\n"
-        "  per_pos=o.spec_decode.accepted_per_position, reason=o.outputs[0].finish_reason) for o in outs], sys.stdout)\n"
+        "  per_pos=o.spec_decode.accepted_per_position, reason=o.outputs[0].finish_reason)\n"
+        "  for o in outs], sys.stdout)\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -45,21 +45,17 @@ import numpy as np
 import torch
 
 from ..atomic import write_json
-from ..checkpoints.engine import kv_capacity, load_models
-from ..checkpoints.loader import parse_device, parse_dtype
-from ..errors import DFlashError
-from ..models.batch_invariant import resolve_batch_invariant
+from ..checkpoints.engine import kv_capacity
+from ..engine_args import EngineArgs
+from ..errors import ConfigError, DFlashError
 from ..prompts import DATASETS, chat_prompt_ids
-from ..runtime.cuda_graphs import check_cuda_graphs
 from ..runtime.distributed import TPEngines, init_tp
-from ..runtime.engine import EngineConfig, LLMEngine
+from ..runtime.engine import LLMEngine
+from ..runtime.engine_factory import create_engine, load_models, speculative_off
 from ..runtime.executor import first_divergence, top2_margin
 from ..runtime.request import LoopStats, Request
 from ..runtime.sampling import SamplingParams
 from .runner import BenchConfig, device_name
-
-#: KV capacity (tokens) when neither ``kv_capacity`` nor an engine memory plan says otherwise,
-#: and the cap applied to an engine plan's capacity
 
 MODES = ("dflash", "ar")
 
@@ -67,57 +63,47 @@ MODES = ("dflash", "ar")
 @dataclass
 class LoadConfig(BenchConfig):
     """Settings of one load benchmark (``dflash-trt bench --concurrency ...`` flags): the
-    model, prompt and sampling settings of :class:`BenchConfig` (``peers`` unused) plus
+    engine, prompt and sampling settings of :class:`BenchConfig` (``peers`` unused; the
+    engine's ``adaptive`` on by default here) plus
 
     Attributes:
         concurrency: the ``C`` values (most requests in flight), each >= 1.
         request_rate: Poisson arrival rate in req/s; None or inf: all requests arrive at t=0.
         num_requests: requests per concurrency; None: ``max(2 * C, num_prompts)``.
-        block_size: dflash block size; None: the drafter's.
-        adaptive: adaptive draft length (else always ``block_size - 1`` drafts).
-        kv_capacity: KV positions per engine; None: ``min(engine memory plan, 65536)`` with
-            ``engine``, else 65536.
+        modes: ``dflash`` and / or ``ar`` (plain decoding).
     """
 
+    engine_args: EngineArgs = field(default_factory=lambda: EngineArgs(adaptive=True))
     concurrency: tuple[int, ...] = (1, 4, 16, 32)
     request_rate: float | None = None
     num_requests: int | None = None
-    adaptive: bool = True
-    max_batch_size: int = 64
-    max_num_tokens: int = 2048
-    tokens_per_block: int = 32
-    kv_capacity: int | None = None
     modes: tuple[str, ...] = field(default=MODES)
 
     def validate(self) -> None:
-        """Raises DFlashError on a value no run could use (checked before any model loads)."""
+        """Raises ConfigError on a value no run could use (checked before any model loads)."""
         if not self.concurrency:
-            raise DFlashError("--concurrency needs at least one value")
+            raise ConfigError("concurrency", "needs at least one value")
         for c in self.concurrency:
             if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-                raise DFlashError(f"--concurrency values must be integers >= 1, got {c!r}")
+                raise ConfigError("concurrency", f"values must be integers >= 1, got {c!r}")
         r = self.request_rate
         if r is not None and (not isinstance(r, (int, float)) or math.isnan(r) or r <= 0):
-            raise DFlashError(f"--request-rate must be > 0 req/s (inf = all at once), got {r!r}")
+            raise ConfigError("request_rate", f"must be > 0 req/s (inf = all at once), got {r!r}")
         if self.dataset not in DATASETS and not self.prompts_file:
             raise DFlashError(f"unknown dataset {self.dataset!r}; choose from {', '.join(DATASETS)}")
-        for name, v, low in (
-            ("--num-requests", self.num_requests, 1),
-            ("--num-prompts", self.num_prompts, 1),
-            ("--max-new-tokens", self.max_new_tokens, 1),
-            ("--max-batch-size", self.max_batch_size, 1),
-            ("--max-num-tokens", self.max_num_tokens, 1),
-            ("--tokens-per-block", self.tokens_per_block, 1),
-            ("--kv-capacity", self.kv_capacity, 1),
-            ("--block-size", self.block_size, 1),
+        for name, v in (
+            ("num_requests", self.num_requests),
+            ("num_prompts", self.num_prompts),
+            ("max_new_tokens", self.max_new_tokens),
         ):
-            if v is not None and v < low:
-                raise DFlashError(f"{name} must be >= {low}, got {v}")
+            if v is not None and v < 1:
+                raise ConfigError(name, f"must be >= 1, got {v}")
         if self.temperature < 0:
-            raise DFlashError(f"temperature must be >= 0, got {self.temperature}")
+            raise ConfigError("temperature", f"must be >= 0, got {self.temperature}")
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
-            raise DFlashError(f"modes must be among {', '.join(MODES)}, got {self.modes!r}")
+            raise ConfigError("modes", f"must be among {', '.join(MODES)}, got {self.modes!r}")
+        self.engine_args.create_engine_config()  # the engine's own settings
 
     def requests_for(self, c: int) -> int:
         return self.num_requests if self.num_requests is not None else max(2 * c, self.num_prompts)
@@ -129,7 +115,7 @@ class LoadConfig(BenchConfig):
 
 def kv_capacity_for(cfg: LoadConfig) -> tuple[int, str]:
     """``(KV capacity in tokens, where it came from)`` (:func:`~dflash_trt.checkpoints.engine.kv_capacity`)."""
-    return kv_capacity(cfg.engine, cfg.kv_capacity)
+    return kv_capacity(cfg.engine_args.engine, cfg.engine_args.kv_capacity)
 
 
 def arrival_times(n: int, rate: float | None, seed: int) -> list[float]:
@@ -285,31 +271,22 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
     from tqdm import tqdm
 
     cfg.validate()
+    a = cfg.engine_args
     kv_cap, kv_src = kv_capacity_for(cfg)
     progress(f"KV capacity: {kv_cap:,} tokens ({kv_src})")
-    dtype = parse_dtype(cfg.dtype)
     texts = cfg.prompts()
-    device = parse_device(cfg.device)
     sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
     # under mpiexec: rank 0 runs the benchmark, the other ranks mirror every engine (TP shards;
     # with a tp_size N engine each rank reads only its own target rank file)
     tp = init_tp()
-    check_cuda_graphs(cfg.cuda_graphs, device, tp.size if tp is not None else 1)
-    target, drafter = load_models(
-        cfg.target,
-        cfg.drafter,
-        cfg.engine,
-        dtype,
-        need_drafter="dflash" in cfg.modes,
-        fp8_gemm=cfg.fp8_gemm,
-        weights=cfg.weights,
-        rank=tp.rank if tp else 0,
-        world_size=tp.size if tp else 1,
-        device=device if tp is None else "cpu",
-    )
+    config = a.create_engine_config()
+    if "dflash" not in cfg.modes:
+        config = speculative_off(config)
+    models = load_models(config, tp.rank if tp else 0, tp.size if tp else 1)
+    target, drafter = models.target, models.drafter
     prompts = [chat_prompt_ids(target.tokenizer, t) for t in texts]
-    K = cfg.block_size or (drafter.cfg.block_size if drafter is not None else 1)
-    tp_engines = TPEngines(target.model, drafter, target.stop_token_ids, tp) if tp is not None else None
+    K = a.block_size or (drafter.cfg.block_size if drafter is not None else 1)
+    tp_engines = TPEngines(models, tp) if tp is not None else None
     if tp is not None and tp.rank != 0:
         tp_engines.serve()
         tp.shutdown()
@@ -322,33 +299,23 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
         worker ranks mirror one engine at a time)."""
         if mode in engines and tp is None:
             return engines[mode]
-        ecfg = EngineConfig(
-            block_size=K if mode == "dflash" else 1,
-            adaptive=cfg.adaptive and mode == "dflash",
-            max_batch_size=cfg.max_batch_size,
-            max_num_tokens=cfg.max_num_tokens,
-            tokens_per_block=cfg.tokens_per_block,
-            kv_capacity_tokens=kv_cap,
-            compile=cfg.compile,
-            cuda_graphs=cfg.cuda_graphs,
-            prompt_lookup=cfg.prompt_lookup if mode == "dflash" else None,
-            batch_invariant=cfg.batch_invariant,
+        dflash = mode == "dflash"
+        args = a.replace(
+            block_size=K if dflash else 1,
+            adaptive=a.adaptive and dflash,
+            kv_capacity=kv_cap,
+            prompt_lookup_min=a.prompt_lookup_min if dflash else 0,
         )
         if mode not in engines:
             progress(
-                f"{mode}: building the engine (block size {ecfg.block_size}"
-                f"{', adaptive: measuring forward costs' if ecfg.adaptive else ''}"
+                f"{mode}: building the engine (block size {args.block_size}"
+                f"{', adaptive: measuring forward costs' if args.adaptive else ''}"
                 f"{f', TP {tp.size}' if tp else ''}) ..."
             )
-        use_drafter = mode == "dflash"
-        eng = (
-            tp_engines.make(ecfg, use_drafter)
-            if tp is not None
-            else LLMEngine(target.model, drafter if use_drafter else None, target.stop_token_ids, ecfg)
-        )
+        eng = tp_engines.make(args) if tp is not None else create_engine(args, models)
         # untimed; on the compiled path also a batch and a request joining it (those graphs compile here)
         warm_s = eng.warm_up(prompts[:3], sampling, min(8, cfg.max_new_tokens))
-        if cfg.compile:
+        if a.compile:
             progress(f"{mode}: compiled in {warm_s:.0f} s (warm-up, untimed)")
         engines[mode] = eng
         return eng
@@ -402,21 +369,21 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
         # null = every request arrives at t=0 (infinite rate)
         "request_rate": cfg.request_rate if cfg.poisson else None,
         "block_size": K,
-        "adaptive": cfg.adaptive,
+        "adaptive": a.adaptive,
         "temperature": cfg.temperature,
         "target": str(target.path),
-        "drafter": str(cfg.drafter) if cfg.drafter else ("engine" if cfg.engine else "default"),
-        "engine": cfg.engine,
-        "dtype": cfg.dtype,
-        "weights": cfg.weights,
-        "batch_invariant": resolve_batch_invariant(cfg.batch_invariant, device, target.model.embed.weight.dtype),
-        "device": device_name(device if tp is None else tp.device),
+        "drafter": str(a.drafter) if a.drafter else ("engine" if a.engine else "default"),
+        "engine": a.engine,
+        "dtype": models.dtype,
+        "weights": a.weights,
+        "batch_invariant": next(iter(engines.values())).runner.batch_invariant,
+        "device": device_name(models.device if tp is None else tp.device),
         "threads": torch.get_num_threads(),
         "seed": cfg.seed,
         "engine_config": {
-            "max_batch_size": cfg.max_batch_size,
-            "max_num_tokens": cfg.max_num_tokens,
-            "tokens_per_block": cfg.tokens_per_block,
+            "max_batch_size": a.max_batch_size,
+            "max_num_tokens": a.max_num_tokens,
+            "tokens_per_block": a.tokens_per_block,
             "kv_capacity_tokens": kv_cap,
             "kv_capacity_source": kv_src,
         },

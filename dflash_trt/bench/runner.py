@@ -15,53 +15,46 @@ from __future__ import annotations
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..atomic import write_json
-from ..checkpoints.engine import load_models
-from ..checkpoints.loader import parse_device, parse_dtype
-from ..errors import DFlashError
-from ..models.batch_invariant import resolve_batch_invariant
+from ..checkpoints.loader import parse_dtype
+from ..engine_args import EngineArgs
+from ..errors import ConfigError, DFlashError
 from ..prompts import DATASETS, chat_prompt_ids, load_prompts, read_prompts_file
-from ..runtime.cuda_graphs import check_cuda_graphs
-from ..runtime.executor import DFlashEngine, LoopStats, Request, first_divergence, top2_margin
+from ..runtime.engine import LLMEngine
+from ..runtime.engine_factory import LoadedModels, load_models
+from ..runtime.executor import first_divergence, top2_margin
+from ..runtime.request import LoopStats, Request
 from ..runtime.sampling import SamplingParams
 
 
 @dataclass
 class BenchConfig:
-    """Settings of one bench run (CLI flags of ``dflash-trt bench``)."""
+    """Settings of one bench run (CLI flags of ``dflash-trt bench``).
 
+    Attributes:
+        engine_args: the engine's settings (target, drafter, dtype, block size, ...); the
+            engines of every mode share them, plain decoding with block size 1.
+        dataset, num_prompts, prompts_file: the prompts (the first ``num_prompts`` of a
+            dataset, or of a file of texts / message lists).
+        max_new_tokens, temperature, seed: every request's sampling.
+        peers: peers run in the same sitting (:data:`~.peers.PEERS`).
+        json_out: where the result is written (JSON), or None.
+    """
+
+    engine_args: EngineArgs = field(default_factory=EngineArgs)
     dataset: str = "gsm8k"
     num_prompts: int = 10
     max_new_tokens: int = 128
-    block_size: int | None = None
     temperature: float = 0.0
-    target: str | None = None
-    drafter: str | None = None
-    engine: str | None = None
-    fp8_gemm: bool = False
-    dtype: str = "fp32"
-    #: ``--weights``: int4 / int8 packed CPU linears (None: dense ``dtype``)
-    weights: str | None = None
+    seed: int = 0
     peers: tuple[str, ...] = ()
     json_out: str | None = None
-    seed: int = 0
-    device: str | None = None
     prompts_file: str | None = None
-    #: ``--compile``: the target forward compiled by torch.compile (``runtime/compiled.py``)
-    compile: bool = False
-    #: ``--cuda-graphs``: decode and verify steps replayed from CUDA graphs (``runtime/cuda_graphs.py``)
-    cuda_graphs: bool = False
-    #: ``--prompt-lookup-min/max``: prompt-lookup tokens merged into DFlash's drafts (``runtime/ngram.py``)
-    prompt_lookup: tuple[int, int] | None = None
-    #: ``--batch-invariant``: the target's rows computed independently of each other
-    #: (``models/batch_invariant.py``); None: on for bf16 CPU targets
-    batch_invariant: bool | None = None
 
     @property
     def prompt_set(self) -> str:
@@ -91,30 +84,58 @@ def device_name(device: torch.device | str = "cpu") -> str:
 
 
 def _run_modes(
-    modes: list[tuple[DFlashEngine, int]],
+    modes: list[LLMEngine],
     prompts: list[list[int]],
     cfg: BenchConfig,
     sampling: SamplingParams,
     peer: Callable[[list[int]], None] | None = None,
 ) -> list[tuple[list[list[int]], float, LoopStats]]:
-    """Every prompt in each mode (an engine and its block size) in turn (plain decoding and
+    """Every prompt in each mode (an engine of its own block size) in turn (plain decoding and
     DFlash interleaved prompt by prompt, so that a slow period of a shared machine falls on
     every mode alike), then ``peer(prompt_ids)`` when given (a peer interleaved the same way).
-    Returns per mode: the outputs, the wall seconds of its generate calls, its loop statistics."""
+    Returns per mode: the outputs, the wall seconds of its requests, its loop statistics."""
     from tqdm import tqdm
 
     outputs = [[] for _ in modes]
     walls = [0.0 for _ in modes]
-    stats = [LoopStats(k) for _, k in modes]
+    for engine in modes:
+        engine.stats = LoopStats(engine.block_size)  # the timed requests only
     for ids in tqdm(prompts, desc="prompts (plain + DFlash)", unit="prompt", leave=False, disable=None):
-        for i, (engine, k) in enumerate(modes):
+        for i, engine in enumerate(modes):
             t = time.perf_counter()
-            out = engine.generate([Request(ids, cfg.max_new_tokens, sampling)], k, stats=stats[i])[0]
+            sid = engine.add_request(Request(ids, cfg.max_new_tokens, sampling))
+            engine.run()
             walls[i] += time.perf_counter() - t
-            outputs[i].append(out.output_ids)
+            outputs[i].append(engine.result(sid).output_ids)
         if peer is not None:
             peer(ids)
-    return list(zip(outputs, walls, stats))
+    return list(zip(outputs, walls, [engine.stats for engine in modes]))
+
+
+def batch1_engines(cfg: BenchConfig, models: LoadedModels, prompts: list[list[int]]) -> list[LLMEngine]:
+    """The engines of the batch-1 modes on the same loaded models: plain decoding (block size
+    1), DFlash at the configured block size, and DFlash with prompt lookup when asked for; one
+    sequence at a time, a KV cache just large enough for the longest prompt and its answer.
+
+    Raises:
+        ConfigError: a block size the drafter cannot serve.
+    """
+    from ..runtime.engine_factory import create_engine
+
+    a = cfg.engine_args
+    K = a.block_size or models.drafter.cfg.block_size
+    longest = max(map(len, prompts)) + cfg.max_new_tokens + K
+    base = a.replace(
+        kv_capacity=-(-longest // a.tokens_per_block) * a.tokens_per_block,
+        max_batch_size=1,
+        max_num_tokens=max(longest, a.max_num_tokens),
+        adaptive=False,
+    )
+    engines = [create_engine(base.replace(block_size=1, prompt_lookup_min=0), models)]
+    engines.append(create_engine(base.replace(block_size=K, prompt_lookup_min=0), models))
+    if a.prompt_lookup_min:  # a third mode: DFlash with prompt-lookup tokens merged in
+        engines.append(create_engine(base.replace(block_size=K), models))
+    return engines
 
 
 class _InterleavedLlamaCpp:
@@ -129,7 +150,7 @@ class _InterleavedLlamaCpp:
         self.runs: list[tuple[list[int], float, float]] = []
         self.session, self.error = None, None
         try:
-            gguf = _gguf_of(cfg.target)
+            gguf = _gguf_of(cfg.engine_args.model)
             self.session = open_llama_cpp(gguf, prompts, cfg.max_new_tokens, stop_token_ids, torch.get_num_threads())
         except DFlashError as e:
             self.error = str(e)
@@ -171,47 +192,30 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     if "llama.cpp" in cfg.peers:
         require_llama_cpp()  # before minutes of benchmarking, not after
     if cfg.max_new_tokens < 1:
-        raise DFlashError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
+        raise ConfigError("max_new_tokens", f"must be >= 1, got {cfg.max_new_tokens}")
     sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
-    dtype = parse_dtype(cfg.dtype)
-    device = parse_device(cfg.device)
-    check_cuda_graphs(cfg.cuda_graphs, device)
+    a = cfg.engine_args
     texts = cfg.prompts()
-    if cfg.engine and cfg.peers:
-        raise DFlashError("peers run on HF checkpoints; bench an engine (--engine) without --peers")
-    target, drafter = load_models(
-        cfg.target, cfg.drafter, cfg.engine, dtype, fp8_gemm=cfg.fp8_gemm, device=device, weights=cfg.weights
-    )
-    # the engines of every mode: the same target, drafter and runtime settings
-    make_engine = partial(
-        DFlashEngine,
-        target.model,
-        drafter,
-        target.stop_token_ids,
-        compile=cfg.compile,
-        cuda_graphs=cfg.cuda_graphs,
-        batch_invariant=cfg.batch_invariant,
-    )
-    engine = make_engine()
-    K = cfg.block_size or drafter.cfg.block_size
-    engine.check_block_size(K)
+    if a.engine and cfg.peers:
+        raise DFlashError("peers run on HF checkpoints; bench an engine directory without peers")
+    models = load_models(a.create_engine_config())
+    target, drafter = models.target, models.drafter
     prompts = [chat_prompt_ids(target.tokenizer, t) for t in texts]
-
-    warm_s = engine.warm_up(prompts[0], K, sampling)
-    if cfg.compile:
-        progress(f"compiled the target and drafter forwards in {warm_s:.0f} s (warm-up, untimed)")
+    modes = batch1_engines(cfg, models, prompts)
+    K = modes[1].block_size
+    for engine in modes:  # untimed; on the compiled path a second prompt length compiles here too
+        warm_s = engine.warm_up([prompts[0]] + ([prompts[0][:-1]] if a.compile else []), sampling, 8)
+        if a.compile:
+            progress(f"block size {engine.block_size}: compiled in {warm_s:.0f} s (warm-up, untimed)")
     llama = _InterleavedLlamaCpp(cfg, prompts, target.stop_token_ids) if "llama.cpp" in cfg.peers else None
-    modes = [(engine, 1), (engine, K)]
     names = f"plain decoding, DFlash (block size {K})"
-    if cfg.prompt_lookup is not None:  # a third mode: DFlash with prompt-lookup tokens merged in
-        lookup = make_engine(prompt_lookup=cfg.prompt_lookup)
-        lookup.warm_up(prompts[0], K, sampling)
-        modes.append((lookup, K))
-        names += f", DFlash + prompt lookup (n-grams {cfg.prompt_lookup[0]}-{cfg.prompt_lookup[1]})"
+    if len(modes) > 2:
+        names += f", DFlash + prompt lookup (n-grams {a.prompt_lookup_min}-{a.prompt_lookup_max})"
     names += " and llama.cpp" if llama and llama.session else ""
     progress(f"{names}, interleaved, on {len(prompts)} {cfg.prompt_set} prompts ...")
     runs = _run_modes(modes, prompts, cfg, sampling, llama)
     (ar_out, ar_wall, ar_stats), (df_out, df_wall, df_stats) = runs[:2]
+    dtype, device = models.dtype, models.device
 
     ar_tokens = sum(map(len, ar_out))
     df_tokens = sum(map(len, df_out))
@@ -245,7 +249,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
                 target.path,
                 prompts,
                 cfg.max_new_tokens,
-                dtype,
+                parse_dtype(dtype),
                 target.stop_token_ids,
                 device=device,
                 drafter=drafter,
@@ -277,13 +281,13 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         "block_size": K,
         "temperature": cfg.temperature,
         "target": str(target.path),
-        "drafter": str(cfg.drafter) if cfg.drafter else "default",
+        "drafter": str(a.drafter) if a.drafter else "default",
         "drafter_layers": drafter.cfg.num_layers,
-        "dtype": cfg.dtype,
-        "weights": cfg.weights,
-        "compile": cfg.compile,
-        "cuda_graphs": cfg.cuda_graphs,
-        "batch_invariant": resolve_batch_invariant(cfg.batch_invariant, device, target.model.embed.weight.dtype),
+        "dtype": dtype,
+        "weights": a.weights,
+        "compile": a.compile,
+        "cuda_graphs": a.cuda_graphs,
+        "batch_invariant": modes[0].runner.batch_invariant,
         "device": device_name(device),
         "threads": torch.get_num_threads(),
         "lossless": (df_out == ar_out) if cfg.temperature == 0 else None,
@@ -318,8 +322,8 @@ def _lookup_result(cfg: BenchConfig, run, ar_out: list[list[int]], ar_tps: float
     out, wall, st = run
     tps = sum(map(len, out)) / wall
     return {
-        "min_n": cfg.prompt_lookup[0],
-        "max_n": cfg.prompt_lookup[1],
+        "min_n": cfg.engine_args.prompt_lookup_min,
+        "max_n": cfg.engine_args.prompt_lookup_max,
         "tokens_per_s": tps,
         "speedup": tps / ar_tps,
         "tau": st.tau,

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import DFlashError
+from ..errors import ConfigError
 
 #: KV positions of an engine when neither the user nor an engine directory's memory plan says
 DEFAULT_KV_CAPACITY = 65536
@@ -30,19 +30,6 @@ DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("int4", "int8")
 #: speculative methods; ``none`` is plain autoregressive decoding
 SPEC_METHODS = ("dflash", "none")
-
-
-class ConfigError(DFlashError):
-    """An impossible setting. ``name`` is the setting's field name (``EngineArgs`` field), shown
-    as a flag (``--block-size``) by the CLI and as is (``block_size``) elsewhere."""
-
-    def __init__(self, name: str, message: str):
-        self.name, self.message = name, message
-        super().__init__(f"{name} {message}")
-
-    def with_name(self, shown: str) -> DFlashError:
-        """The same error with the setting shown as ``shown`` (a CLI flag)."""
-        return DFlashError(f"{shown} {self.message}")
 
 
 def _check(ok: bool, name: str, message: str) -> None:

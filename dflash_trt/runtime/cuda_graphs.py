@@ -41,10 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ConfigError
 from ..models.layers import AttentionMetadata
 from ..models.target import TargetOutput
 from .attention_meta import MetaPlan
-from .config import ConfigError
 
 #: batch sizes captured (vLLM's default list starts the same way); larger batches run eagerly
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)

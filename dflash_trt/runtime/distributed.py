@@ -475,32 +475,34 @@ class TPEngines:
 
     Rank 0 calls :meth:`make` for each engine (the previous one's workers are stopped first)
     and :meth:`close` at the end; the other ranks call :meth:`serve`, which mirrors every
-    :meth:`make` with :func:`tp_engine` and returns after :meth:`close`. Commands travel by
-    MPI bcast in the same order as the plans, so both sides always agree on what comes next.
+    :meth:`make` with :func:`~.engine_factory.create_engine` and returns after :meth:`close`.
+    Commands travel by MPI bcast in the same order as the plans, so both sides always agree on
+    what comes next.
 
     Args:
-        target: the full target (sharded in place by the first engine).
-        drafter: the drafter (replicated), or None.
-        stop_token_ids: default stop ids.
+        models: this rank's loaded models (:func:`~.engine_factory.load_models`; the full
+            target is sharded in place by the first engine).
         tp: the TP group.
     """
 
-    def __init__(
-        self, target: TargetModel, drafter: DFlashDrafter | None, stop_token_ids: tuple[int, ...], tp: TPGroup
-    ):
-        self.target, self.drafter, self.stop_token_ids, self.tp = target, drafter, tuple(stop_token_ids), tp
+    def __init__(self, models, tp: TPGroup):
+        self.models, self.tp = models, tp
 
-    def make(self, config: EngineConfig, with_drafter: bool = True) -> LLMEngine:
-        """Rank 0: a new engine mirrored on every rank (the previous one stops serving)."""
+    def make(self, args) -> LLMEngine:
+        """Rank 0: a new engine from ``args`` (``EngineArgs``) mirrored on every rank (the
+        previous one stops serving)."""
+        from .engine_factory import create_engine
+
         self.tp.stop_workers()
-        self.tp.comm.bcast(("engine", config, with_drafter), root=0)
-        return tp_engine(self.target, self.drafter if with_drafter else None, self.stop_token_ids, config, self.tp)
+        self.tp.comm.bcast(("engine", args), root=0)
+        return create_engine(args, self.models, self.tp)
 
     def serve(self) -> None:
         """Ranks != 0: build and serve each engine rank 0 makes, until :meth:`close`."""
+        from .engine_factory import create_engine
+
         while (cmd := self.tp.comm.bcast(None, root=0)) is not None:
-            _, config, with_drafter = cmd
-            tp_engine(self.target, self.drafter if with_drafter else None, self.stop_token_ids, config, self.tp)
+            create_engine(cmd[1], self.models, self.tp)
 
     def close(self) -> None:
         """Rank 0: stop the last engine's workers and end :meth:`serve` on the other ranks."""

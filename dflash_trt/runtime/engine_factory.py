@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from ..checkpoints.loader import LoadedTarget
-from ..errors import DFlashError
+from ..errors import ConfigError, DFlashError
 from ..models.drafter import DFlashDrafter
-from .config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
+from .config import CacheConfig, EngineConfig, SpeculativeConfig
 
 
 @dataclass
@@ -126,7 +126,8 @@ def create_engine(args, models: LoadedModels | None = None, tp=None):
 
     Returns:
         the engine on rank 0; None on a tensor-parallel worker rank, once rank 0 has closed its
-        engine (the workers mirror every iteration meanwhile).
+        engine (the workers mirror every iteration meanwhile; a group joined or started here is
+        then shut down, one given in ``tp`` is the caller's to end).
 
     Raises:
         ConfigError: impossible settings (named by field).
@@ -136,18 +137,22 @@ def create_engine(args, models: LoadedModels | None = None, tp=None):
 
     config = args if isinstance(args, EngineConfig) else args.create_engine_config()
     size = config.parallel.tensor_parallel_size
-    if tp is None:
+    own = tp is None  # the group is joined or started here, and ended with the engine
+    if own:
         tp = init_tp()
         if tp is not None and size not in (1, tp.size):
             raise ConfigError("tensor_parallel_size", f"is {size} but this mpiexec job has {tp.size} ranks")
         if tp is None and size > 1:
             tp = _spawn_workers(args, size, spawn_tp)
     try:
-        return _create(config, models, tp)
+        engine = _create(config, models, tp)
     except BaseException:
         if tp is not None and tp.rank == 0:
             tp.abort()
         raise
+    if engine is None and own:  # a worker rank whose engine rank 0 has closed
+        tp.shutdown()
+    return engine
 
 
 def _create(config: EngineConfig, models: LoadedModels | None, tp):
@@ -165,7 +170,6 @@ def _create(config: EngineConfig, models: LoadedModels | None, tp):
     else:
         engine = tp_engine(target.model, drafter, tuple(target.stop_token_ids), flat, tp)
         if engine is None:  # a worker rank: rank 0 has closed its engine
-            tp.shutdown()
             return None
     engine.models = models
     return engine

@@ -27,7 +27,10 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     tp = join_tp(a.tp_rank, a.tp_size, a.tp_port)
-    create_engine(EngineArgs(**json.loads(a.engine_args)), tp=tp)  # returns once rank 0 stops
+    try:
+        create_engine(EngineArgs(**json.loads(a.engine_args)), tp=tp)  # returns once rank 0 stops
+    finally:
+        tp.shutdown()
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..argspec import arg
 from ..checkpoints.loader import parse_dtype
-from ..errors import DFlashError
+from ..errors import ConfigError
 
 
 def autocast_dtype(autocast: str, device: torch.device) -> torch.dtype | None:
@@ -91,73 +92,92 @@ class TrainConfig:
         progress: show a tqdm progress bar.
     """
 
-    steps: int = 1000
+    steps: int = arg("optimizer steps (the LR schedule spans them)", default=1000, required=True)
     batch: int = 4
-    anchors_per_seq: int = 512
+    anchors_per_seq: int = arg("random anchors (blocks) per sequence", "--anchors", default=512)
     block_size: int = 16
     num_layers: int = 1
-    lr: float = 6e-4
-    warmup_frac: float = 0.04
+    lr: float = arg("peak learning rate", default=6e-4)
+    warmup_frac: float = arg("warmup fraction of the steps", "--warmup", default=0.04)
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
-    gamma: float | None = None
-    save_every: int = 500
+    gamma: float | None = arg("loss decay (default: 7 for B=16, 4 for B=8)")
+    save_every: int = arg("checkpoint every N steps", default=500)
     keep_checkpoints: int = 3
     seed: int = 0
-    autocast: str = "auto"
+    autocast: str = arg(
+        "auto (bf16 where the GPU or CPU has bf16 GEMMs, else fp32) | bf16 | fp16 | fp32 (no autocast)",
+        default="auto",
+        choices=("auto", "bf16", "fp16", "fp32"),
+    )
     max_seq_len: int = 2048
     mask_token_id: int | None = None
-    target_layer_ids: tuple[int, ...] | None = None
-    sliding_window: int | None = None
-    feature_cache: str | None = None
-    feature_cache_gb: float = 4.0
-    draft_vocab: int | None = None
-    holdout: float = 0.0
-    eval_every: int = 200
-    ce_chunk: int = 256
-    head_vocab: str = "full"
+    target_layer_ids: tuple[int, ...] | None = arg(
+        "comma-separated target layer ids a new drafter reads (default: the z-lab spread)", "--target-layers"
+    )
+    sliding_window: int | None = arg(
+        "a new drafter attends to the last W - 1 - k context positions at slot k (z-lab sliding layers)"
+    )
+    feature_cache: str | None = arg(
+        "on-disk target feature cache, shared by runs on the same target (default: OUT/feature-cache)"
+    )
+    feature_cache_gb: float = arg("target features kept in (device) memory", default=4.0)
+    draft_vocab: int | None = arg(
+        "a new drafter drafts over the top-N response tokens of the data (d2t; default: the whole vocabulary)"
+    )
+    holdout: float = arg("share of sequences held out for evaluation", default=0.0)
+    eval_every: int = arg("held-out evaluation every N steps", default=200)
+    ce_chunk: int = arg("supervised rows per LM-head chunk (GPU: thousands)", default=256)
+    head_vocab: str = arg(
+        "full | seen: CE over the whole vocabulary, or a sampled softmax over the tokens in the data",
+        default="full",
+        choices=("full", "seen"),
+    )
     head_negatives: int = 2048
-    reg_weight: float = 0.0
-    export_dtype: str = "bf16"
-    stop_after: int | None = None
+    reg_weight: float = arg(
+        "weight of the pull towards the target's final hidden state (needs its last layer)", default=0.0
+    )
+    export_dtype: str = arg("dtype of the exported drafter: bf16 | fp32", default="bf16")
+    stop_after: int | None = arg("stop (with a checkpoint) after this step")
     max_minutes: float | None = None
     progress: bool = True
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
-        """Raises DFlashError on impossible settings."""
+        """Raises ConfigError (named by field) on impossible settings."""
         checks = [
-            (self.steps >= 1, f"steps must be >= 1, got {self.steps}"),
-            (self.batch >= 1, f"batch must be >= 1, got {self.batch}"),
-            (self.anchors_per_seq >= 1, f"anchors per sequence must be >= 1, got {self.anchors_per_seq}"),
-            (self.block_size >= 2, f"block size must be >= 2, got {self.block_size}"),
-            (self.num_layers >= 1, f"layers must be >= 1, got {self.num_layers}"),
-            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
-            (0 <= self.warmup_frac < 1, f"warmup_frac must be in [0, 1), got {self.warmup_frac}"),
-            (self.grad_clip >= 0, f"grad_clip must be >= 0, got {self.grad_clip}"),
-            (self.gamma is None or self.gamma > 0, f"gamma must be > 0, got {self.gamma}"),
-            (self.save_every >= 1, f"save_every must be >= 1, got {self.save_every}"),
-            (self.max_seq_len >= 2, f"max_seq_len must be >= 2, got {self.max_seq_len}"),
-            (self.ce_chunk >= 1, f"ce_chunk must be >= 1, got {self.ce_chunk}"),
-            (self.head_vocab in ("full", "seen"), f"head_vocab must be full or seen, got {self.head_vocab!r}"),
-            (self.head_negatives >= 0, f"head_negatives must be >= 0, got {self.head_negatives}"),
-            (self.reg_weight >= 0, f"reg_weight must be >= 0, got {self.reg_weight}"),
+            (self.steps >= 1, "steps", f"must be >= 1, got {self.steps}"),
+            (self.batch >= 1, "batch", f"must be >= 1, got {self.batch}"),
+            (self.anchors_per_seq >= 1, "anchors_per_seq", f"must be >= 1, got {self.anchors_per_seq}"),
+            (self.block_size >= 2, "block_size", f"must be >= 2, got {self.block_size}"),
+            (self.num_layers >= 1, "num_layers", f"must be >= 1, got {self.num_layers}"),
+            (self.lr > 0, "lr", f"must be > 0, got {self.lr}"),
+            (0 <= self.warmup_frac < 1, "warmup_frac", f"must be in [0, 1), got {self.warmup_frac}"),
+            (self.grad_clip >= 0, "grad_clip", f"must be >= 0, got {self.grad_clip}"),
+            (self.gamma is None or self.gamma > 0, "gamma", f"must be > 0, got {self.gamma}"),
+            (self.save_every >= 1, "save_every", f"must be >= 1, got {self.save_every}"),
+            (self.max_seq_len >= 2, "max_seq_len", f"must be >= 2, got {self.max_seq_len}"),
+            (self.ce_chunk >= 1, "ce_chunk", f"must be >= 1, got {self.ce_chunk}"),
+            (self.head_vocab in ("full", "seen"), "head_vocab", f"must be full or seen, got {self.head_vocab!r}"),
+            (self.head_negatives >= 0, "head_negatives", f"must be >= 0, got {self.head_negatives}"),
+            (self.reg_weight >= 0, "reg_weight", f"must be >= 0, got {self.reg_weight}"),
             (
                 self.autocast in ("auto", "bf16", "fp16", "fp32"),
-                f"autocast must be auto, bf16, fp16 or fp32, got {self.autocast!r}",
+                "autocast",
+                f"must be auto, bf16, fp16 or fp32, got {self.autocast!r}",
             ),
-            (self.stop_after is None or self.stop_after >= 1, f"stop_after must be >= 1, got {self.stop_after}"),
-            (self.max_minutes is None or self.max_minutes > 0, f"max_minutes must be > 0, got {self.max_minutes}"),
-            (self.feature_cache_gb >= 0, f"feature_cache_gb must be >= 0, got {self.feature_cache_gb}"),
-            (self.draft_vocab is None or self.draft_vocab >= 1, f"draft_vocab must be >= 1, got {self.draft_vocab}"),
-            (0 <= self.holdout < 1, f"holdout must be in [0, 1), got {self.holdout}"),
-            (self.eval_every >= 1, f"eval_every must be >= 1, got {self.eval_every}"),
+            (self.stop_after is None or self.stop_after >= 1, "stop_after", f"must be >= 1, got {self.stop_after}"),
+            (self.max_minutes is None or self.max_minutes > 0, "max_minutes", f"must be > 0, got {self.max_minutes}"),
+            (self.feature_cache_gb >= 0, "feature_cache_gb", f"must be >= 0, got {self.feature_cache_gb}"),
+            (self.draft_vocab is None or self.draft_vocab >= 1, "draft_vocab", f"must be >= 1, got {self.draft_vocab}"),
+            (0 <= self.holdout < 1, "holdout", f"must be in [0, 1), got {self.holdout}"),
+            (self.eval_every >= 1, "eval_every", f"must be >= 1, got {self.eval_every}"),
         ]
-        for ok, msg in checks:
+        for ok, name, msg in checks:
             if not ok:
-                raise DFlashError(msg)
+                raise ConfigError(name, msg)
         parse_dtype(self.export_dtype)
 
 
