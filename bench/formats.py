@@ -41,9 +41,9 @@ def main() -> None:
     from tqdm import tqdm
 
     from dflash_trt.builder.builder import build_engine
+    from dflash_trt.builder.config import BuildConfig
     from dflash_trt.checkpoints.engine import load_engine
     from dflash_trt.checkpoints.loader import load_pair
-    from dflash_trt.config import BuildConfig
     from dflash_trt.prompts import chat_prompt_ids, load_prompts
     from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dflash_trt.builder.config import BuildConfig
 from dflash_trt.checkpoints import trtllm as L
-from dflash_trt.config import BuildConfig
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.config import TargetConfig
 from dflash_trt.quantization.fp8 import dequantize_fp8, quantize_fp8

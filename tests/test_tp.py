@@ -133,7 +133,7 @@ def test_tp3_engine_rank_files(tmp_path, smollm2, prompts):
     the original weights, split) runs as 3 ranks, each reading only its own target rank file;
     greedy outputs at block size 1 and 8 equal plain decoding at TP=1 (ties excepted)."""
     from dflash_trt.builder.builder import build_engine
-    from dflash_trt.config import BuildConfig
+    from dflash_trt.builder.config import BuildConfig
 
     mpiexec = _mpiexec()
     if mpiexec is None:

@@ -36,11 +36,11 @@ from ..checkpoints import trtllm as L
 from ..checkpoints.engine import ENGINE_FORMAT, ENGINE_VERSION
 from ..checkpoints.loader import LoadedTarget, dtype_name
 from ..checkpoints.sources import sha256_file
-from ..config import BuildConfig
 from ..errors import DFlashError
 from ..models.config import DrafterConfig, TargetConfig
 from ..models.drafter import DFlashDrafter
 from ..quantization.common import HF_SUFFIX, QuantizedLinear, linear_rows, needs_calibration, weight_format
+from .config import BuildConfig
 from .plan import MemoryPlan, memory_plan
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

@@ -12,10 +12,10 @@ import sys
 
 import torch
 
-from ..config import BuildConfig
 from ..errors import DFlashError
 from ..quantization.calibrate import calibrate_input_amax
 from ..runtime.features import target_features
+from .config import BuildConfig
 
 
 def calibration_ids(tokenizer, bc: BuildConfig) -> list[torch.Tensor]:

@@ -26,9 +26,9 @@ import torch
 
 from ..checkpoints import trtllm as L
 from ..checkpoints.loader import dtype_bytes
-from ..config import BuildConfig
 from ..errors import DFlashError
 from ..models.config import DrafterConfig, TargetConfig
+from .config import BuildConfig
 
 
 def _tensor_bytes(shape: tuple[int, ...], fmt: str, dtype_bytes: int, linear: bool) -> float:

@@ -88,7 +88,7 @@ def dtype_bytes(name: str) -> int:
     return 1 if name == "fp8" else parse_dtype(name).itemsize
 
 
-#: ``--weights``: weight-only packed-integer linears on the CPU (:mod:`..models.quant_linear`)
+#: ``--weights``: weight-only packed-integer linears on the CPU (:mod:`..quantization.packed`)
 WEIGHT_FORMATS = ("int4", "int8")
 #: int4 group size of the packed path (GGUF Q4_1 / Q4_0 blocks are 32 wide)
 DEFAULT_GROUP_SIZE = 32
@@ -168,7 +168,7 @@ def load_target(
 
     Args:
         weights: None (dense ``dtype`` weights), or ``int4`` / ``int8``: every linear becomes a
-            packed :class:`~dflash_trt.models.quant_linear.PackedLinear` with ``dtype``
+            packed :class:`~dflash_trt.quantization.packed.PackedLinear` with ``dtype``
             activations. A GGUF target's Q4_1 / Q4_0 blocks load as int4 codes directly
             (:mod:`.gguf_packed`); an HF checkpoint is quantized round-to-nearest (group 32).
         head: the LM head's format with ``weights`` (default :data:`DEFAULT_HEAD`; ``none``

@@ -15,7 +15,7 @@ between a 1-row and a K-row call; the ops that move are replaced here:
 - attention by ``dflash_cpu::bi_attention`` (each query alone over its visible keys in key
   order), switched on per attention module (:attr:`TargetAttention.batch_invariant`).
 
-Packed int4 / int8 linears (:class:`~.quant_linear.PackedLinear`, torch's ``tinygemm``-style CPU
+Packed int4 / int8 linears (:class:`~dflash_trt.quantization.packed.PackedLinear`, torch's ``tinygemm``-style CPU
 kernels) compute each row with one FMA chain per output in tiles of 4 rows, so they are kept:
 the per-op measurement and the tests check that they are invariant on the machine they run on.
 RMSNorm, RoPE, SiLU, residual adds and the embedding are row-wise or elementwise ops: invariant

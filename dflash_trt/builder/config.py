@@ -16,12 +16,12 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 #: quantization formats of weights (ModelOpt names in parentheses): none, FP8 per-tensor
 #: (``FP8``), NVFP4 16-element blocks with e4m3 scales and an fp32 global scale (``NVFP4``);
 #: weight-only packed-integer CPU formats: int4 group-wise asymmetric (``W4A16_GPTQ`` layout
-#: names) and int8 per output row (``W8A16``), see ``models/quant_linear.py``
+#: names) and int8 per output row (``W8A16``), see ``quantization/int4.py`` / ``quantization/int8.py``
 QUANT_FORMATS = ("none", "fp8", "nvfp4", "int4", "int8")
 #: weight-only formats: no activation scales, no calibration, run by torch's packed CPU GEMMs
 INT_QUANT_FORMATS = ("int4", "int8")
