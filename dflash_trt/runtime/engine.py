@@ -371,6 +371,8 @@ class LLMEngine:
         ``(only, held)`` for :meth:`Scheduler.schedule`. Turns alternate between the front group
         of suspects alone and everyone else (the suspects held), so that the other requests
         keep streaming meanwhile; the group runs whenever no one else can."""
+        if not self._suspects:
+            return None, frozenset()
         running = {s.seq_id for s in self.scheduler.running}
         groups = [kept for g in self._suspects if (kept := [sid for sid in g if sid in running])]
         self._suspects = deque(groups)
