@@ -44,8 +44,8 @@ from dflash_trt.checkpoints.loader import load_target, parse_dtype  # noqa: E402
 from dflash_trt.models.batch_invariant import set_batch_invariant  # noqa: E402
 from dflash_trt.models.cpu_linear import pack_linears, unpack_linears  # noqa: E402
 from dflash_trt.models.layers import AttentionMetadata, _sdpa, apply_rope  # noqa: E402
+from dflash_trt.models.prefill import KVCache  # noqa: E402
 from dflash_trt.prompts import chat_prompt_ids, load_prompts  # noqa: E402
-from dflash_trt.runtime.kv_cache import KVCache  # noqa: E402
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 

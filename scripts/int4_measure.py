@@ -69,10 +69,10 @@ def linears(args) -> None:
 def models(args) -> None:
     from dflash_trt.checkpoints.loader import load_target
     from dflash_trt.models.layers import AttentionMetadata
+    from dflash_trt.models.prefill import KVCache
     from dflash_trt.prompts import chat_prompt_ids, load_prompts
     from dflash_trt.quantization.packed import packed_summary
     from dflash_trt.runtime.executor import DFlashEngine, Request, first_divergence, top2_margin
-    from dflash_trt.runtime.kv_cache import KVCache
 
     bf = torch.bfloat16
     ref = load_target(None, bf)

@@ -10,8 +10,8 @@ import sys
 import torch
 
 from dflash_trt.models.layers import AttentionMetadata
+from dflash_trt.models.prefill import KVCache
 from dflash_trt.runtime.executor import first_divergence, top2_margin
-from dflash_trt.runtime.kv_cache import KVCache
 from dflash_trt.runtime.model_runner import ModelRunner
 
 CLI = [sys.executable, "-m", "dflash_trt.cli"]

@@ -142,7 +142,7 @@ def test_prepacked_logits_as_close_to_fp32_as_f_linear(smollm2):
     as the same bf16 target's through ``F.linear`` (both are bf16 GEMMs; only the layout differs)."""
     from dflash_trt.checkpoints.loader import load_target
     from dflash_trt.models.layers import AttentionMetadata
-    from dflash_trt.runtime.kv_cache import KVCache
+    from dflash_trt.models.prefill import KVCache
 
     def logits(model, ids):
         cfg = model.cfg

@@ -24,13 +24,14 @@ from helpers import check_same, error_line, run
 from dflash_trt.checkpoints.loader import LoadedTarget, default_mask_token_id
 from dflash_trt.checkpoints.zlab import init_drafter, load_drafter, save_drafter
 from dflash_trt.errors import DFlashError
+from dflash_trt.models.prefill import features_and_predictions
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts, sharegpt_conversations
 from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
 from dflash_trt.training.batching import IGNORE, TrainSequence, build_batch
 from dflash_trt.training.config import TrainConfig
 from dflash_trt.training.dataset import Sample, load_dataset
 from dflash_trt.training.draft_vocab import coverage, d2t_from_ids, token_counts, top_tokens
-from dflash_trt.training.feature_cache import FeatureCache, features_and_predictions
+from dflash_trt.training.feature_cache import FeatureCache
 from dflash_trt.training.run_dir import read_log
 from dflash_trt.training.text_data import conversation_ids, write_text_dataset
 from dflash_trt.training.trainer import train
@@ -116,7 +117,7 @@ def test_feature_cache(smollm2, text_data, tmp_path):
 
 def _causal(model, n):
     from dflash_trt.models.layers import AttentionMetadata
-    from dflash_trt.runtime.kv_cache import KVCache
+    from dflash_trt.models.prefill import KVCache
 
     cfg = model.cfg
     cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, n, torch.float32)

@@ -467,9 +467,8 @@ def test_windowed_drafter_sees_the_same_context_as_a_full_one(smollm2):
     from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
     from dflash_trt.checkpoints.zlab import load_drafter
     from dflash_trt.models.layers import AttentionMetadata
-    from dflash_trt.runtime.kv_cache import KVCache
+    from dflash_trt.models.prefill import KVCache, features_and_predictions
     from dflash_trt.runtime.model_runner import ModelRunner, StepItem, StepPlan
-    from dflash_trt.training.feature_cache import features_and_predictions
 
     model, dev = smollm2.model, smollm2.model.embed.weight.device
     drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32).to(dev)

@@ -19,11 +19,11 @@ from dflash_trt.checkpoints.loader import load_pair, load_target
 from dflash_trt.checkpoints.sources import default_target_gguf
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.layers import AttentionMetadata
+from dflash_trt.models.prefill import KVCache
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
 from dflash_trt.quantization.int4 import q4_1_codes
 from dflash_trt.quantization.packed import PackedLinear, packed_stack
 from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request, first_divergence, top2_margin
-from dflash_trt.runtime.kv_cache import KVCache
 
 BF16 = torch.bfloat16
 #: bf16 top-2 logit margin below which the packed path and the reference may pick differently:

@@ -21,8 +21,8 @@ from dflash_trt.checkpoints.loader import load_target
 from dflash_trt.checkpoints.sources import load_safetensors_dir
 from dflash_trt.models.config import TargetConfig
 from dflash_trt.models.layers import AttentionMetadata, rope_inv_freq
+from dflash_trt.models.prefill import KVCache
 from dflash_trt.models.target import TargetModel
-from dflash_trt.runtime.kv_cache import KVCache
 
 PROMPTS = [
     "The capital of France is",

@@ -31,9 +31,9 @@ from dflash_trt.checkpoints.zlab import init_drafter
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.config import TargetConfig
 from dflash_trt.models.layers import AttentionMetadata
+from dflash_trt.models.prefill import KVCache
 from dflash_trt.models.target import TargetModel
 from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
-from dflash_trt.runtime.kv_cache import KVCache
 from dflash_trt.runtime.sampling import SamplingParams, accepted_lengths, choose_tokens, target_probs
 
 # ----------------------------------------------------------------------------------------------

@@ -27,12 +27,11 @@ from dflash_trt.checkpoints.loader import default_mask_token_id
 from dflash_trt.checkpoints.zlab import init_drafter, load_drafter
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.layers import AttentionMetadata
+from dflash_trt.models.prefill import KVCache, features_and_predictions
 from dflash_trt.runtime.executor import DFlashEngine, Request, first_divergence, top2_margin
-from dflash_trt.runtime.kv_cache import KVCache
 from dflash_trt.runtime.model_runner import ModelRunner, StepItem
 from dflash_trt.training.batching import IGNORE, TrainSequence, build_batch, holdout_split, prepare_sequences
 from dflash_trt.training.config import TrainConfig, autocast_dtype, default_gamma
-from dflash_trt.training.feature_cache import features_and_predictions
 from dflash_trt.training.loss import HeadCrossEntropy, compute_loss, sampled_vocab, slot_weights
 from dflash_trt.training.run_dir import read_log
 from dflash_trt.training.trainer import Trainer, train

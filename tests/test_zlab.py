@@ -30,7 +30,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.models.config import TargetConfig
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.models.layers import AttentionMetadata
-from dflash_trt.runtime.kv_cache import KVCache
+from dflash_trt.models.prefill import KVCache
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

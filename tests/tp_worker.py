@@ -27,10 +27,10 @@ from helpers import OracleRunner
 from dflash_trt.checkpoints.loader import default_mask_token_id, load_target
 from dflash_trt.checkpoints.zlab import init_drafter
 from dflash_trt.models.layers import AttentionMetadata
+from dflash_trt.models.prefill import KVCache
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
 from dflash_trt.runtime.distributed import init_tp, shard_target, tp_engine
 from dflash_trt.runtime.engine import EngineConfig
-from dflash_trt.runtime.kv_cache import KVCache
 from dflash_trt.runtime.request import Request
 
 NUM_PROMPTS = 4

@@ -13,8 +13,8 @@ import sys
 import torch
 
 from ..errors import DFlashError
+from ..models.prefill import target_features
 from ..quantization.calibrate import calibrate_input_amax
-from ..runtime.features import target_features
 from .config import BuildConfig
 
 

@@ -11,43 +11,16 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from ..models.drafter import DFlashDrafter
-from ..models.layers import AttentionMetadata
+from ..models.prefill import first_divergence, top2_margin
 from ..models.target import TargetModel
 from .engine import EngineConfig, LLMEngine, check_block_size
-from .kv_cache import KVCache
 from .model_runner import ModelRunner
 from .request import LoopStats, Request, RequestOutput
 from .sampling import SamplingParams
 from .scheduler import TokenCallback
 
 __all__ = ["DFlashEngine", "LoopStats", "Request", "RequestOutput", "first_divergence", "top2_margin"]
-
-
-@torch.inference_mode()
-def top2_margin(model: TargetModel, ids: list[int]) -> float:
-    """Gap between the target's two largest logits for the token after ``ids`` (one fresh
-    full forward in the model's dtype). Used to tell a numerical tie from a real divergence
-    when two decoding runs differ."""
-    cfg = model.cfg
-    T = len(ids)
-    dtype = model.embed.weight.dtype
-    cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, T, dtype, model.embed.weight.device)
-    pos = torch.arange(T, device=cache.layers[0][0].device).unsqueeze(0)
-    logits = model(
-        torch.tensor([ids], device=pos.device), AttentionMetadata.causal(pos, T), cache.layers, logits_index=pos[:, -1:]
-    ).logits[0, -1]
-    top = logits.float().topk(2).values
-    return float(top[0] - top[1])
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (or the shorter length), None when equal."""
-    if a == b:
-        return None
-    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 class DFlashEngine:

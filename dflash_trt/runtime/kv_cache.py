@@ -1,51 +1,10 @@
-"""KV cache buffers for the target and the drafter's context K/V.
-
-- :class:`PagedKVCache`: the serving engine's slot pools (blocks handed out by
-  ``block_manager.py``).
-- :class:`KVCache`: one contiguous slab per layer and row for whole-sequence forwards outside the
-  engine (target features for training and calibration, tie checks): slot ``p`` holds the K/V
-  of the token at position ``p`` of that row; the last slot is a trash slot that padded tokens
-  write into.
-"""
+"""The engine's KV-cache slot pools for the target and the drafter's context K/V (blocks handed
+out by ``block_manager.py``). Whole-sequence forwards outside the engine use the contiguous
+``models/prefill.KVCache``."""
 
 from __future__ import annotations
 
 import torch
-
-
-class KVCache:
-    """Per-layer K/V buffers, each ``[batch, num_kv_heads, capacity + 1, head_dim]``.
-
-    Args:
-        num_layers: attention layers (one ``(k, v)`` pair each).
-        batch: rows (sequences).
-        num_kv_heads, head_dim: K/V head shape.
-        capacity: positions per row; position ``capacity`` is the trash slot.
-        dtype: storage dtype (the model's compute dtype).
-
-    Memory: ``2 * num_layers * batch * num_kv_heads * (capacity + 1) * head_dim`` elements.
-    """
-
-    def __init__(
-        self,
-        num_layers: int,
-        batch: int,
-        num_kv_heads: int,
-        head_dim: int,
-        capacity: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-    ):
-        shape = (batch, num_kv_heads, capacity + 1, head_dim)
-        self.capacity = capacity
-        self.layers = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
-
-    @property
-    def trash_slot(self) -> int:
-        return self.capacity
 
 
 class PagedKVCache:

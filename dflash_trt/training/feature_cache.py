@@ -36,9 +36,8 @@ import torch
 
 from ..atomic import write_json
 from ..errors import DFlashError
-from ..models.layers import AttentionMetadata
+from ..models.prefill import features_and_predictions
 from ..models.target import TargetModel
-from ..runtime.kv_cache import KVCache
 
 FORMAT = "dflash-trt-feature-cache"
 VERSION = 1
@@ -47,29 +46,6 @@ VERSION = 1
 def sequence_key(ids: torch.Tensor) -> str:
     """sha1 of a sequence's int64 token ids (the cache's key)."""
     return hashlib.sha1(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
-
-
-@torch.inference_mode()
-def features_and_predictions(
-    model: TargetModel, seqs: list[torch.Tensor], capture: Sequence[int]
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One batched prefill (right-padded, causal) over ``seqs`` (int64 ``[S_i]`` each).
-
-    Returns:
-        per sequence ``(features [S_i, len(capture) * hidden] in the model dtype,
-        predictions int64 [S_i])``: the target's argmax after every position.
-    """
-    cfg = model.cfg
-    dev = model.embed.weight.device
-    n, S = len(seqs), max(len(s) for s in seqs)
-    ids = torch.zeros(n, S, dtype=torch.long, device=dev)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = s.to(dev)
-    pos = torch.arange(S, device=dev).expand(n, S)
-    cache = KVCache(cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim, S, model.embed.weight.dtype, dev)
-    out = model(ids, AttentionMetadata.causal(pos, S), cache.layers, tuple(capture))
-    preds = out.logits.argmax(-1)
-    return [(out.features[i, : len(s)].clone(), preds[i, : len(s)].clone()) for i, s in enumerate(seqs)]
 
 
 class FeatureCache:
