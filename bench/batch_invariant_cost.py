@@ -28,44 +28,43 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from dflash_trt import EngineArgs, LLMEngine  # noqa: E402
 from dflash_trt.checkpoints.loader import load_pair, parse_dtype  # noqa: E402
 from dflash_trt.prompts import chat_prompt_ids, load_prompts  # noqa: E402
-from dflash_trt.runtime.engine import EngineConfig, LLMEngine  # noqa: E402
-from dflash_trt.runtime.executor import DFlashEngine, Request  # noqa: E402
+from dflash_trt.runtime.engine_factory import LoadedModels  # noqa: E402
+from dflash_trt.runtime.request import Request  # noqa: E402
 
 CONTENDERS = (("plain", False), ("plain", True), ("dflash", False), ("dflash", True))
 
 
+def engine(pairs, mode: str, on: bool, K: int, kv: int, **kw) -> LLMEngine:
+    """The contender's engine on its loaded pair (plain decoding: no drafter)."""
+    t, d = pairs[on]
+    args = EngineArgs(block_size=K if mode == "dflash" else 1, batch_invariant=on, kv_capacity=kv, **kw)
+    return LLMEngine.from_engine_args(args, LoadedModels.of(t, d))
+
+
 def batch1(pairs, prompts, K, max_new) -> dict:
     """Batch-1 runs, interleaved per prompt: {(mode, on): (outputs, wall seconds)}."""
-    engines = {on: DFlashEngine(t.model, d, t.stop_token_ids, batch_invariant=on) for on, (t, d) in pairs.items()}
+    kv = -(-(max(map(len, prompts)) + max_new + K) // 32) * 32
+    engines = {c: engine(pairs, *c, K, kv, max_batch_size=1) for c in CONTENDERS}
     for eng in engines.values():  # warm-up: kernels built, layouts applied, caches touched
-        for k in (1, K):
-            eng.generate([Request(prompts[0], 8)], k)
+        eng.generate([Request(prompts[0], 8)])
     res = {c: ([], 0.0) for c in CONTENDERS}
     for i, p in enumerate(prompts):
-        for mode, on in CONTENDERS:
+        for c in CONTENDERS:
             t = time.perf_counter()
-            out = engines[on].generate([Request(p, max_new)], 1 if mode == "plain" else K)[0].output_ids
-            outs, wall = res[(mode, on)]
-            res[(mode, on)] = (outs + [out], wall + time.perf_counter() - t)
+            out = engines[c].generate([Request(p, max_new)])[0].output_ids
+            outs, wall = res[c]
+            res[c] = (outs + [out], wall + time.perf_counter() - t)
         print(f"  batch 1: prompt {i + 1}/{len(prompts)}", file=sys.stderr, flush=True)
     return res
 
 
 def loaded(pairs, prompts, K, max_new, C, rounds) -> dict:
     """In-flight runs at concurrency ``C``, contenders alternating per round."""
-    engines = {}
-    for mode, on in CONTENDERS:
-        t, d = pairs[on]
-        cfg = EngineConfig(
-            block_size=K if mode == "dflash" else 1,
-            adaptive=mode == "dflash",
-            max_batch_size=C,
-            batch_invariant=on,
-            kv_capacity_tokens=C * (max(map(len, prompts)) + max_new + 2 * K + 64),
-        )
-        engines[(mode, on)] = LLMEngine(t.model, d if mode == "dflash" else None, t.stop_token_ids, cfg)
+    kv = C * (max(map(len, prompts)) + max_new + 2 * K + 64)
+    engines = {c: engine(pairs, *c, K, kv, max_batch_size=C, adaptive=c[0] == "dflash") for c in CONTENDERS}
 
     def serve(eng) -> list[list[int]]:
         ids = [eng.add_request(Request(p, max_new)) for p in prompts]

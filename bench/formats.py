@@ -40,12 +40,14 @@ def weight_error(ref: torch.nn.Module, got: torch.nn.Module) -> float:
 def main() -> None:
     from tqdm import tqdm
 
+    from dflash_trt import EngineArgs, LLMEngine
     from dflash_trt.builder.builder import build_engine
     from dflash_trt.builder.config import BuildConfig
     from dflash_trt.checkpoints.engine import load_engine
     from dflash_trt.checkpoints.loader import load_pair
     from dflash_trt.prompts import chat_prompt_ids, load_prompts
-    from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
+    from dflash_trt.runtime.engine_factory import LoadedModels
+    from dflash_trt.runtime.request import LoopStats, Request
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=10)
@@ -84,15 +86,20 @@ def main() -> None:
     reference: dict[str, list[list[int]]] = {}
     for fmt, (t, d, err, built) in models.items():
         row = {"weight_rel_l2": err, "build_s": built}
-        engine = DFlashEngine(t.model, d, t.stop_token_ids)
+        engines = {
+            k: LLMEngine.from_engine_args(EngineArgs(block_size=k, kv_capacity=65536), LoadedModels.of(t, d))
+            for k in (1, args.block_size)
+        }
         for ds in args.datasets.split(","):
             prompts = [chat_prompt_ids(target.tokenizer, x) for x in load_prompts(ds, args.num_prompts)]
             reqs = [Request(p, args.max_new_tokens) for p in prompts]
             with tqdm(total=2, desc=f"{fmt} {ds}", leave=False) as bar:
-                plain = [o.output_ids for o in engine.generate(reqs, 1)]
+                plain = [o.output_ids for o in engines[1].generate(reqs)]
                 bar.update()
-                stats = LoopStats(args.block_size)
-                spec = [o.output_ids for o in engine.generate(reqs, args.block_size, stats=stats)]
+                spec_engine = engines[args.block_size]
+                spec_engine.stats = LoopStats(args.block_size)  # this set's figures only
+                spec = [o.output_ids for o in spec_engine.generate(reqs)]
+                stats = spec_engine.stats
                 bar.update()
             ref = reference.setdefault(ds, plain)
             same = sum(a == b for a, b in zip(plain, ref))

@@ -154,25 +154,22 @@ def engine_baseline(args, concurrencies: list[int]) -> dict[int, dict]:
 
     import torch
 
-    from dflash_trt.checkpoints.engine import load_models
-    from dflash_trt.checkpoints.loader import parse_device, parse_dtype
+    from dflash_trt import EngineArgs, LLMEngine
     from dflash_trt.prompts import chat_prompt_ids
-    from dflash_trt.runtime.engine import EngineConfig, LLMEngine
     from dflash_trt.runtime.request import Request
 
-    target, drafter = load_models(None, args.drafter, None, parse_dtype(args.dtype), device=parse_device("cpu"))
-    engine = LLMEngine(
-        target.model,
-        drafter,
-        target.stop_token_ids,
-        EngineConfig(
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            drafter=args.drafter,
+            dtype=args.dtype,
+            device="cpu",
             block_size=args.block_size,
             adaptive=True,
             max_batch_size=64,
             max_prefill_tokens=args.max_prefill_tokens or None,
-        ),
+        )
     )
-    tok = target.tokenizer
+    tok = engine.models.target.tokenizer
     rng = random.Random(7)
     vocab = list(tok.get_vocab().values())
     prompts = [

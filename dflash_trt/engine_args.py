@@ -24,7 +24,7 @@ from .runtime.config import (
     SpeculativeConfig,
     is_engine_dir,
 )
-from .runtime.ngram import DEFAULT_MAX_N
+from .runtime.spec_decode.prompt_lookup import DEFAULT_MAX_N
 
 
 @dataclass
@@ -87,6 +87,10 @@ class EngineArgs:
     kv_capacity: int | None = arg("KV positions (default: the engine's memory plan, else 65536)")
     max_batch_size: int = arg("most running sequences", default=64)
     max_num_tokens: int = arg("most target tokens per iteration (verify blocks + prompt chunks)", default=2048)
+    max_prefill_tokens: int | None = arg(
+        "most prompt tokens per iteration: bounds how long prefilling holds the decoding streams back "
+        "(default: up to --max-num-tokens; serve / triton-repo on a CPU: 256)"
+    )
     # --- parallelism ---
     tensor_parallel_size: int = arg(
         "tensor-parallel ranks (under mpiexec: the job size; serve / triton-repo start them themselves)",
@@ -122,7 +126,7 @@ class EngineArgs:
                 batch_invariant=self.batch_invariant,
             ),
             cache=CacheConfig(self.tokens_per_block, self.kv_capacity),
-            scheduler=SchedulerConfig(self.max_batch_size, self.max_num_tokens),
+            scheduler=SchedulerConfig(self.max_batch_size, self.max_num_tokens, self.max_prefill_tokens),
             speculative=SpeculativeConfig(
                 method="dflash" if self.block_size != 1 else "none",
                 drafter=self.drafter,

@@ -67,12 +67,14 @@ def linears(args) -> None:
 
 
 def models(args) -> None:
+    from dflash_trt import EngineArgs, LLMEngine
     from dflash_trt.checkpoints.loader import load_target
     from dflash_trt.models.layers import AttentionMetadata
-    from dflash_trt.models.prefill import KVCache
+    from dflash_trt.models.prefill import KVCache, first_divergence, top2_margin
     from dflash_trt.prompts import chat_prompt_ids, load_prompts
     from dflash_trt.quantization.packed import packed_summary
-    from dflash_trt.runtime.executor import DFlashEngine, Request, first_divergence, top2_margin
+    from dflash_trt.runtime.engine_factory import LoadedModels
+    from dflash_trt.runtime.request import Request
 
     bf = torch.bfloat16
     ref = load_target(None, bf)
@@ -89,14 +91,15 @@ def models(args) -> None:
         out = model(torch.tensor([ids]), AttentionMetadata.causal(pos, len(ids)), cache.layers)
         return out.logits[0].float()
 
-    engines = {k: DFlashEngine(v.model, None, v.stop_token_ids) for k, v in variants.items()}
+    plain = EngineArgs(block_size=1, max_batch_size=1, kv_capacity=4096)
+    engines = {k: LLMEngine.from_engine_args(plain, LoadedModels.of(v)) for k, v in variants.items()}
     outs: dict[str, list] = {k: [] for k in variants}
     walls = dict.fromkeys(variants, 0.0)
     for p in prompts:
         for k, e in engines.items():
-            e.generate([Request(p, 4)], 1)
+            e.generate([Request(p, 4)])
             t = time.perf_counter()
-            outs[k].append(e.generate([Request(p, args.new)], 1)[0].output_ids)
+            outs[k].append(e.generate([Request(p, args.new)])[0].output_ids)
             walls[k] += time.perf_counter() - t
     base = "bf16 (dequantized GGUF)"
     for k, v in variants.items():

@@ -9,10 +9,13 @@ import sys
 
 import torch
 
+from dflash_trt.engine_args import EngineArgs
 from dflash_trt.models.layers import AttentionMetadata
-from dflash_trt.models.prefill import KVCache
-from dflash_trt.runtime.executor import first_divergence, top2_margin
+from dflash_trt.models.prefill import KVCache, first_divergence, top2_margin
+from dflash_trt.runtime.engine import LLMEngine
 from dflash_trt.runtime.model_runner import ModelRunner
+from dflash_trt.runtime.request import LoopStats, Request, RequestResult
+from dflash_trt.runtime.spec_decode.dflash import DFlashProposer
 
 CLI = [sys.executable, "-m", "dflash_trt.cli"]
 #: fp32 top-2 logit margin below which two decoding runs may differ (a numerical tie)
@@ -34,14 +37,69 @@ def error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def engine_config(**kw):
+    """The engine configuration tree of ``EngineArgs(**kw)``."""
+    return EngineArgs(**kw).create_engine_config()
+
+
+def make_engine(
+    target,
+    drafter=None,
+    block_size: int | None = None,
+    requests: list[Request] = (),
+    proposer_cls: type[DFlashProposer] | None = None,
+    stop_token_ids: tuple[int, ...] = (),
+    **kw,
+) -> LLMEngine:
+    """An engine on models already in memory (``target``: a loaded target with its stop ids, or
+    a bare ``TargetModel`` with ``stop_token_ids``), every request of ``requests`` admitted at
+    once: a batch as large as the list, a token budget for all prompts in one iteration and a KV
+    cache just large enough for them (16-position blocks); ``kw``: other ``EngineArgs`` fields
+    (they win). ``proposer_cls``: a draft proposer in place of the drafter's (an oracle)."""
+    model = getattr(target, "model", target)
+    stops = getattr(target, "stop_token_ids", stop_token_ids)
+    K = block_size if block_size is not None else (drafter.cfg.block_size if drafter is not None else 1)
+    tpb = kw.pop("tokens_per_block", 16)
+    need = sum(-(-(len(r.prompt_ids) + r.max_new_tokens + K) // tpb) for r in requests)
+    args = dict(
+        block_size=K,
+        max_batch_size=max(len(requests), 1),
+        max_num_tokens=max(sum(len(r.prompt_ids) for r in requests), K * max(len(requests), 1), 1),
+        tokens_per_block=tpb,
+        kv_capacity=max(need, 1) * tpb,
+    )
+    config = engine_config(**(args | kw))
+    drafter = drafter if K > 1 else None
+    runner = None
+    if proposer_cls is not None:
+        resolved = config.with_defaults(K)
+        runner = ModelRunner(model, drafter, resolved, proposer_cls=proposer_cls)
+    return LLMEngine(model, drafter, stops, config, runner=runner)
+
+
+def generate(
+    target,
+    drafter,
+    requests: list[Request],
+    block_size: int | None = None,
+    stats: LoopStats | None = None,
+    on_tokens=None,
+    **kw,
+) -> list[RequestResult]:
+    """Run ``requests`` as one batch on a fresh :func:`make_engine` (``kw`` as there); add the
+    run's loop statistics to ``stats``."""
+    engine = make_engine(target, drafter, block_size, requests, **kw)
+    outs = engine.generate(requests, on_tokens)
+    if stats is not None:
+        stats.merge(engine.stats)
+    return outs
+
+
 def plain_outputs(target, prompts: list[list[int]], max_new: int | list[int]) -> list[list[int]]:
     """Plain decoding (block size 1, no drafter, greedy) of each prompt, one request at a time;
     ``max_new`` for all prompts or one per prompt."""
-    from dflash_trt.runtime.executor import DFlashEngine, Request
-
-    plain = DFlashEngine(target.model, None, target.stop_token_ids)
     lens = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
-    return [plain.generate([Request(p, n)], 1)[0].output_ids for p, n in zip(prompts, lens)]
+    return [generate(target, None, [Request(p, n)], 1)[0].output_ids for p, n in zip(prompts, lens)]
 
 
 def same_text(target, prompt_ids: list[int], ref_ids: list[int], text: str) -> bool:
@@ -107,17 +165,17 @@ def same_or_tie(model, prompt: list[int], ref: list[int], got: list[int], tie: f
     return 1
 
 
-class OracleRunner(ModelRunner):
+class OracleProposer(DFlashProposer):
     """Drafts ``continuations[seq_id]`` (prompt + its plain-decoding output) with every 5th
     position corrupted, so verify accepts long prefixes and rejects mid-block: exercises
     multi-token acceptance and KV rollback on the real model (a random drafter is almost never
     accepted). Still runs the real drafter forward to keep that path live. Sequence ids are
-    request indices; set ``OracleRunner.continuations`` before use."""
+    request indices; set ``OracleProposer.continuations`` before use."""
 
     continuations: list[list[int]] = []
 
-    def draft(self, items, block):
-        out = super().draft(items, block).clone()  # [S, block - 1] on the device
+    def propose(self, items, block):
+        out = super().propose(items, block).clone()  # [S, block - 1] on the device
         for r, it in enumerate(items):
             seq = self.continuations[it.seq_id]
             for j, p in enumerate(range(it.start + 1, it.start + 1 + it.num_draft)):

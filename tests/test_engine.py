@@ -328,7 +328,7 @@ def inject_fault(engine: LLMEngine, culprit: int, when) -> list[int]:
 
 def run_all(engine: LLMEngine, reqs: dict[int, Request], streamed: dict[int, list[int]]) -> dict[int, object]:
     """Queue ``reqs`` (by sequence id, tokens streamed into ``streamed``), step until all end;
-    returns every request's :class:`RequestOutput`."""
+    returns every request's :class:`RequestResult`."""
     for i, r in reqs.items():
         engine.add_request(r, on_tokens=lambda sid, toks: streamed[sid].extend(toks), seq_id=i)
     outs = {}

@@ -9,12 +9,13 @@ such cases are counted and printed. Any other mismatch fails.
 from __future__ import annotations
 
 import pytest
-from helpers import OracleRunner, check_same
+from helpers import OracleProposer, check_same, generate
 
+from dflash_trt.engine_args import EngineArgs
 from dflash_trt.errors import DFlashError
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
-from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
-from dflash_trt.runtime.ngram import NgramIndex
+from dflash_trt.runtime.request import LoopStats, Request
+from dflash_trt.runtime.spec_decode.prompt_lookup import NgramIndex
 
 MAX_NEW = 24
 
@@ -27,18 +28,16 @@ def prompts(smollm2):
 @pytest.fixture(scope="module")
 def reference(smollm2, prompts):
     """Plain decoding, one request at a time (block size 1, no drafter)."""
-    engine = DFlashEngine(smollm2.model, None, smollm2.stop_token_ids)
-    return [engine.generate([Request(p, MAX_NEW)], 1)[0].output_ids for p in prompts]
+    return [generate(smollm2, None, [Request(p, MAX_NEW)], 1)[0].output_ids for p in prompts]
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_dflash_equals_autoregressive(smollm2, random_drafter, prompts, reference, block_size, batch):
-    engine = DFlashEngine(smollm2.model, random_drafter, smollm2.stop_token_ids)
     outs = []
     for i in range(0, len(prompts), batch):
-        chunk = prompts[i : i + batch]
-        outs += [o.output_ids for o in engine.generate([Request(p, MAX_NEW) for p in chunk], block_size)]
+        chunk = [Request(p, MAX_NEW) for p in prompts[i : i + batch]]
+        outs += [o.output_ids for o in generate(smollm2, random_drafter, chunk, block_size)]
     ties = sum(check_same(smollm2.model, p, r, o) for p, r, o in zip(prompts, reference, outs))
     print(f"block {block_size} batch {batch}: {len(prompts) - ties}/{len(prompts)} identical, {ties} at ties")
     assert all(len(o) >= 1 for o in outs)
@@ -46,10 +45,11 @@ def test_dflash_equals_autoregressive(smollm2, random_drafter, prompts, referenc
 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_high_acceptance_rollback(smollm2, random_drafter, prompts, reference, block_size):
-    OracleRunner.continuations = [p + r for p, r in zip(prompts, reference)]
-    engine = DFlashEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, runner_cls=OracleRunner)
+    OracleProposer.continuations = [p + r for p, r in zip(prompts, reference)]
     stats = LoopStats(block_size)
-    outs = [o.output_ids for o in engine.generate([Request(p, MAX_NEW) for p in prompts[:4]], block_size, stats=stats)]
+    reqs = [Request(p, MAX_NEW) for p in prompts[:4]]
+    got = generate(smollm2, random_drafter, reqs, block_size, stats, proposer_cls=OracleProposer)
+    outs = [o.output_ids for o in got]
     ties = sum(check_same(smollm2.model, p, r, o) for p, r, o in zip(prompts, reference, outs))
     print(f"oracle block {block_size}: tau {stats.tau:.2f}, {ties} ties")
     assert stats.tau > 2.0
@@ -84,18 +84,16 @@ def test_ngram_index_matches_brute_force(prompts, reference):
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_prompt_lookup_is_lossless(smollm2, random_drafter, prompts, reference, batch):
-    """Prompt-lookup tokens merged into the drafter's blocks (``runtime/ngram.py``) keep the
+    """Prompt-lookup tokens merged into the drafter's blocks (``spec_decode/prompt_lookup.py``) keep the
     output equal to plain decoding, alone and under batching. The drafter is random (its own
     drafts are almost never accepted), so a tau above 1 means lookup tokens were verified and
     accepted; steps whose lookup covers every draft token skip the drafter's forward."""
-    engine = DFlashEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, prompt_lookup=(1, 4))
-    plain = DFlashEngine(smollm2.model, random_drafter, smollm2.stop_token_ids)
     stats, alone = LoopStats(4), LoopStats(4)
     outs = []
     for i in range(0, len(prompts), batch):
         chunk = [Request(p, MAX_NEW) for p in prompts[i : i + batch]]
-        outs += [o.output_ids for o in engine.generate(chunk, 4, stats=stats)]
-        plain.generate(chunk, 4, stats=alone)
+        outs += [o.output_ids for o in generate(smollm2, random_drafter, chunk, 4, stats, prompt_lookup_min=1)]
+        generate(smollm2, random_drafter, chunk, 4, alone)
     ties = sum(check_same(smollm2.model, p, r, o) for p, r, o in zip(prompts, reference, outs))
     print(
         f"batch {batch}: tau {stats.tau:.2f} with lookup ({stats.lookup_steps} of {stats.verify_steps} steps), "
@@ -105,27 +103,22 @@ def test_prompt_lookup_is_lossless(smollm2, random_drafter, prompts, reference, 
     assert stats.tau > alone.tau + 0.05
 
 
-def test_prompt_lookup_rejects_impossible_lengths(smollm2, random_drafter, prompts):
-    engine = DFlashEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, prompt_lookup=(3, 2))
-    with pytest.raises(DFlashError, match="prompt lookup needs"):
-        engine.generate([Request(prompts[0], 4)], 4)
+def test_prompt_lookup_rejects_impossible_lengths():
+    with pytest.raises(DFlashError, match="prompt_lookup_min must be in 1..prompt_lookup_max"):
+        EngineArgs(prompt_lookup_min=3, prompt_lookup_max=2).create_engine_config()
 
 
 def test_service_with_prompt_lookup(smollm2, prompts, reference):
-    """``serve --prompt-lookup-min 2`` (``ServeConfig.prompt_lookup``, passed through JSON as the
-    TP workers and the Triton model get it): the service streams plain decoding's tokens and its
-    engine verified prompt-lookup drafts."""
+    """``serve --prompt-lookup-min 2`` (``EngineArgs.prompt_lookup_min``, passed through JSON as
+    the Triton model gets it): the service streams plain decoding's tokens and its engine verified
+    prompt-lookup drafts."""
     import asyncio
-    import dataclasses
-    import json
 
     from dflash_trt.runtime.sampling import SamplingParams
     from dflash_trt.serving.service import EngineService, Finished, ServeConfig
 
-    cfg = ServeConfig(
-        dtype="fp32", device="cpu", block_size=4, kv_capacity=4096, max_batch_size=4, prompt_lookup=(2, 4)
-    )
-    svc = EngineService(ServeConfig(**json.loads(json.dumps(dataclasses.asdict(cfg)))))
+    args = EngineArgs(dtype="fp32", device="cpu", block_size=4, kv_capacity=4096, max_batch_size=4, prompt_lookup_min=2)
+    svc = EngineService(ServeConfig.from_json(ServeConfig(args).to_json()))
     try:
 
         async def answer(p):

@@ -48,11 +48,11 @@ from ..atomic import write_json
 from ..checkpoints.engine import kv_capacity
 from ..engine_args import EngineArgs
 from ..errors import ConfigError, DFlashError
+from ..models.prefill import first_divergence, top2_margin
 from ..prompts import DATASETS, chat_prompt_ids
 from ..runtime.distributed import TPEngines, init_tp
 from ..runtime.engine import LLMEngine
 from ..runtime.engine_factory import create_engine, load_models, speculative_off
-from ..runtime.executor import first_divergence, top2_margin
 from ..runtime.request import LoopStats, Request
 from ..runtime.sampling import SamplingParams
 from .runner import BenchConfig, device_name

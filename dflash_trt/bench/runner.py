@@ -24,10 +24,10 @@ from ..atomic import write_json
 from ..checkpoints.loader import parse_dtype
 from ..engine_args import EngineArgs
 from ..errors import ConfigError, DFlashError
+from ..models.prefill import first_divergence, top2_margin
 from ..prompts import DATASETS, chat_prompt_ids, load_prompts, read_prompts_file
 from ..runtime.engine import LLMEngine
 from ..runtime.engine_factory import LoadedModels, load_models
-from ..runtime.executor import first_divergence, top2_margin
 from ..runtime.request import LoopStats, Request
 from ..runtime.sampling import SamplingParams
 

@@ -10,7 +10,7 @@ length, sequences), but torch.compile specialises sizes 0 and 1, so a run compil
 graphs: the first decode step, the prompt prefill, with a drafter the verify block, and under
 in-flight batching the batched steps; each costs tens of seconds on 2 cores the first time, and
 inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) shortens later processes. Callers compile
-them in an untimed warm-up (:meth:`DFlashEngine.warm_up`, :meth:`LLMEngine.warm_up`).
+them in an untimed warm-up (:meth:`LLMEngine.warm_up`).
 The drafter's forward (its context-K/V projection, block attention and MLPs; not the draft
 vocabulary's LM head and argmax, :meth:`DFlashDrafter.propose`) is compiled the same way: one
 graph for a prompt's context, one for the per-step context of a few tokens.

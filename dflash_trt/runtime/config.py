@@ -17,6 +17,7 @@ flag instead (``cuda_graphs`` -> ``--cuda-graphs``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,10 @@ DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("int4", "int8")
 #: speculative methods; ``none`` is plain autoregressive decoding
 SPEC_METHODS = ("dflash", "none")
+#: prompt tokens per iteration when a server runs on a CPU (``SchedulerConfig.max_prefill_tokens``):
+#: an iteration that prefills ~2,700 prompt tokens held every decoding stream for ~8 s on the
+#: 2-core CPU of docs/serving.md; 256 tokens hold them well under a second
+CPU_MAX_PREFILL_TOKENS = 256
 
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -106,14 +111,23 @@ class SchedulerConfig:
         max_batch_size: most running sequences (vLLM's ``max_num_seqs``).
         max_num_tokens: most target tokens per iteration, verify blocks and prompt chunks
             together (vLLM's ``max_num_batched_tokens``).
+        max_prefill_tokens: most prompt tokens per iteration (None: up to ``max_num_tokens``):
+            how long an iteration that prefills can hold back the decoding sequences (the
+            servers default it to :data:`CPU_MAX_PREFILL_TOKENS` on a CPU).
     """
 
     max_batch_size: int = 64
     max_num_tokens: int = 2048
+    max_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size >= 1, "max_batch_size", f"must be >= 1, got {self.max_batch_size}")
         _check(self.max_num_tokens >= 1, "max_num_tokens", f"must be >= 1, got {self.max_num_tokens}")
+        _check(
+            self.max_prefill_tokens is None or self.max_prefill_tokens >= 1,
+            "max_prefill_tokens",
+            f"must be >= 1, got {self.max_prefill_tokens}",
+        )
 
 
 @dataclass(frozen=True)
@@ -202,6 +216,20 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.model.engine_dir and self.speculative.drafter:
             raise ConfigError("drafter", "is part of the engine directory; drop the drafter path")
+
+    def with_defaults(self, drafter_block_size: int | None) -> EngineConfig:
+        """This config with what an engine cannot leave open decided: the block size (the
+        drafter's, ``drafter_block_size``; 1 without a drafter) and the KV capacity
+        (:data:`DEFAULT_KV_CAPACITY`; the engine factory reads an engine directory's memory
+        plan before this)."""
+        spec, cache = self.speculative, self.cache
+        K = spec.block_size if spec.block_size is not None else (drafter_block_size or 1)
+        cap = cache.kv_capacity if cache.kv_capacity is not None else DEFAULT_KV_CAPACITY
+        return dataclasses.replace(
+            self,
+            speculative=dataclasses.replace(spec, block_size=K),
+            cache=dataclasses.replace(cache, kv_capacity=cap),
+        )
 
 
 def is_engine_dir(path: str | None) -> bool:

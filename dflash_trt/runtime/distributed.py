@@ -70,8 +70,10 @@ from torch import nn
 from ..errors import DFlashError
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
-from .engine import EngineConfig, LLMEngine, check_block_size
+from .config import EngineConfig
+from .engine import LLMEngine, check_block_size
 from .model_runner import ModelRunner, StepPlan
+from .spec_decode.dflash import DFlashProposer
 
 __all__ = [
     "TPEngines",
@@ -414,7 +416,7 @@ def tp_engine(
     stop_token_ids: tuple[int, ...],
     config: EngineConfig,
     tp: TPGroup,
-    runner_cls: type[ModelRunner] = ModelRunner,
+    proposer_cls: type[DFlashProposer] = DFlashProposer,
 ) -> LLMEngine | None:
     """Shard ``target`` (in place) and serve it on every rank of ``tp``.
 
@@ -431,8 +433,8 @@ def tp_engine(
     Args:
         target: the full target (sharded here unless ``target.tp`` is already set); it is moved
             to ``tp.device``, as is the drafter.
-        runner_cls: the :class:`ModelRunner` class (a test may substitute its own proposer; it
-            must propose the same drafts on every rank).
+        proposer_cls: the draft proposer (a test may substitute its own; it must propose the
+            same drafts on every rank).
 
     Raises:
         DFlashError: a bad block size (on every rank), tp_size above the KV heads, anything
@@ -440,7 +442,8 @@ def tp_engine(
             in the middle of a step leaves the others waiting in a collective: run under
             ``python -m mpi4py`` so that an uncaught exception aborts the whole job.
     """
-    K = config.block_size if config.block_size is not None else (drafter.cfg.block_size if drafter else 1)
+    config = config.with_defaults(drafter.cfg.block_size if drafter else None)
+    K = config.speculative.block_size
     check_block_size(drafter, K)
     if getattr(target, "engine_shard", None) is not None:
         attach_engine_shard(target, tp)  # a tp_size N engine: this rank read its own file
@@ -449,15 +452,7 @@ def tp_engine(
     if drafter is not None:
         drafter.to(tp.device)
     target.to(tp.device)
-    num_blocks = max(config.kv_capacity_tokens // config.tokens_per_block, 1)
-    runner = runner_cls(
-        target,
-        drafter if K > 1 else None,
-        num_blocks,
-        config.tokens_per_block,
-        tp=tp,
-        batch_invariant=config.batch_invariant,
-    )
+    runner = ModelRunner(target, drafter if K > 1 else None, config, tp=tp, proposer_cls=proposer_cls)
     if tp.rank != 0:
         run_worker(runner, tp)
         return None

@@ -24,74 +24,39 @@ committed ends that sequence.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
 
 import torch
 
-from ..errors import DFlashError
+from ..errors import ConfigError, DFlashError
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
 from .adaptive import DraftLengthController
 from .block_manager import BlockManager
+from .config import EngineConfig
 from .model_runner import ModelRunner, StepItem, StepPlan
-from .ngram import NgramIndex, check_lookup
-from .request import LoopStats, Request, RequestOutput
-from .sampling import SamplingParams, accepted_lengths, choose_tokens
-from .scheduler import Schedule, Scheduler, Sequence, TokenCallback, callback, log
+from .request import LoopStats, Request, RequestResult
+from .sampling import SamplingParams
+from .scheduler import Schedule, Scheduler
+from .sequence import Sequence, TokenCallback, callback
+from .spec_decode.prompt_lookup import PromptLookup
 
-
-@dataclass
-class EngineConfig:
-    """Runtime settings.
-
-    Attributes:
-        block_size: most tokens verified per step (anchor + drafts); None = the drafter's
-            block size (1 without a drafter); 1 = plain decoding.
-        adaptive: choose the draft length per iteration (else always ``block_size - 1``).
-        max_batch_size: most running sequences.
-        max_num_tokens: most target tokens per iteration (verify blocks + prompt chunks).
-        tokens_per_block: KV-cache block size in positions.
-        kv_capacity_tokens: KV positions in the pools (target and drafter context alike).
-        compile: run the target forward compiled by torch.compile (``runtime/compiled.py``).
-        cuda_graphs: replay decode-only iterations' target forwards from CUDA graphs per
-            batch-size bucket (``runtime/cuda_graphs.py``).
-        prompt_lookup: ``(min_n, max_n)``: prompt-lookup tokens (``ngram.py``) replace the
-            drafter's first draft tokens wherever the context's last ``n`` tokens occurred
-            before; None: the drafter's alone.
-        batch_invariant: the target's rows computed independently of each other
-            (``models/batch_invariant.py``): True, False, or None = on for bf16 CPU targets.
-        max_prefill_tokens: most prompt tokens per iteration (None: up to ``max_num_tokens``):
-            how long an iteration that prefills can hold back the decoding sequences.
-    """
-
-    block_size: int | None = None
-    adaptive: bool = False
-    max_batch_size: int = 64
-    max_num_tokens: int = 2048
-    tokens_per_block: int = 32
-    kv_capacity_tokens: int = 65536
-    compile: bool = False
-    cuda_graphs: bool = False
-    prompt_lookup: tuple[int, int] | None = None
-    batch_invariant: bool | None = None
-    max_prefill_tokens: int | None = None
+log = logging.getLogger("dflash_trt.runtime")
 
 
 def check_block_size(drafter: DFlashDrafter | None, block_size: int) -> None:
-    """Raises DFlashError for a block size the drafter cannot serve."""
+    """Raises :class:`ConfigError` (``block_size``) for a block size the drafter cannot serve."""
     if block_size < 1:
-        raise DFlashError(f"block size must be >= 1, got {block_size}")
+        raise ConfigError("block_size", f"must be >= 1, got {block_size}")
     if block_size > 1 and drafter is None:
-        raise DFlashError("block size > 1 needs a drafter")
+        raise ConfigError("block_size", f"{block_size} needs a drafter")
     if drafter is not None and block_size > drafter.cfg.block_size:
-        raise DFlashError(f"block size {block_size} is above the drafter's block_size {drafter.cfg.block_size}")
+        raise ConfigError("block_size", f"{block_size} is above the drafter's block_size {drafter.cfg.block_size}")
 
 
 class LLMEngine:
@@ -101,7 +66,10 @@ class LLMEngine:
         target: the target model (eval mode, compute dtype).
         drafter: the DFlash drafter, or None (plain decoding only).
         stop_token_ids: default stop ids (the target's EOS ids).
-        config: :class:`EngineConfig`.
+        config: the settings (``runtime/config.py``); what it leaves open is decided by
+            :meth:`~.config.EngineConfig.with_defaults` (the drafter's block size, the default KV
+            capacity). Build engines with :meth:`from_engine_args` (which also reads an engine
+            directory's memory plan); this constructor takes models already loaded.
         runner: the :class:`ModelRunner` to use (default: one built from the config).
         tp: TP group helper (rank 0's view) that broadcasts each plan, or None.
 
@@ -112,7 +80,7 @@ class LLMEngine:
             attribute (under tensor parallelism, or in scheduling itself) propagates.
 
     Raises:
-        DFlashError: impossible settings (block size, capacity below one block, ...).
+        ConfigError: impossible settings (block size, capacity below one block, ...).
     """
 
     def __init__(
@@ -124,42 +92,31 @@ class LLMEngine:
         runner: ModelRunner | None = None,
         tp=None,
     ):
-        cfg = config or EngineConfig()
-        K = cfg.block_size if cfg.block_size is not None else (drafter.cfg.block_size if drafter else 1)
+        cfg = (config or EngineConfig()).with_defaults(drafter.cfg.block_size if drafter is not None else None)
+        spec, sched = cfg.speculative, cfg.scheduler
+        K = spec.block_size
         check_block_size(drafter, K)
-        if cfg.tokens_per_block < 1:
-            raise DFlashError(f"tokens_per_block must be >= 1, got {cfg.tokens_per_block}")
-        if cfg.max_num_tokens < K or cfg.max_batch_size < 1:
-            raise DFlashError(
-                f"max_num_tokens ({cfg.max_num_tokens}) must be >= the block size ({K}) "
-                f"and max_batch_size ({cfg.max_batch_size}) >= 1"
-            )
-        if cfg.prompt_lookup is not None:
-            check_lookup(*cfg.prompt_lookup)
+        if sched.max_num_tokens < K:
+            raise ConfigError("max_num_tokens", f"({sched.max_num_tokens}) must be >= the block size ({K})")
+        tpb = cfg.cache.tokens_per_block
+        num_blocks = cfg.cache.kv_capacity // tpb
+        if num_blocks < 1:
+            raise ConfigError("kv_capacity", f"{cfg.cache.kv_capacity} is below one block of {tpb}")
         self.block_size = K
         self.config = cfg
-        self._ngrams: dict[int, NgramIndex] = {}  # seq_id -> its prompt-lookup index
+        self.lookup = PromptLookup(*spec.prompt_lookup) if spec.prompt_lookup is not None else None
         self.stop_token_ids = tuple(stop_token_ids)
-        num_blocks = cfg.kv_capacity_tokens // cfg.tokens_per_block
-        if num_blocks < 1:
-            raise DFlashError(f"KV capacity {cfg.kv_capacity_tokens} is below one block of {cfg.tokens_per_block}")
-        self.blocks = BlockManager(num_blocks, cfg.tokens_per_block)
+        self.blocks = BlockManager(num_blocks, tpb)
         self.scheduler = Scheduler(
-            self.blocks, cfg.max_batch_size, cfg.max_num_tokens, K, max_prefill_tokens=cfg.max_prefill_tokens
+            self.blocks, sched.max_batch_size, sched.max_num_tokens, K, max_prefill_tokens=sched.max_prefill_tokens
         )
-        self.runner = runner or ModelRunner(
-            target,
-            drafter if K > 1 else None,
-            num_blocks,
-            cfg.tokens_per_block,
-            compile=cfg.compile,
-            cuda_graphs=cfg.cuda_graphs,
-            max_batch=cfg.max_batch_size,
-            batch_invariant=cfg.batch_invariant,
-        )
+        self.runner = runner or ModelRunner(target, drafter if K > 1 else None, cfg, tp=tp)
         self.tp = tp
+        #: the loaded models this engine was built from (``engine_factory.LoadedModels``), when
+        #: built by :meth:`from_engine_args`
+        self.models = None
         self.stats = LoopStats(K)
-        self.controller = DraftLengthController(K - 1) if cfg.adaptive and K > 1 else None
+        self.controller = DraftLengthController(K - 1) if spec.adaptive and K > 1 else None
         self._next_id = 0
         self._seqs: dict[int, Sequence] = {}  # every request not yet collected, by sequence id
         self._inbox: list[Sequence] = []  # added since the last iteration began
@@ -171,7 +128,7 @@ class LLMEngine:
         self._lock = threading.RLock()
         self._admit = threading.Lock()
         self.iteration_s: deque[float] = deque(maxlen=4096)
-        self._listeners: list[Callable[[RequestOutput, int], None]] = []
+        self._listeners: list[Callable[[RequestResult, int], None]] = []
         self.isolate_failures = False
         # the sequences of failed iterations, in groups that run apart from the others (front first)
         self._suspects: deque[list[int]] = deque()
@@ -179,17 +136,43 @@ class LLMEngine:
         if self.controller is not None:
             self.calibrate()
 
+    @classmethod
+    def from_engine_args(cls, args, models=None, tp=None) -> LLMEngine | None:
+        """The engine of ``args`` (``EngineArgs`` or a :class:`~.config.EngineConfig`): the one
+        way in that loads the models (unless ``models`` are given), joins or starts the
+        tensor-parallel ranks, sizes the KV cache and builds the runner
+        (:func:`~.engine_factory.create_engine`, whose arguments these are).
+
+        Returns:
+            the engine; None on a tensor-parallel worker rank, once rank 0 has closed it.
+
+        Raises:
+            ConfigError: an impossible setting, named by its field.
+            DFlashError: what loading raises.
+        """
+        from .engine_factory import create_engine
+
+        return create_engine(args, models, tp)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks that mirror this engine and leave their group
+        (nothing without tensor parallelism). The engine cannot step afterwards."""
+        if self.tp is not None:
+            self.tp.stop_workers()
+            self.tp.shutdown()
+            self.tp = None
+
     # ---- requests ----
     def add_request(
         self,
         request: Request,
         on_tokens: TokenCallback | None = None,
         seq_id: int | None = None,
-        on_finish: Callable[[int, RequestOutput], None] | None = None,
+        on_finish: Callable[[int, RequestResult], None] | None = None,
     ) -> int:
         """Queue a request; returns its sequence id. ``on_tokens(seq_id, tokens)`` is called
         with every batch of committed tokens, ``on_finish(seq_id, output)`` once when it ends
-        (finished or aborted) with its :class:`RequestOutput` (the engine then forgets it;
+        (finished or aborted) with its :class:`RequestResult` (the engine then forgets it;
         without ``on_finish``, :meth:`result` collects it). Both run on the thread that steps
         the engine. Thread-safe, and it never waits for a running iteration: the request joins
         the scheduler's queue when the next iteration begins.
@@ -249,22 +232,22 @@ class LLMEngine:
             self.scheduler.add(seq)
         return aborts
 
-    def add_finish_listener(self, fn: Callable[[RequestOutput, int], None]) -> None:
+    def add_finish_listener(self, fn: Callable[[RequestResult, int], None]) -> None:
         """Call ``fn(output, prompt_tokens)`` for every request that ends (aborted ones too), on
         the thread that steps the engine (serving metrics)."""
         self._listeners.append(fn)
 
-    def result(self, seq_id: int) -> RequestOutput:
+    def result(self, seq_id: int) -> RequestResult:
         """The output of a finished sequence (removes it from the engine)."""
         with self._admit:
             seq = self._seqs.pop(seq_id)
         return self._output(seq)
 
     @staticmethod
-    def _output(s: Sequence) -> RequestOutput:
+    def _output(s: Sequence) -> RequestResult:
         end = s.finish_s or s.arrival_s
         first = s.first_token_s or end  # an abort before any token
-        return RequestOutput(
+        return RequestResult(
             s.output,
             s.finish_reason or "length",
             s.commit_lengths,
@@ -277,7 +260,8 @@ class LLMEngine:
     # ---- the iteration ----
     def _finish(self, seq: Sequence, done: list[Sequence]) -> None:
         self.scheduler.remove(seq)
-        self._ngrams.pop(seq.seq_id, None)
+        if self.lookup is not None:
+            self.lookup.release(seq.seq_id)
         self._release.append(seq.seq_id)
         done.append(seq)
         if self._listeners:
@@ -335,7 +319,7 @@ class LLMEngine:
         decoding = self.scheduler.decoding(only, held)
         probe = False
         if self.controller is not None:
-            nd, probe = self.controller.choose(len(decoding), token_budget=self.config.max_num_tokens)
+            nd, probe = self.controller.choose(len(decoding), token_budget=self.config.scheduler.max_num_tokens)
         else:
             nd = self.block_size - 1
         sched = self.scheduler.schedule(1 if probe else 1 + nd, only, held)
@@ -463,18 +447,16 @@ class LLMEngine:
             span = self.block_size if nd else 1  # the drafter writes a whole block
             table = self.blocks.ensure(s.seq_id, s.num_cached + span)
             item = StepItem(s.seq_id, [s.tokens[-1]], s.num_cached, list(table), num_draft=nd, num_logits=1 + nd)
-            if nd and self.config.prompt_lookup is not None:
-                index = self._ngrams.get(s.seq_id)
-                if index is None:
-                    index = self._ngrams[s.seq_id] = NgramIndex(*self.config.prompt_lookup)
-                item.lookup = index.propose(s.tokens, nd)
+            if nd and self.lookup is not None:
+                item.lookup = self.lookup.propose(s.seq_id, s.tokens, nd)
             _sample_on_device(s, item)
             items.append(item)
         release, self._release = self._release, []
         return StepPlan(items, self.block_size if any_draft else 0, release)
 
     def _commit(self, sched: Schedule, plan: StepPlan, out, done: list[Sequence]) -> int:
-        """Accept, commit and stream the iteration's tokens; returns how many were committed."""
+        """Commit and stream the iteration's tokens (the runner chose the target's tokens and
+        accepted drafts against them on the device); returns how many were committed."""
         st = self.stats
         if sched.decode:
             st.verify_s += out.target_s
@@ -485,27 +467,13 @@ class LLMEngine:
         else:
             st.prefill_s += out.target_s
         ctl = self.controller
-
-        def on_device(s: Sequence) -> bool:  # the runner chose the target's tokens (argmax or sample)
-            return bool(out.choice) and _device_choice(s)
-
-        def choice(i: int, s: Sequence) -> list[int]:  # the target's token after each logits row
-            early = s.request.min_new_tokens - len(s.output)
-            if on_device(s):
-                return out.choice[i]
-            logits = out.logits[i]
-            if early > 0 and s.stops:
-                logits = logits.clone()
-                logits[:early, list(s.stops)] = float("-inf")
-            return choose_tokens(logits, s.request.sampling, s.generator).tolist()
-
         n_prefill = len(sched.prefill)
         committed_before = st.committed
 
         def prefill(i: int, s: Sequence, n: int) -> None:
             s.num_cached += n
             if plan.items[i].num_logits:
-                s.commit(choice(i, s)[:1])
+                s.commit(out.choice[i][:1])
                 if s.finished:
                     self._finish(s, done)
 
@@ -513,14 +481,8 @@ class LLMEngine:
 
         def verify(i: int, s: Sequence) -> None:
             drafts = out.drafts[i]
-            choice_l = choice(i, s)
-            if not drafts:
-                acc = 0
-            elif on_device(s):  # the runner accepted against its choices on the device
-                acc = out.accepted[i]
-            else:
-                acc = int(accepted_lengths(torch.tensor([drafts], dtype=torch.long), torch.tensor([choice_l]))[0])
-            kept = s.commit(drafts[:acc] + [choice_l[acc]])
+            acc = out.accepted[i] if drafts else 0  # accepted against the target's tokens on the device
+            kept = s.commit(drafts[:acc] + [out.choice[i][acc]])
             s.commit_lengths.append(len(kept))
             s.draft_lengths.append(len(drafts))
             s.accepted_lengths.append(acc)
@@ -562,9 +524,24 @@ class LLMEngine:
                 release, self._release = self._release, []
                 self._run(StepPlan([], release=release))
 
+    def generate(self, requests: list[Request], on_tokens: TokenCallback | None = None) -> list[RequestResult]:
+        """Run ``requests`` to completion with in-flight batching (all queued at once) and
+        return their results in order; ``on_tokens(index, tokens)`` streams each request's
+        committed tokens by its index in ``requests``.
+
+        Raises:
+            DFlashError: a request the engine could never serve (nothing is queued then).
+        """
+        for r in requests:
+            self.check_request(r)
+        cb = (lambda i: lambda _sid, toks: on_tokens(i, toks)) if on_tokens is not None else (lambda i: None)
+        sids = [self.add_request(r, cb(i)) for i, r in enumerate(requests)]
+        self.run()
+        return [self.result(sid) for sid in sids]
+
     def warm_up(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: int = 8) -> float:
         """Untimed requests before a measured run: ``prompts[0]`` alone, ``max_new_tokens``
-        tokens. On the compiled path (``EngineConfig.compile``) then all ``prompts`` at once,
+        tokens. On the compiled path (``ModelConfig.compile``) then all ``prompts`` at once,
         and ``prompts[0]`` again joining them while they decode: torch.compile specialises a
         batch of one sequence and the shape of the attention metadata (one prompt, uniform
         decode blocks, prompts beside decode blocks), so these graphs compile here rather than
@@ -583,7 +560,7 @@ class LLMEngine:
             DFlashError: as :meth:`add_request` (empty prompt, ``max_new_tokens < 1``, ...).
         """
         t = time.perf_counter()
-        compiled = self.config.compile
+        compiled = self.config.model.compile
 
         def add(batch: list[list[int]]) -> list[int]:
             return [self.add_request(Request(p, max_new_tokens, sampling)) for p in batch]
@@ -609,7 +586,8 @@ class LLMEngine:
         token budget) and drafter cost vs sequences, using scratch sequences that are freed
         afterwards. Each size runs twice; the second (warm) time is kept."""
         ctl, K, bm = self.controller, self.block_size, self.blocks
-        sizes = [n for n in (2**i for i in range(12)) if n <= min(max_tokens, self.config.max_num_tokens)]
+        sched = self.config.scheduler
+        sizes = [n for n in (2**i for i in range(12)) if n <= min(max_tokens, sched.max_num_tokens)]
         scratch: list[int] = []  # negative ids, never a request's
 
         def reserve(sids: list[int], n: int) -> list[list[int]] | None:
@@ -631,7 +609,7 @@ class LLMEngine:
             out = warm(StepPlan([StepItem(scratch[-1], [0] * n, 0, tables[0])]))
             ctl.target_cost.observe(n, out.target_s)
             bm.release(scratch[-1])  # the next size reuses the blocks
-        for s in [s for s in sizes if s <= self.config.max_batch_size and s * K <= self.config.max_num_tokens][:7]:
+        for s in [s for s in sizes if s <= sched.max_batch_size and s * K <= sched.max_num_tokens][:7]:
             sids = [-1 - len(scratch) - i for i in range(s)]  # drafter: s sequences with 7 tokens of context
             tables = reserve(sids, 8 + K)
             if tables is None:
@@ -650,99 +628,17 @@ class LLMEngine:
         self._run(StepPlan([], release=scratch))  # the runner drops their features
 
 
-def _device_choice(s: Sequence) -> bool:
-    """The runner chooses ``s``'s tokens (argmax, or a sample on the device): always, except
-    while a request with stop tokens is below its ``min_new_tokens`` (its stop tokens are then
-    masked on the host, :meth:`LLMEngine._commit`)."""
-    return s.request.min_new_tokens - len(s.output) <= 0 or not s.stops
-
-
 def _sample_on_device(s: Sequence, item: StepItem) -> None:
-    """For a sampled request whose tokens the runner chooses: the settings and one uniform per
-    logits row, drawn now from the request's own generator (in row order, so a seed gives the
-    same tokens at any batch size and on any device)."""
+    """What the runner needs to choose ``s``'s tokens after ``item``'s logits rows: for a sampled
+    request its settings and one uniform per row, drawn now from the request's own generator (in
+    row order, so a seed gives the same tokens at any batch size and on any device); while the
+    request is below ``min_tokens``, its stop tokens banned on the rows that could end it."""
+    if not item.num_logits:
+        return
     p = s.request.sampling
-    if item.num_logits and not p.greedy and _device_choice(s):
+    if not p.greedy:
         item.sampling = (p.temperature, p.top_k, p.top_p)
         item.uniforms = torch.rand(item.num_logits, generator=s.generator).tolist()
-
-
-class AsyncLLM:
-    """Streams requests through an :class:`LLMEngine` stepped on a background thread.
-
-    ``async for tokens in llm.generate(request)`` yields each batch of committed tokens (one
-    list per verify step); leaving the loop early (``break``, task cancellation) aborts the
-    request. ``close()`` stops the thread. A failed iteration ends only the request that makes
-    it fail (:attr:`LLMEngine.isolate_failures` is turned on); a failure the engine cannot
-    attribute to a request ends every request in flight (:meth:`LLMEngine.fail_all`).
-    """
-
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        engine.isolate_failures = True
-        self._wake = threading.Event()
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop:
-            if self.engine.has_unfinished():
-                try:
-                    self.engine.step()
-                except Exception:  # not attributable to one request: keep serving, those in flight end
-                    log.exception("an engine iteration failed; every request in flight ends with an error")
-                    self.engine.fail_all()
-            else:
-                self._wake.wait(0.05)
-                self._wake.clear()
-
-    async def stream(self, request: Request) -> AsyncIterator[list[int] | RequestOutput]:
-        """Each batch of committed tokens as a list, then the :class:`RequestOutput` (finish
-        reason, per-step draft / accepted lengths) last. Leaving early aborts the request.
-
-        Raises:
-            DFlashError: the request is invalid (empty prompt, more KV than the whole cache, ...).
-        """
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        sid = self.engine.add_request(
-            request,
-            on_tokens=lambda _sid, toks: loop.call_soon_threadsafe(queue.put_nowait, list(toks)),
-            on_finish=lambda _sid, out: loop.call_soon_threadsafe(queue.put_nowait, out),
-        )
-        self._wake.set()
-        finished = False
-        try:
-            while not isinstance(item := await queue.get(), RequestOutput):
-                yield item
-            finished = True
-            yield item
-        finally:
-            if not finished:
-                self.engine.abort(sid)
-                self._wake.set()
-
-    def submit(
-        self,
-        request: Request,
-        on_tokens: TokenCallback | None = None,
-        on_finish: Callable[[int, RequestOutput], None] | None = None,
-        seq_id: int | None = None,
-    ) -> int:
-        """Queue a request with callbacks (run on the engine thread) and wake the loop; returns
-        its sequence id (see :meth:`LLMEngine.add_request`)."""
-        sid = self.engine.add_request(request, on_tokens, seq_id=seq_id, on_finish=on_finish)
-        self._wake.set()
-        return sid
-
-    async def generate(self, request: Request) -> AsyncIterator[list[int]]:
-        """Each batch of committed tokens (see :meth:`stream`)."""
-        async for item in self.stream(request):
-            if isinstance(item, list):
-                yield item
-
-    def close(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self._thread.join()
+    early = s.request.min_new_tokens - len(s.output)
+    if early > 0 and s.stops:
+        item.banned, item.banned_rows = sorted(s.stops), min(early, item.num_logits)

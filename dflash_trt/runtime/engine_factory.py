@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoints.loader import LoadedTarget
+from ..checkpoints.loader import LoadedTarget, parse_dtype
 from ..errors import ConfigError, DFlashError
 from ..models.drafter import DFlashDrafter
 from .config import CacheConfig, EngineConfig, SpeculativeConfig
@@ -40,6 +40,13 @@ class LoadedModels:
     drafter: DFlashDrafter | None
     dtype: str
     device: torch.device
+
+    @classmethod
+    def of(cls, target: LoadedTarget, drafter: DFlashDrafter | None = None) -> LoadedModels:
+        """Models loaded elsewhere (their dtype and device are the target's)."""
+        w = target.model.embed.weight
+        name = next(n for n in ("fp32", "bf16", "fp16") if parse_dtype(n) == w.dtype)
+        return cls(target, drafter, name, w.device)
 
 
 def resolve_dtype(config: EngineConfig) -> str:
@@ -87,27 +94,22 @@ def load_models(config: EngineConfig, rank: int = 0, world_size: int = 1) -> Loa
 
 
 def resolve(config: EngineConfig, drafter: DFlashDrafter | None) -> EngineConfig:
-    """``config`` with what it leaves open decided: the block size (the drafter's, or 1 without
-    one) and the KV capacity (:func:`~dflash_trt.checkpoints.engine.kv_capacity`).
+    """``config`` with what it leaves open decided: the KV capacity
+    (:func:`~dflash_trt.checkpoints.engine.kv_capacity`: an engine directory's memory plan,
+    capped, else the default) and the block size (the drafter's, or 1 without one).
 
     Raises:
-        DFlashError: a block size the drafter cannot serve; an unreadable engine manifest.
+        ConfigError: a block size the drafter cannot serve.
+        DFlashError: an unreadable engine manifest.
     """
     from ..checkpoints.engine import kv_capacity
     from .engine import check_block_size
 
-    spec = config.speculative
-    K = spec.block_size if spec.block_size is not None else (drafter.cfg.block_size if drafter else 1)
-    try:
-        check_block_size(drafter if spec.enabled else None, K)
-    except DFlashError as e:
-        raise ConfigError("block_size", str(e).removeprefix("block size ")) from None
     cap, _ = kv_capacity(config.model.engine_dir, config.cache.kv_capacity)
-    return dataclasses.replace(
-        config,
-        speculative=dataclasses.replace(spec, block_size=K),
-        cache=CacheConfig(config.cache.tokens_per_block, cap),
-    )
+    config = dataclasses.replace(config, cache=CacheConfig(config.cache.tokens_per_block, cap))
+    config = config.with_defaults(drafter.cfg.block_size if drafter is not None else None)
+    check_block_size(drafter if config.speculative.enabled else None, config.speculative.block_size)
+    return config
 
 
 def create_engine(args, models: LoadedModels | None = None, tp=None):
@@ -164,34 +166,14 @@ def _create(config: EngineConfig, models: LoadedModels | None, tp):
     drafter = models.drafter if config.speculative.enabled else None
     config = resolve(config, drafter)
     target = models.target
-    flat = _flat(config)
     if tp is None:
-        engine = LLMEngine(target.model, drafter, target.stop_token_ids, flat)
+        engine = LLMEngine(target.model, drafter, target.stop_token_ids, config)
     else:
-        engine = tp_engine(target.model, drafter, tuple(target.stop_token_ids), flat, tp)
+        engine = tp_engine(target.model, drafter, tuple(target.stop_token_ids), config, tp)
         if engine is None:  # a worker rank: rank 0 has closed its engine
             return None
     engine.models = models
     return engine
-
-
-def _flat(config: EngineConfig):
-    """The engine's own settings of a resolved ``config``."""
-    from .engine import EngineConfig as Settings
-
-    m, spec, sched = config.model, config.speculative, config.scheduler
-    return Settings(
-        block_size=spec.block_size,
-        adaptive=spec.adaptive,
-        max_batch_size=sched.max_batch_size,
-        max_num_tokens=sched.max_num_tokens,
-        tokens_per_block=config.cache.tokens_per_block,
-        kv_capacity_tokens=config.cache.kv_capacity,
-        compile=m.compile,
-        cuda_graphs=m.cuda_graphs,
-        prompt_lookup=spec.prompt_lookup,
-        batch_invariant=m.batch_invariant,
-    )
 
 
 def _spawn_workers(args, size: int, spawn_tp):

@@ -46,13 +46,16 @@ class Request:
 
 
 @dataclass
-class RequestOutput:
-    """What a request produced.
+class RequestResult:
+    """What a request produced in the engine (the front door turns it into the vLLM-shaped
+    :class:`~dflash_trt.outputs.RequestOutput`).
 
     Attributes:
         output_ids: generated token ids (stop token included when one ended it).
         finish_reason: ``"stop"``, ``"length"``, ``"abort"`` (cancelled) or ``"error"`` (an
-            iteration failed; see :meth:`~dflash_trt.runtime.engine.LLMEngine.fail_all`).
+            iteration failed on this request, found apart from the others by the engine's
+            failed-iteration handling, ``runtime/engine.py``; under tensor parallelism every
+            request in flight, :meth:`~dflash_trt.runtime.engine.LLMEngine.fail_all`).
         commit_lengths: tokens committed by each verify step (bonus token included).
         ttft_s: seconds from the request's arrival (``add_request``) to its first token.
         latency_s: seconds from its arrival to its last token.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from ..runtime.request import RequestOutput
+from ..runtime.request import RequestResult
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -85,7 +85,7 @@ class ServingMetrics:
         self.itl = hist("vllm:inter_token_latency_seconds", "Time between output tokens (per request mean).")
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Request latency, arrival to last token.")
 
-    def observe(self, out: RequestOutput, prompt_tokens: int) -> None:
+    def observe(self, out: RequestResult, prompt_tokens: int) -> None:
         """Count a finished request (aborted ones too: their tokens were computed)."""
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(len(out.output_ids))

@@ -116,7 +116,7 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
         if not pb_utils.using_decoupled_model_transaction_policy(cfg):
             raise pb_utils.TritonModelException("the dflash model needs model_transaction_policy { decoupled: true }")
-        self.service = EngineService(ServeConfig(**json.loads(params.get("dflash_config", "{}"))))
+        self.service = EngineService(ServeConfig.from_json(params.get("dflash_config", "{}")))
         self.period = int(params.get("cancellation_check_period_ms", "100")) / 1000.0
         self.live: dict[int, _Live] = {}
         self.next_id = 0

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from ..atomic import atomic_dir
-from ..errors import DFlashError
+from ..errors import ConfigError, DFlashError
 from .service import ServeConfig
 from .triton_model import INPUTS, OUTPUTS
 
@@ -49,7 +49,7 @@ def config_pbtxt(cfg: ServeConfig, max_batch_size: int, instances: int, cancella
     inputs = ",\n".join(tensor(*x) for x in INPUTS)
     outputs = ",\n".join(tensor(*x) for x in OUTPUTS)
     params = {
-        "dflash_config": json.dumps(dataclasses.asdict(cfg)),
+        "dflash_config": cfg.to_json(),
         "cancellation_check_period_ms": str(cancellation_check_period_ms),
     }
     param_text = "\n".join(
@@ -82,14 +82,14 @@ def write_repo(
     if max_batch_size < 1 or instances < 1:
         raise DFlashError(f"max_batch_size and instances must be >= 1, got {max_batch_size} and {instances}")
     paths = {}
-    for key in ("target", "drafter", "engine"):
-        v = getattr(cfg, key)
+    for key in ("model", "drafter", "engine"):  # absolute: tritonserver runs the model elsewhere
+        v = getattr(cfg.engine_args, key)
         if v is not None:
             p = Path(v).expanduser().resolve()
             if not p.exists():
-                raise DFlashError(f"--{key} {v} does not exist")
+                raise ConfigError(key, f"{v} does not exist")
             paths[key] = str(p)
-    cfg = dataclasses.replace(cfg, **paths)
+    cfg = dataclasses.replace(cfg, engine_args=cfg.engine_args.replace(**paths))
     with atomic_dir(out) as tmp:
         (tmp / MODEL_NAME / "1").mkdir(parents=True)
         (tmp / MODEL_NAME / "config.pbtxt").write_text(

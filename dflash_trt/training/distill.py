@@ -18,9 +18,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..engine_args import EngineArgs
 from ..errors import DFlashError
 from ..prompts import chat_prompt_ids
-from ..runtime.engine import EngineConfig, LLMEngine
+from ..runtime.engine import LLMEngine
+from ..runtime.engine_factory import LoadedModels
 from ..runtime.request import Request
 from ..runtime.sampling import SamplingParams
 from .dataset import (
@@ -100,19 +102,14 @@ def _new_engine(target, batch_size: int, max_num_tokens: int, need: int) -> tupl
     """A plain-decoding engine (block size 1) whose KV pools admit ``batch_size`` sequences of
     ``need`` tokens; returns it and the sequence length it admits."""
     engine_len = -(-need // TOKENS_PER_BLOCK) * TOKENS_PER_BLOCK
-    engine = LLMEngine(
-        target.model,
-        None,
-        target.stop_token_ids,
-        EngineConfig(
-            block_size=1,
-            max_batch_size=batch_size,
-            max_num_tokens=max(max_num_tokens, need),
-            tokens_per_block=TOKENS_PER_BLOCK,
-            kv_capacity_tokens=engine_len * batch_size,
-        ),
+    args = EngineArgs(
+        block_size=1,
+        max_batch_size=batch_size,
+        max_num_tokens=max(max_num_tokens, need),
+        tokens_per_block=TOKENS_PER_BLOCK,
+        kv_capacity=engine_len * batch_size,
     )
-    return engine, engine_len
+    return LLMEngine.from_engine_args(args, LoadedModels.of(target)), engine_len
 
 
 class _Distiller:

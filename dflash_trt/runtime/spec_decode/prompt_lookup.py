@@ -18,16 +18,21 @@ step with the shipped drafter.
 
 from __future__ import annotations
 
-from ..errors import DFlashError
+from collections.abc import Callable
+
+import torch
+
+from ...errors import ConfigError
+from ..uploads import upload
 
 #: the longest n-gram looked up (vLLM's default ``prompt_lookup_max`` is 5; 4 measured as well here)
 DEFAULT_MAX_N = 4
 
 
 def check_lookup(min_n: int, max_n: int) -> None:
-    """Raise a one-line :class:`DFlashError` unless ``1 <= min_n <= max_n``."""
+    """Raise a one-line :class:`ConfigError` unless ``1 <= min_n <= max_n``."""
     if min_n < 1 or max_n < min_n:
-        raise DFlashError(f"prompt lookup needs 1 <= min n-gram ({min_n}) <= max n-gram ({max_n})")
+        raise ConfigError("prompt_lookup_min", f"must be in 1..prompt_lookup_max ({max_n}), got {min_n}")
 
 
 class NgramIndex:
@@ -41,7 +46,7 @@ class NgramIndex:
         min_n, max_n: n-gram lengths looked up, longest first.
 
     Raises:
-        DFlashError: ``min_n < 1`` or ``max_n < min_n``.
+        ConfigError: ``min_n < 1`` or ``max_n < min_n``.
     """
 
     def __init__(self, min_n: int, max_n: int = DEFAULT_MAX_N):
@@ -66,3 +71,51 @@ class NgramIndex:
             if e is not None:
                 return tokens[e : e + k]
         return []
+
+
+class PromptLookup:
+    """Prompt lookup for every sequence of an engine: one :class:`NgramIndex` each, made on a
+    sequence's first drafting step and dropped when it ends.
+
+    Raises:
+        ConfigError: ``min_n < 1`` or ``max_n < min_n``.
+    """
+
+    def __init__(self, min_n: int, max_n: int = DEFAULT_MAX_N):
+        check_lookup(min_n, max_n)
+        self.min_n, self.max_n = min_n, max_n
+        self._index: dict[int, NgramIndex] = {}
+
+    def propose(self, seq_id: int, tokens: list[int], k: int) -> list[int]:
+        """:meth:`NgramIndex.propose` for sequence ``seq_id``."""
+        index = self._index.get(seq_id)
+        if index is None:
+            index = self._index[seq_id] = NgramIndex(self.min_n, self.max_n)
+        return index.propose(tokens, k)
+
+    def release(self, seq_id: int) -> None:
+        self._index.pop(seq_id, None)
+
+
+def merge_lookup(
+    lookups: list[list[int]],
+    num_draft: list[int],
+    block: int,
+    device: torch.device,
+    propose: Callable[[], torch.Tensor],
+) -> tuple[torch.Tensor, bool]:
+    """Draft tokens ``[n, block - 1]`` (on ``device``) with each sequence's prompt-lookup tokens
+    ``lookups[i]`` (at most ``num_draft[i]``) written over its first drafts, and whether the
+    drafter's forward ran: ``propose()`` runs it, unless every sequence's lookup covers all of
+    its draft tokens (the drafter ingests the skipped context at its next forward)."""
+    lookups = [lk[:n] for lk, n in zip(lookups, num_draft)]
+    if not any(lookups):
+        return propose(), True
+    if all(len(lk) == n for lk, n in zip(lookups, num_draft)):
+        rows = [lk + [0] * (block - 1 - len(lk)) for lk in lookups]
+        return upload(device, torch.tensor(rows, dtype=torch.long))[0], False
+    drafts = propose()
+    at = [(r, j, t) for r, lk in enumerate(lookups) for j, t in enumerate(lk)]  # (row, column, token)
+    r, j, t = upload(device, torch.tensor(at, dtype=torch.long))[0].unbind(1)
+    drafts[r, j] = t
+    return drafts, True

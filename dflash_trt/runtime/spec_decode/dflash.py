@@ -1,0 +1,199 @@
+"""The DFlash proposer: the drafter on the runner's paged pools (paper arXiv:2602.06036 §3).
+
+Every target forward's features (the outputs of the drafter's ``target_layer_ids``) are kept per
+sequence until the next drafting step ingests them: the drafter projects them into its context
+K/V (KV injection) in the same forward that drafts. One drafter forward per iteration drafts for
+every drafting sequence at once: each block is ``[anchor, MASK x (block - 1)]`` at positions
+``start ..``, attending non-causally to the sequence's whole context and to itself (z-lab's
+sliding rule when the drafter has a window); the target's LM head over the draft vocabulary
+(``d2t``) gives greedy drafts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...models.drafter import DFlashDrafter, PagedBlocks
+from ...models.target import TargetModel
+from ..attention_meta import plan_packed
+from ..compiled import compiled_forward
+from ..kv_cache import PagedKVCache
+from ..uploads import upload, upload_meta, written_slots
+
+
+def kernels_wanted(device: torch.device) -> bool:
+    """Whether drafting runs the drafter kernels on ``device`` (:func:`dflash_trt.kernels.ops.use_triton`)."""
+    try:
+        from ...kernels.ops import use_triton
+    except ImportError:  # pragma: no cover - torch too old for torch.library.custom_op
+        return False
+    return use_triton(device)
+
+
+class DFlashProposer:
+    """Draft tokens for many sequences in ONE drafter forward.
+
+    Args:
+        drafter: the DFlash drafter (replicated under tensor parallelism).
+        target: the target (its embedding and LM head are the drafter's).
+        num_blocks, tokens_per_block: the paged pool geometry (the target's block tables are
+            the drafter's: both hold exactly the same positions).
+        spare_slot: the pool slot padded writes go to.
+        compile: the drafter forward compiled by torch.compile (``runtime/compiled.py``).
+        tp: the TP group, or None: rank 0's drafts are broadcast so every rank verifies the same.
+
+    Memory: a pool of ``2 * L_d * (num_blocks * tokens_per_block + 1) * Hkv_d * D_d`` elements in
+    the target's dtype, and each sequence's target features not yet ingested
+    (``len(target_layer_ids) * hidden`` per position).
+    """
+
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        target: TargetModel,
+        num_blocks: int,
+        tokens_per_block: int,
+        spare_slot: int,
+        compile: bool = False,
+        tp=None,
+    ):
+        w = target.embed.weight
+        self.drafter, self.target, self.tp = drafter, target, tp
+        self.device, self.tpb, self.spare_slot, self.compile = w.device, tokens_per_block, spare_slot, compile
+        dc = drafter.cfg
+        self.cache = PagedKVCache(
+            dc.num_layers, num_blocks, tokens_per_block, dc.num_kv_heads, dc.head_dim, w.dtype, w.device
+        )
+        #: target layers whose outputs the drafter reads (HF ``hidden_states[i + 1]``)
+        self.capture: tuple[int, ...] = tuple(dc.target_layer_ids)
+        # a sliding-window drafter's window: context before it is never ingested nor read
+        self.window = dc.sliding_window
+        self.forward = compiled_forward(drafter) if compile else drafter
+        # per sequence: (first position, chunks of target features [n_i, F], end position) not yet in
+        # the drafter's cache
+        self._features: dict[int, tuple[int, list[torch.Tensor], int]] = {}
+        # the drafter kernels (dflash_trt.kernels) on CUDA, or when forced by DFLASH_TRT_KERNELS=triton
+        # (interpreted on the CPU); else the torch modules
+        self.kernels = kernels_wanted(self.device)
+
+    # ---- target features waiting for the drafter (public so a test can seed a context) ----
+    def store_features(self, seq_id: int, start: int, feats: torch.Tensor) -> None:
+        """Keep features of positions ``start ..``; drops stale ones at or past ``start``
+        (rejected draft positions of the previous verify). Appends to a list of chunks (joined
+        once when the drafter takes them); stale rows are cut from the tail, so long stretches of
+        plain decoding cost O(1) per step (walking every chunk from the head made each step
+        O(steps since the last draft): 2.7 ms per iteration at 64 sequences after ~60 plain steps).
+        With a sliding-window drafter, whole chunks that no later block can see (every position
+        before ``start + 1 - window + 1``: the next anchor is at ``start + 1`` or later) are dropped,
+        so a sequence keeps O(window) rows however long it decodes without drafting."""
+        old = self._features.get(seq_id)
+        if old is None:
+            self._features[seq_id] = (start, [feats], start + len(feats))
+            return
+        first, chunks, end = old
+        while chunks and end - len(chunks[-1]) >= start:  # whole chunks at or past ``start``
+            end -= len(chunks.pop())
+        if chunks and end > start:
+            chunks[-1] = chunks[-1][: len(chunks[-1]) - (end - start)]
+        if not chunks:
+            first = start
+        chunks.append(feats)
+        if self.window is not None:
+            while len(chunks) > 1 and first + len(chunks[0]) < start + 2 - self.window:
+                first += len(chunks.pop(0))
+        self._features[seq_id] = (first, chunks, start + len(feats))
+
+    def _take_features(self, seq_id: int, upto: int) -> tuple[int, torch.Tensor]:
+        """Features of positions ``[lo, upto)`` (removed from the store) and ``lo``: ``lo`` is the
+        first stored position, or with a sliding-window drafter of window ``W`` the first one a
+        block anchored at ``upto`` can see (``upto - W + 1``, z-lab's rule, :func:`sliding_visible`;
+        positions before it are never visible again, so they are not ingested at all)."""
+        first, chunks, end = self._features[seq_id]
+        f = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        n = upto - first
+        self._features[seq_id] = (upto, [f[n:]], end)
+        lo = 0 if self.window is None else max(0, n - self.window + 1)
+        return first + lo, f[lo:n]
+
+    def release(self, seq_ids: list[int]) -> None:
+        """Drop these sequences' features (they ended, or are recomputed)."""
+        for s in seq_ids:
+            self._features.pop(s, None)
+
+    def release_all(self) -> None:
+        """Drop every sequence's stored features."""
+        self._features.clear()
+
+    # ---- drafting ----
+    def propose(self, items: list, block: int) -> torch.Tensor:
+        """ONE drafter forward for all ``items`` (:class:`~..model_runner.StepItem` s): each gets
+        ``item.num_draft`` greedy draft tokens.
+
+        Each item's block is ``[anchor, MASK x (block - 1)]`` at positions ``start ..``; it
+        ingests the target features of positions not yet in the drafter's context cache
+        (``[first, start)``) and sees all committed context plus its whole block.
+
+        Returns:
+            int64 ``[len(items), block - 1]`` on the device: row ``i`` starts with item ``i``'s
+            ``num_draft`` tokens (the rest of the row is not verified). No host copy.
+        """
+        d = self.drafter
+        ctx = [self._take_features(it.seq_id, it.start) for it in items]
+        tables = [it.table for it in items]
+        starts = [it.start for it in items]
+        # packed order: every item's context tokens, then every item's block tokens
+        ctx_pos, ctx_slots = written_slots(tables, [first for first, _ in ctx], [len(f) for _, f in ctx], self.tpb)
+        feats = torch.cat([f for _, f in ctx])  # [N_ctx, F]; N_ctx may be 0
+        if self.compile and not self.kernels and len(feats) < 2:
+            # torch.compile specialises sizes 0 and 1: a context of 1 row (one token accepted)
+            # would compile a graph of its own mid-run; pad to 2 rows written to the spare slot
+            pad = 2 - len(feats)
+            feats = torch.cat([feats, feats.new_zeros(pad, feats.shape[1])])
+            ctx_pos = torch.cat([ctx_pos, torch.zeros(pad, dtype=torch.long)])
+            ctx_slots = torch.cat([ctx_slots, torch.full((pad,), self.spare_slot, dtype=torch.long)])
+        ids = torch.full((len(items), block), d.cfg.mask_token_id, dtype=torch.long)
+        ids[:, 0] = torch.tensor([it.tokens[0] for it in items])
+        if self.kernels:
+            hidden = self._forward_kernels(ids, feats, ctx_pos, ctx_slots, tables, starts, block)
+        else:
+            plan = plan_packed(
+                starts,
+                [block] * len(items),
+                [i * block for i in range(len(items))],
+                block,
+                tables,
+                self.tpb,
+                self.spare_slot,
+                d.cfg.sliding_window,
+                causal=False,
+                pre=(ctx_pos, ctx_slots),  # the context rows are written before the blocks
+            )
+            meta, ids = upload_meta(self.device, plan, ids)
+            embeds = self.target.embed(ids.view(-1))  # [S * B, hidden]
+            hidden = self.forward(embeds.unsqueeze(0), feats.unsqueeze(0), meta, self.cache.layers)
+        drafts = d.propose(hidden.view(len(items), block, -1)[:, 1:], self.target.lm_head, self.tp is not None)
+        if self.tp is not None:
+            drafts = self.tp.broadcast(drafts)
+        return drafts
+
+    def _forward_kernels(self, ids, feats, ctx_pos, ctx_slots, tables, starts, block) -> torch.Tensor:
+        """The drafter forward through the drafter kernels over the paged pools
+        (``dflash_trt.kernels``): hidden states ``[S * block, hidden]``."""
+        bpos, bslots = written_slots(tables, starts, [block] * len(tables), self.tpb)
+        width = max(len(t) for t in tables)
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        lens = [s + block for s in starts]
+        ids, bslots, bt, lens_t, ctx_pos, ctx_slots, bpos = upload(
+            self.device, ids, bslots, bt, torch.tensor(lens, dtype=torch.int32), ctx_pos, ctx_slots, bpos
+        )
+        return self.drafter.forward_paged(
+            self.target.embed(ids.view(-1)),  # [S * B, hidden]
+            feats,
+            ctx_pos,
+            ctx_slots,
+            bpos,
+            max(lens) - 1,
+            PagedBlocks(bslots, bt, lens_t, block, self.tpb),
+            self.cache.k,
+            self.cache.v,
+        )
