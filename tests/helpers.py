@@ -37,6 +37,21 @@ def error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def main_error(capsys, *args: str) -> str:
+    """``dflash-trt ARGS`` in this process (``dflash_trt.cli.main``): exit status 2, one error
+    line on stderr, no traceback; returns the line."""
+    from dflash_trt.cli import main
+
+    capsys.readouterr()
+    rc = main(list(args))
+    err = capsys.readouterr().err
+    assert rc == 2, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("dflash-trt: error:")]
+    assert len(lines) == 1, err[-2000:]
+    return lines[0]
+
+
 def engine_config(**kw):
     """The engine configuration tree of ``EngineArgs(**kw)``."""
     return EngineArgs(**kw).create_engine_config()
@@ -95,11 +110,11 @@ def generate(
     return outs
 
 
-def plain_outputs(target, prompts: list[list[int]], max_new: int | list[int]) -> list[list[int]]:
+def plain_outputs(target, prompts: list[list[int]], max_new: int | list[int], **kw) -> list[list[int]]:
     """Plain decoding (block size 1, no drafter, greedy) of each prompt, one request at a time;
-    ``max_new`` for all prompts or one per prompt."""
+    ``max_new`` for all prompts or one per prompt; ``kw``: ``EngineArgs`` fields."""
     lens = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
-    return [generate(target, None, [Request(p, n)], 1)[0].output_ids for p, n in zip(prompts, lens)]
+    return [generate(target, None, [Request(p, n)], 1, **kw)[0].output_ids for p, n in zip(prompts, lens)]
 
 
 def same_text(target, prompt_ids: list[int], ref_ids: list[int], text: str) -> bool:

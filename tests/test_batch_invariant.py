@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import engine_config, generate
 
 from dflash_trt.checkpoints.loader import load_pair
 from dflash_trt.errors import DFlashError
@@ -26,8 +27,8 @@ from dflash_trt.kernels.cpu_ops import bi_attention, bi_linear
 from dflash_trt.models.batch_invariant import BatchInvariantLinear, check_batch_invariant, set_batch_invariant
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
 from dflash_trt.quantization.packed import PackedLinear
-from dflash_trt.runtime.engine import EngineConfig, LLMEngine
-from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
+from dflash_trt.runtime.engine import LLMEngine
+from dflash_trt.runtime.request import LoopStats, Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from batch_invariance import forward_rows, row_diff  # noqa: E402
@@ -100,14 +101,15 @@ def int4_pair(bf16_pair):
 
 
 def _plain_alone(target, prompts: list[list[int]]) -> list[list[int]]:
-    engine = DFlashEngine(target.model, None, target.stop_token_ids, batch_invariant=True)
-    return [engine.generate([Request(p, MAX_NEW)], 1)[0].output_ids for p in prompts]
+    return [generate(target, None, [Request(p, MAX_NEW)], 1, batch_invariant=True)[0].output_ids for p in prompts]
 
 
 def _in_flight(target, drafter, prompts: list[list[int]], block_size: int) -> list[list[int]]:
     """DFlash through the in-flight engine, requests arriving while others decode (their prompt
     chunks packed with decode and verify rows of the others)."""
-    cfg = EngineConfig(block_size=block_size, max_batch_size=8, max_num_tokens=96, batch_invariant=True)
+    cfg = engine_config(
+        block_size=block_size, max_batch_size=8, max_num_tokens=96, batch_invariant=True, kv_capacity=8192
+    )
     engine = LLMEngine(target.model, drafter, target.stop_token_ids, cfg)
     ids = [engine.add_request(Request(prompts[0], MAX_NEW))]
     for p in prompts[1:]:
@@ -122,14 +124,17 @@ def _in_flight(target, drafter, prompts: list[list[int]], block_size: int) -> li
 def test_dflash_equals_plain_token_for_token(pair, request):
     target, drafter, prompts = request.getfixturevalue(pair)
     plain = _plain_alone(target, prompts)
-    engine = DFlashEngine(target.model, drafter, target.stop_token_ids, batch_invariant=True)
     for block_size in (4, 8):
         stats = LoopStats(block_size)
-        outs = [engine.generate([Request(p, MAX_NEW)], block_size, stats=stats)[0].output_ids for p in prompts]
+        outs = [
+            generate(target, drafter, [Request(p, MAX_NEW)], block_size, stats, batch_invariant=True)[0].output_ids
+            for p in prompts
+        ]
         print(f"{pair} block {block_size}: tau {stats.tau:.2f}")
         assert outs == plain, block_size
     assert stats.tau > 1.2  # the drafts were accepted: the comparison covered verify blocks
-    batched = [o.output_ids for o in engine.generate([Request(p, MAX_NEW) for p in prompts], 4)]
+    reqs = [Request(p, MAX_NEW) for p in prompts]
+    batched = [o.output_ids for o in generate(target, drafter, reqs, 4, batch_invariant=True)]
     assert batched == plain
     assert _in_flight(target, drafter, prompts, 4) == plain
 
@@ -172,9 +177,8 @@ def test_impossible_settings(bf16_pair):
     half = torch.nn.Linear(4, 4).half()
     with pytest.raises(DFlashError, match="covers fp32 and bf16"):
         check_batch_invariant(half)
-    target, drafter, _ = bf16_pair
-    with pytest.raises(DFlashError, match="without CUDA graphs"):
-        LLMEngine(target.model, drafter, target.stop_token_ids, EngineConfig(batch_invariant=True, cuda_graphs=True))
+    with pytest.raises(DFlashError, match="cuda_graphs runs without the batch-invariant mode"):
+        engine_config(batch_invariant=True, cuda_graphs=True)
 
 
 def test_without_a_compiler(tmp_path):

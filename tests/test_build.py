@@ -13,12 +13,11 @@ Reference formats (the test names its sources):
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import generate
 from safetensors.torch import load_file
 
 from dflash_trt.builder.config import BuildConfig
@@ -359,7 +358,7 @@ def test_fp8_engine_runs_in_the_runtime(tmp_path, smollm2):
     pytest.importorskip("modelopt")
     from dflash_trt.builder.builder import build_engine
     from dflash_trt.checkpoints.engine import load_engine
-    from dflash_trt.runtime.executor import DFlashEngine, Request
+    from dflash_trt.runtime.request import Request
     from dflash_trt.runtime.sampling import SamplingParams
 
     out = tmp_path / "fp8"
@@ -374,11 +373,10 @@ def test_fp8_engine_runs_in_the_runtime(tmp_path, smollm2):
     assert torch.equal(target.model.layers[3].attn.qkv.weight, dequantize_fp8(q, s))
     assert not torch.equal(target.model.layers[3].attn.qkv.weight, w0)
     assert torch.equal(target.model.embed.weight, smollm2.model.embed.weight)
-    engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
     ids = target.tokenizer.encode("The capital of France is")
     greedy = SamplingParams()
-    plain = engine.generate([Request(ids, 12, greedy)], 1)[0].output_ids
-    spec = engine.generate([Request(ids, 12, greedy)], 8)[0].output_ids
+    plain = generate(target, drafter, [Request(ids, 12, greedy)], 1)[0].output_ids
+    spec = generate(target, drafter, [Request(ids, 12, greedy)], 8)[0].output_ids
     assert plain == spec and len(plain) == 12
 
     # FP8 GEMMs (torch._scaled_mm over the engine's own e4m3 bytes and calibrated input scale)
@@ -398,26 +396,30 @@ def test_fp8_engine_runs_in_the_runtime(tmp_path, smollm2):
     got = qkv(x)
     assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
     # 4 tokens: torch._scaled_mm has no fast CPU kernel (~90 % of this test's 9 min at 12 tokens)
-    e8 = DFlashEngine(t8.model, d8, t8.stop_token_ids)
-    p8 = e8.generate([Request(ids, 4, greedy)], 1)[0].output_ids
-    assert len(p8) == 4 and e8.generate([Request(ids, 4, greedy)], 8)[0].output_ids == p8
+    p8 = generate(t8, d8, [Request(ids, 4, greedy)], 1)[0].output_ids
+    assert len(p8) == 4 and generate(t8, d8, [Request(ids, 4, greedy)], 8)[0].output_ids == p8
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_trt.cli", *args], capture_output=True, text=True, timeout=600)
+def _cli(capsys, *args: str) -> tuple[int, str]:
+    """``dflash-trt ARGS`` in this process: ``(exit status, stderr)``."""
+    from dflash_trt.cli import main
+
+    capsys.readouterr()
+    rc = main(list(args))
+    return rc, capsys.readouterr().err
 
 
-def test_build_bad_input(tmp_path):
+def test_build_bad_input(tmp_path, capsys):
     cfg = str(ROOT / "build_configs" / "cpu-fp32.yaml")
     bad_key = tmp_path / "bad.yaml"
     bad_key.write_text("tp_size: 1\nmax_batch: 3\n")
     other = tmp_path / "drafter24"
-    assert _cli("init-drafter", "--out", str(other), "--layers", "1").returncode == 0
+    assert _cli(capsys, "init-drafter", "--out", str(other), "--layers", "1")[0] == 0
     c = json.loads((other / "config.json").read_text())
     c["num_target_layers"] = 24
     (other / "config.json").write_text(json.dumps(c))
     corrupt = tmp_path / "corrupt"
-    assert _cli("init-drafter", "--out", str(corrupt), "--layers", "1").returncode == 0
+    assert _cli(capsys, "init-drafter", "--out", str(corrupt), "--layers", "1")[0] == 0
     (corrupt / "model.safetensors").write_bytes(b"\x00" * 100)
     exists = tmp_path / "exists"
     exists.mkdir()
@@ -430,10 +432,10 @@ def test_build_bad_input(tmp_path):
     ]
     for extra, match in cases:
         out = tmp_path / "eng"
-        r = _cli("build", *extra, "--out", str(out))
-        assert r.returncode == 2, (extra, r.stderr[-500:])
-        lines = [x for x in r.stderr.strip().splitlines() if x.startswith("dflash-trt: error:")]
-        assert lines and match in lines[-1] and "Traceback" not in r.stderr, (extra, r.stderr[-500:])
+        rc, err = _cli(capsys, "build", *extra, "--out", str(out))
+        assert rc == 2, (extra, err[-500:])
+        lines = [x for x in err.strip().splitlines() if x.startswith("dflash-trt: error:")]
+        assert lines and match in lines[-1] and "Traceback" not in err, (extra, err[-500:])
         assert not out.exists() and not list(tmp_path.glob(".eng*"))
-    r = _cli("build", "--config", cfg, "--out", str(exists))
-    assert r.returncode == 2 and "already exists" in r.stderr and list(exists.iterdir()) == []
+    rc, err = _cli(capsys, "build", "--config", cfg, "--out", str(exists))
+    assert rc == 2 and "already exists" in err and list(exists.iterdir()) == []

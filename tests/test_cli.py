@@ -15,7 +15,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from helpers import error_line, run
+from helpers import error_line, main_error, run
 
 from dflash_trt.cli import build_parser, main
 
@@ -55,18 +55,6 @@ def mismatched_drafter(tmp_path_factory, smollm2, random_drafter):
 )
 def test_bad_input_one_line(args, expect, capsys):
     assert expect in main_error(capsys, *args)
-
-
-def main_error(capsys, *args: str) -> str:
-    """``dflash-trt ARGS`` in this process: exit status 2, one error line on stderr, no traceback."""
-    capsys.readouterr()
-    rc = main(list(args))
-    err = capsys.readouterr().err
-    assert rc == 2, err[-2000:]
-    assert "Traceback" not in err, err[-2000:]
-    lines = [line for line in err.splitlines() if line.startswith("dflash-trt: error:")]
-    assert len(lines) == 1, err[-2000:]
-    return lines[0]
 
 
 def test_exit_status_contract_in_a_subprocess():

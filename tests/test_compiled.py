@@ -11,15 +11,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ROWS_TIE, OracleRunner, full_features, plain_outputs, rel_diff, same_or_tie
+from helpers import (
+    ROWS_TIE,
+    OracleProposer,
+    engine_config,
+    full_features,
+    generate,
+    plain_outputs,
+    rel_diff,
+    same_or_tie,
+)
 from torch._dynamo.utils import counters
 
 from dflash_trt.checkpoints.loader import load_pair
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
 from dflash_trt.runtime import compiled as compiled_module
-from dflash_trt.runtime.engine import EngineConfig, LLMEngine
-from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
+from dflash_trt.runtime.engine import LLMEngine
 from dflash_trt.runtime.model_runner import ModelRunner, StepItem
+from dflash_trt.runtime.request import LoopStats, Request
 from dflash_trt.runtime.sampling import SamplingParams
 
 
@@ -43,16 +52,16 @@ def test_compiled_forward_is_lossless(int4_pair):
     new = 24
     eager = plain_outputs(target, prompts, new)
     graphs = counters["stats"]["unique_graphs"]
-    plain = DFlashEngine(target.model, None, target.stop_token_ids, compile=True)
-    ref = [plain.generate([Request(p, new)], 1)[0].output_ids for p in prompts]
+    ref = [generate(target, None, [Request(p, new)], 1, compile=True)[0].output_ids for p in prompts]
     assert counters["stats"]["unique_graphs"] > graphs, "the compiled path ran no compiled graph"
     assert all(len(r) == new for r in ref)
     ties = sum(same_or_tie(target.model, p, e, r, ROWS_TIE) for p, e, r in zip(prompts, eager, ref))
     print(f"compiled vs eager plain decoding: {ties} of {len(prompts)} parted at a tie")
-    OracleRunner.continuations = [p + r for p, r in zip(prompts, ref)]
+    OracleProposer.continuations = [p + r for p, r in zip(prompts, ref)]
     stats = LoopStats(4)
-    engine = DFlashEngine(target.model, drafter, target.stop_token_ids, runner_cls=OracleRunner, compile=True)
-    outs = [o.output_ids for o in engine.generate([Request(p, new) for p in prompts], 4, stats=stats)]
+    reqs = [Request(p, new) for p in prompts]
+    got = generate(target, drafter, reqs, 4, stats, proposer_cls=OracleProposer, compile=True)
+    outs = [o.output_ids for o in got]
     ties = sum(same_or_tie(target.model, p, r, o, ROWS_TIE) for p, r, o in zip(prompts, ref, outs))
     print(f"compiled DFlash (oracle drafts, block 4): tau {stats.tau:.2f}; {ties} parted at a tie")
     assert stats.tau > 1.5
@@ -67,18 +76,21 @@ def test_compiled_forward_is_lossless(int4_pair):
     nb = -(-(len(ids) + 4) // 16)
     hidden, drafts = {False: [], True: []}, {False: [], True: []}
     for compiled in (False, True):
-        runner = ModelRunner(target.model, drafter, nb, 16, compile=compiled)
-        forward = runner.draft_forward
+        cfg = engine_config(block_size=4, tokens_per_block=16, kv_capacity=nb * 16, compile=compiled)
+        runner = ModelRunner(target.model, drafter, cfg.with_defaults(4))
+        proposer = runner.proposer
+        forward = proposer.forward
 
         def recorded(*args, forward=forward, compiled=compiled):
             hidden[compiled].append(forward(*args).clone())
             return hidden[compiled][-1]
 
-        runner.draft_forward = recorded
+        proposer.forward = recorded
         for anchor, first in ((len(ids) - 8, 0), (len(ids) - 7, len(ids) - 8)):
-            runner.store_features(0, first, feats[first:anchor])
+            proposer.store_features(0, first, feats[first:anchor])
             item = StepItem(0, [ids[anchor]], anchor, list(range(nb)), num_draft=3)
-            drafts[compiled].append(runner.draft([item], 4)[0].tolist())
+            with runner.grad_mode():
+                drafts[compiled].append(proposer.propose([item], 4)[0].tolist())
     d = max(rel_diff(a, b) for a, b in zip(hidden[True], hidden[False]))
     print(f"compiled vs eager drafter forward: max relative difference {d:.2g}; drafts {drafts}")
     assert len(hidden[True]) == len(hidden[False]) == 2
@@ -111,11 +123,11 @@ def test_in_flight_batching_compiled_is_lossless():
                 model,
                 drafter if adaptive else None,
                 (),
-                EngineConfig(
+                engine_config(
                     block_size=4 if adaptive else 1,
                     adaptive=adaptive,
                     tokens_per_block=16,
-                    kv_capacity_tokens=4096,
+                    kv_capacity=4096,
                     compile=True,
                 ),
             )

@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import ROWS_TIE, OracleRunner, plain_outputs, same_or_tie
+from helpers import ROWS_TIE, OracleProposer, generate, plain_outputs, same_or_tie
 from torch import nn
 
 from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS, load_pair
 from dflash_trt.checkpoints.zlab import load_drafter
 from dflash_trt.models.cpu_linear import OneDNNLinear, onednn_available, pack_linears, unpack_linears
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
-from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
+from dflash_trt.runtime.request import LoopStats, Request
 
 BF16 = torch.bfloat16
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch / CPU has no oneDNN bf16")
@@ -114,14 +114,15 @@ def test_dflash_lossless_on_prepacked_bf16(bf16_pair, smollm2):
     the shipped drafter's own drafts."""
     target, drafter = bf16_pair
     prompts = [chat_prompt_ids(smollm2.tokenizer, t) for t in mixed_prompts(3)]
-    ref = plain_outputs(target, prompts, 20)
+    ref = plain_outputs(target, prompts, 20, batch_invariant=False)  # the mode off: prepacked linears
     assert isinstance(target.model.layers[0].mlp.gate_up, OneDNNLinear)
     assert isinstance(target.model.lm_head, OneDNNLinear) and target.model.lm_head.weight is target.model.embed.weight
     ties = 0
-    OracleRunner.continuations = [p + r for p, r in zip(prompts, ref)]
+    OracleProposer.continuations = [p + r for p, r in zip(prompts, ref)]
     stats = LoopStats(4)
-    engine = DFlashEngine(target.model, drafter, target.stop_token_ids, runner_cls=OracleRunner)
-    outs = [o.output_ids for o in engine.generate([Request(p, 20) for p in prompts], 4, stats=stats)]
+    reqs = [Request(p, 20) for p in prompts]
+    got = generate(target, drafter, reqs, 4, stats, proposer_cls=OracleProposer, batch_invariant=False)
+    outs = [o.output_ids for o in got]
     ties += sum(same_or_tie(target.model, p, r, o, ROWS_TIE) for p, r, o in zip(prompts, ref, outs))
     assert stats.tau > 1.5
     assert isinstance(drafter.fc, OneDNNLinear) and type(drafter.layers[0].self_attn.k_proj) is nn.Linear
@@ -129,8 +130,7 @@ def test_dflash_lossless_on_prepacked_bf16(bf16_pair, smollm2):
     assert drafter.state_dict().keys() == saved.keys()
     assert all(torch.equal(drafter.state_dict()[k], v) for k, v in saved.items())
     stats = LoopStats(4)
-    engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
-    outs = [engine.generate([Request(p, 20)], 4, stats=stats)[0].output_ids for p in prompts]
+    outs = [generate(target, drafter, [Request(p, 20)], 4, stats, batch_invariant=False)[0].output_ids for p in prompts]
     ties += sum(same_or_tie(target.model, p, r, o, ROWS_TIE) for p, r, o in zip(prompts, ref, outs))
     print(f"shipped drafter block 4: tau {stats.tau:.2f}; {ties} of {2 * len(prompts)} runs parted at a tie")
     assert stats.tau > 1.2

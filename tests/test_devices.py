@@ -10,20 +10,20 @@ numerical tie (top-2 logit margin < 1e-4), as everywhere else.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import OracleRunner, check_same
+from helpers import OracleProposer, check_same, engine_config, generate
 
 from dflash_trt.checkpoints.loader import LoadedTarget, parse_device
 from dflash_trt.checkpoints.zlab import init_drafter, load_drafter
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.config import TargetConfig
 from dflash_trt.models.target import TargetModel
-from dflash_trt.runtime.engine import EngineConfig, LLMEngine
-from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
+from dflash_trt.runtime.engine import LLMEngine
+from dflash_trt.runtime.model_runner import ModelRunner
+from dflash_trt.runtime.request import LoopStats, Request
 from dflash_trt.runtime.sampling import SamplingParams
 from dflash_trt.training.config import TrainConfig
 from dflash_trt.training.dataset import Sample
@@ -68,14 +68,13 @@ def test_dflash_equals_plain_on_device(device):
     model = tiny_target(device)
     drafter = init_drafter(model.cfg, 1, 4, MASK, seed=0).to(device)
     reqs = [Request(p, 20) for p in prompts(5)]
-    plain = DFlashEngine(model, None, ())
-    ref = [plain.generate([r], 1)[0].output_ids for r in reqs]
-    outs = [o.output_ids for o in DFlashEngine(model, drafter, ()).generate(reqs, 4)]
+    ref = [generate(model, None, [r], 1)[0].output_ids for r in reqs]
+    outs = [o.output_ids for o in generate(model, drafter, reqs, 4)]
     ties = sum(check_same(model, r.prompt_ids, a, b) for r, a, b in zip(reqs, ref, outs))
     # an oracle drafter (the reference continuation) exercises acceptance and KV rollback
-    OracleRunner.continuations = [r.prompt_ids + a for r, a in zip(reqs, ref)]
+    OracleProposer.continuations = [r.prompt_ids + a for r, a in zip(reqs, ref)]
     stats = LoopStats(4)
-    oracle = DFlashEngine(model, drafter, (), runner_cls=OracleRunner).generate(reqs, 4, stats=stats)
+    oracle = generate(model, drafter, reqs, 4, stats, proposer_cls=OracleProposer)
     ties += sum(check_same(model, r.prompt_ids, a, o.output_ids) for r, a, o in zip(reqs, ref, oracle))
     print(f"{device}: oracle tau {stats.tau:.2f}, {ties} ties")
     assert stats.tau > 2.0
@@ -90,7 +89,7 @@ def test_in_flight_batching_and_sampling_on_device(device):
         model,
         drafter,
         (),
-        EngineConfig(block_size=4, max_batch_size=3, max_num_tokens=64, tokens_per_block=8, kv_capacity_tokens=8 * 40),
+        engine_config(block_size=4, max_batch_size=3, max_num_tokens=64, tokens_per_block=8, kv_capacity=8 * 40),
     )
     ps = prompts(7, seed=2)
     sids = [
@@ -100,9 +99,8 @@ def test_in_flight_batching_and_sampling_on_device(device):
     engine.run()
     outs = [engine.result(s) for s in sids]
     assert all(len(o.output_ids) == 12 and all(0 <= t < VOCAB for t in o.output_ids) for o in outs)
-    plain = DFlashEngine(model, None, ())
     for i in range(0, 7, 2):  # the greedy ones equal plain decoding
-        check_same(model, ps[i], plain.generate([Request(ps[i], 12)], 1)[0].output_ids, outs[i].output_ids)
+        check_same(model, ps[i], generate(model, None, [Request(ps[i], 12)], 1)[0].output_ids, outs[i].output_ids)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -123,8 +121,10 @@ def test_sampled_tokens_do_not_depend_on_batching(device, block_size):
     ]
 
     def run(batch: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
-        cfg = EngineConfig(block_size=block_size, max_batch_size=3, max_num_tokens=64, tokens_per_block=8)
-        engine = LLMEngine(model, drafter, (), dataclasses.replace(cfg, kv_capacity_tokens=8 * 60))
+        cfg = engine_config(
+            block_size=block_size, max_batch_size=3, max_num_tokens=64, tokens_per_block=8, kv_capacity=8 * 60
+        )
+        engine = LLMEngine(model, drafter, (), cfg)
         sids = [engine.add_request(Request(p, 14, sp)) for p, sp in batch]
         engine.run()
         return [engine.result(s).output_ids for s in sids]
@@ -143,7 +143,7 @@ def test_time_boxed_training_on_device(device, tmp_path):
     target = LoadedTarget(model, None, Path("tiny"), ())
     samples = []
     for p in prompts(6, seed=3):
-        resp = DFlashEngine(model, None, ()).generate([Request(p, 24)], 1)[0].output_ids
+        resp = generate(model, None, [Request(p, 24)], 1)[0].output_ids
         samples.append(Sample(p + resp, [0] * len(p) + [1] * len(resp), len(samples), False, False))
     cfg = TrainConfig(
         steps=10**6,  # more than any machine runs in the time box: only the clock can stop the run
@@ -166,8 +166,8 @@ def test_time_boxed_training_on_device(device, tmp_path):
     assert log[-1]["lr"] < cfg.lr, "the schedule followed the clock"
     drafter = load_drafter(out, torch.float32).to(device)
     reqs = [Request(s.input_ids[: s.response_start], 16) for s in samples[:3]]
-    ref = [DFlashEngine(model, None, ()).generate([r], 1)[0].output_ids for r in reqs]
-    got = [o.output_ids for o in DFlashEngine(model, drafter, ()).generate(reqs, 4)]
+    ref = [generate(model, None, [r], 1)[0].output_ids for r in reqs]
+    got = [o.output_ids for o in generate(model, drafter, reqs, 4)]
     for r, a, b in zip(reqs, ref, got):
         check_same(model, r.prompt_ids, a, b)
 
@@ -186,19 +186,19 @@ def test_cuda_graphs_give_the_same_tokens(device, block_size):
     lengths, max_new = (3, 40, 120, 230, 260, 300), (60, 50, 40, 30, 20, 10)
     ps = [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in lengths]
     reqs = [Request(p, n) for p, n in zip(ps, max_new)]
-    plain = DFlashEngine(model, None, ())
-    OracleRunner.continuations = [r.prompt_ids + plain.generate([r], 1)[0].output_ids for r in reqs]
+    OracleProposer.continuations = [r.prompt_ids + generate(model, None, [r], 1)[0].output_ids for r in reqs]
     drafter = init_drafter(model.cfg, 1, 4, MASK, seed=0).to(device) if block_size > 1 else None
     runs = {}
     for graphs in (False, True):
-        cfg = EngineConfig(
+        cfg = engine_config(
             block_size=block_size,
             max_batch_size=8,
             max_num_tokens=512,
             tokens_per_block=16,
-            kv_capacity_tokens=16 * 160,
+            kv_capacity=16 * 160,
+            cuda_graphs=graphs,
         )
-        runner = OracleRunner(model, drafter, 160, 16, cuda_graphs=graphs, max_batch=8)
+        runner = ModelRunner(model, drafter, cfg.with_defaults(block_size), proposer_cls=OracleProposer)
         engine = LLMEngine(model, drafter, (), cfg, runner=runner)
         for i, r in enumerate(reqs):
             engine.add_request(r, seq_id=i)
@@ -240,7 +240,7 @@ def test_upload_is_one_packed_copy_that_restores_every_tensor():
     every tensor comes back with its values, shape and dtype, and the metadata built from the
     copied plan equals the one built from the host plan."""
     from dflash_trt.runtime.attention_meta import plan_packed
-    from dflash_trt.runtime.model_runner import upload_meta
+    from dflash_trt.runtime.uploads import upload_meta
 
     tables = [[3, 1], [0, 6], [2, 4]]
     # sequence 1 is a 40-token prompt chunk (its own group), 0 and 2 verify blocks of 5 tokens
@@ -276,8 +276,10 @@ def test_an_iteration_synchronises_once(device, temperature, graphs):
 
     model = tiny_target(device)
     drafter = init_drafter(model.cfg, 1, 4, MASK, seed=0).to(device)
-    cfg = EngineConfig(block_size=4, max_batch_size=3, max_num_tokens=64, tokens_per_block=8, kv_capacity_tokens=320)
-    cfg.cuda_graphs = graphs  # (with graphs: the measured step replays a graph captured before it)
+    # (with graphs: the measured step replays a graph captured before it)
+    cfg = engine_config(
+        block_size=4, max_batch_size=3, max_num_tokens=64, tokens_per_block=8, kv_capacity=320, cuda_graphs=graphs
+    )
     engine = LLMEngine(model, drafter, (), cfg)
     for i, p in enumerate(prompts(3, seed=4)):
         engine.add_request(Request(p, 30, SamplingParams(temperature, top_k=20, top_p=0.9, seed=i)))

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import check_same, error_line, run
+from helpers import check_same, error_line, generate, run
 
 from dflash_trt.checkpoints.loader import LoadedTarget, default_mask_token_id
 from dflash_trt.checkpoints.zlab import init_drafter, load_drafter, save_drafter
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.prefill import features_and_predictions
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts, sharegpt_conversations
-from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
+from dflash_trt.runtime.request import LoopStats, Request
 from dflash_trt.training.batching import IGNORE, TrainSequence, build_batch
 from dflash_trt.training.config import TrainConfig
 from dflash_trt.training.dataset import Sample, load_dataset
@@ -216,12 +216,9 @@ def test_sliced_head_drafts_and_stays_lossless(smollm2, d2t_drafter):
     assert torch.equal(d.propose(h, head, sharded_head=True), want)
     assert bool(torch.isin(d.propose(h, head), ids).all())
     prompts = [chat_prompt_ids(smollm2.tokenizer, t) for t in mixed_prompts(4)]
-    plain = DFlashEngine(smollm2.model, None, smollm2.stop_token_ids)
-    ref = [plain.generate([Request(p, 20)], 1)[0].output_ids for p in prompts]
+    ref = [generate(smollm2, None, [Request(p, 20)], 1)[0].output_ids for p in prompts]
     stats = LoopStats(8)
-    got = DFlashEngine(smollm2.model, d, smollm2.stop_token_ids).generate(
-        [Request(p, 20) for p in prompts], 8, stats=stats
-    )
+    got = generate(smollm2, d, [Request(p, 20) for p in prompts], 8, stats)
     for p, r, o in zip(prompts, ref, got):
         check_same(smollm2.model, p, r, o.output_ids)
 

@@ -14,14 +14,16 @@ import random
 
 import pytest
 import torch
-from helpers import OracleRunner, check_same, plain_outputs
+from helpers import OracleProposer, check_same, engine_config, make_engine, plain_outputs
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
 from dflash_trt.runtime.adaptive import CostModel, DraftLengthController
+from dflash_trt.runtime.async_llm import AsyncLLM
 from dflash_trt.runtime.block_manager import BlockManager
-from dflash_trt.runtime.engine import AsyncLLM, EngineConfig, LLMEngine
-from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
+from dflash_trt.runtime.engine import LLMEngine
+from dflash_trt.runtime.model_runner import ModelRunner
+from dflash_trt.runtime.request import Request
 
 
 def reference_outputs(smollm2, reqs: list[Request]) -> list[list[int]]:
@@ -114,13 +116,11 @@ def refs16(smollm2, reqs16):
 @pytest.mark.parametrize("proposer", ["drafter", "oracle"])
 def test_lossless_under_batching(smollm2, random_drafter, reqs16, refs16, concurrency, proposer):
     # small blocks and token budget: prompts are chunked next to other requests' verify blocks
-    cfg = EngineConfig(
-        block_size=8, max_batch_size=16, max_num_tokens=96, tokens_per_block=8, kv_capacity_tokens=16 * 8 * 10
-    )
+    cfg = engine_config(block_size=8, max_batch_size=16, max_num_tokens=96, tokens_per_block=8, kv_capacity=16 * 8 * 10)
     runner = None
     if proposer == "oracle":
-        OracleRunner.continuations = [r.prompt_ids + ref for r, ref in zip(reqs16, refs16)]
-        runner = OracleRunner(smollm2.model, random_drafter, cfg.kv_capacity_tokens // 8, 8)
+        OracleProposer.continuations = [r.prompt_ids + ref for r, ref in zip(reqs16, refs16)]
+        runner = ModelRunner(smollm2.model, random_drafter, cfg.with_defaults(8), proposer_cls=OracleProposer)
     engine = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, cfg, runner=runner)
     outputs, streamed, order = drive(engine, reqs16, concurrency, random.Random(concurrency))
     outs = [outputs[i] for i in range(len(reqs16))]
@@ -147,7 +147,7 @@ def test_stress_200_requests_cancellations_small_cache(smollm2, random_drafter):
         reqs.append(Request(ids[: rng.randint(2, min(24, len(ids)))], rng.randint(1, 8)))
     cancel = {i: rng.randrange(0, 6) for i in rng.sample(range(200), 40)}
     # capacity for ~3 typical requests at once: most requests wait for KV blocks
-    cfg = EngineConfig(block_size=4, max_batch_size=32, max_num_tokens=64, tokens_per_block=8, kv_capacity_tokens=6 * 8)
+    cfg = engine_config(block_size=4, max_batch_size=32, max_num_tokens=64, tokens_per_block=8, kv_capacity=6 * 8)
     engine = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, cfg)
     outputs, streamed, order = drive(engine, reqs, concurrency=200, rng=rng, cancel=cancel)
     assert sorted(order) == list(range(200)), "a request finished twice or never"
@@ -163,7 +163,7 @@ def test_stress_200_requests_cancellations_small_cache(smollm2, random_drafter):
         assert streamed[i] == full[: len(streamed[i])]
     bm = engine.blocks
     assert bm.num_free_blocks == bm.num_blocks and bm.num_unreserved_blocks == bm.num_blocks and not bm.holders()
-    assert engine.runner._features == {}
+    assert engine.runner.proposer._features == {}
     print(
         f"\nstress: {len(done)} completed ({ties} ties), {len(aborted)} cancelled, "
         f"{bm.num_blocks} blocks of {bm.tokens_per_block}"
@@ -171,9 +171,7 @@ def test_stress_200_requests_cancellations_small_cache(smollm2, random_drafter):
 
 
 def test_request_larger_than_cache_is_refused(smollm2):
-    engine = LLMEngine(
-        smollm2.model, None, smollm2.stop_token_ids, EngineConfig(tokens_per_block=8, kv_capacity_tokens=32)
-    )
+    engine = LLMEngine(smollm2.model, None, smollm2.stop_token_ids, engine_config(tokens_per_block=8, kv_capacity=32))
     with pytest.raises(DFlashError, match="KV positions"):
         engine.add_request(Request(list(range(1, 30)), 8))
     with pytest.raises(DFlashError, match="empty prompt"):
@@ -187,7 +185,7 @@ def test_async_stream_and_cancel(smollm2, random_drafter, reqs16, refs16):
         smollm2.model,
         random_drafter,
         smollm2.stop_token_ids,
-        EngineConfig(block_size=4, tokens_per_block=8, kv_capacity_tokens=2048),
+        engine_config(block_size=4, tokens_per_block=8, kv_capacity=2048),
     )
     llm = AsyncLLM(engine)
 
@@ -272,9 +270,7 @@ def test_prefill_cap_in_the_engine_stays_lossless(smollm2, random_drafter, reqs1
     arrive; every iteration prefills at most 32 prompt tokens, every sequence that was
     decoding commits at least one token in every iteration, and every output is plain
     decoding's."""
-    cfg = EngineConfig(
-        block_size=4, max_batch_size=16, max_num_tokens=2048, tokens_per_block=8, kv_capacity_tokens=4096
-    )
+    cfg = engine_config(block_size=4, max_batch_size=16, max_num_tokens=2048, tokens_per_block=8, kv_capacity=4096)
     cfg.max_prefill_tokens = 32
     engine = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, cfg)
     schedule, mixed = engine.scheduler.schedule, []
@@ -351,7 +347,7 @@ def assert_only_culprit_failed(engine, reqs, refs, outs, streamed, culprit) -> N
             assert streamed[i] == refs[i], i  # nothing re-sent, nothing lost
     bm = engine.blocks
     assert bm.num_free_blocks == bm.num_blocks and bm.num_unreserved_blocks == bm.num_blocks
-    assert engine.runner._features == {} and not engine._suspects
+    assert engine.runner.proposer._features == {} and not engine._suspects
 
 
 def test_failed_decode_iteration_ends_only_its_request(smollm2, random_drafter, reqs16, refs16):
@@ -359,9 +355,9 @@ def test_failed_decode_iteration_ends_only_its_request(smollm2, random_drafter, 
     prefixes, rejections mid-block); the runner fails every iteration that verifies request 5
     once it has 5 tokens. Request 5 alone ends with ``error``; the other 7 are recomputed, run
     apart until the culprit fails alone, and end with plain decoding's tokens exactly."""
-    cfg = EngineConfig(block_size=8, max_batch_size=16, max_num_tokens=512, tokens_per_block=8, kv_capacity_tokens=4096)
-    OracleRunner.continuations = [r.prompt_ids + ref for r, ref in zip(reqs16, refs16)]
-    runner = OracleRunner(smollm2.model, random_drafter, cfg.kv_capacity_tokens // 8, 8)
+    cfg = engine_config(block_size=8, max_batch_size=16, max_num_tokens=512, tokens_per_block=8, kv_capacity=4096)
+    OracleProposer.continuations = [r.prompt_ids + ref for r, ref in zip(reqs16, refs16)]
+    runner = ModelRunner(smollm2.model, random_drafter, cfg.with_defaults(8), proposer_cls=OracleProposer)
     engine = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, cfg, runner=runner)
     engine.isolate_failures = True
     culprit = 5
@@ -383,7 +379,7 @@ def test_failed_prefill_iteration_ends_only_its_request(smollm2, random_drafter,
     chunks run beside others' chunks and verify blocks). Request 6 ends with ``error`` and no
     tokens, every other request with plain decoding's tokens. Without ``isolate_failures`` the
     failure propagates out of ``step``."""
-    cfg = EngineConfig(block_size=4, max_batch_size=16, max_num_tokens=256, tokens_per_block=8, kv_capacity_tokens=4096)
+    cfg = engine_config(block_size=4, max_batch_size=16, max_num_tokens=256, tokens_per_block=8, kv_capacity=4096)
     cfg.max_prefill_tokens = 64
     engine = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, cfg)
     culprit = 6
@@ -446,8 +442,8 @@ def test_cost_model_interpolates_and_learns():
 def test_adaptive_engine_falls_back_and_stays_lossless(smollm2, random_drafter, reqs16, refs16):
     """A random drafter is (almost) never accepted: the controller must stop drafting (mean
     draft tokens far below the block's 15) and the outputs stay exact."""
-    cfg = EngineConfig(
-        block_size=16, adaptive=True, max_batch_size=8, max_num_tokens=256, tokens_per_block=16, kv_capacity_tokens=8192
+    cfg = engine_config(
+        block_size=16, adaptive=True, max_batch_size=8, max_num_tokens=256, tokens_per_block=16, kv_capacity=8192
     )
     engine = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, cfg)
     outputs, _, _ = drive(engine, reqs16[:8], 8, random.Random(3))
@@ -468,7 +464,7 @@ def test_windowed_drafter_sees_the_same_context_as_a_full_one(smollm2):
     from dflash_trt.checkpoints.zlab import load_drafter
     from dflash_trt.models.layers import AttentionMetadata
     from dflash_trt.models.prefill import KVCache, features_and_predictions
-    from dflash_trt.runtime.model_runner import ModelRunner, StepItem, StepPlan
+    from dflash_trt.runtime.model_runner import StepItem, StepPlan
 
     model, dev = smollm2.model, smollm2.model.embed.weight.device
     drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32).to(dev)
@@ -477,7 +473,7 @@ def test_windowed_drafter_sees_the_same_context_as_a_full_one(smollm2):
     hidden: list[torch.Tensor] = []
     propose = type(drafter).propose
     drafter.propose = lambda h, *a: hidden.append(h.clone()) or propose(drafter, h, *a)
-    runner = ModelRunner(model, drafter, 32, 16)
+    runner = ModelRunner(model, drafter, engine_config(block_size=B, tokens_per_block=16, kv_capacity=32 * 16))
     prompts = [chat_prompt_ids(smollm2.tokenizer, t) for t in mixed_prompts(2)]
     assert min(len(p) for p in prompts) > 2 * W
     seqs = [list(p) for p in prompts]
@@ -498,7 +494,7 @@ def test_windowed_drafter_sees_the_same_context_as_a_full_one(smollm2):
             seqs[i] += out.drafts[i][:acc] + [out.choice[i][acc]]
             cached[i] += acc + 1
     assert len(hidden) == 4 and len(calls) == 6
-    stored = [runner._features[i] for i in range(2)]  # (first position, chunks, end): O(window) rows kept
+    stored = [runner.proposer._features[i] for i in range(2)]  # (first position, chunks, end): O(window) rows kept
     for i, (first, chunks, _) in enumerate(stored):
         assert first > cached[i] - 2 * W and sum(len(c) for c in chunks) <= 2 * W
 
@@ -532,9 +528,9 @@ def test_feature_store_hands_the_drafter_exactly_the_positions_it_has_not_seen(s
     ``W`` no earlier than ``upto - W + 1``), each row the one stored last for its position. As in
     the engine, every store or take after a store at ``s`` is at ``s + 1`` or later (the next
     anchor follows the last committed token)."""
-    from dflash_trt.runtime.model_runner import ModelRunner
-
-    runner = ModelRunner(smollm2.model, random_drafter, 4, 16)
+    runner = ModelRunner(
+        smollm2.model, random_drafter, engine_config(block_size=16, tokens_per_block=16, kv_capacity=64)
+    ).proposer
     runner.window = window
     rng = random.Random(0)
     stored: dict[int, float] = {}  # position -> the label of its latest row
@@ -570,7 +566,7 @@ def test_graph_path_gives_the_same_tokens_and_acceptance(smollm2, reqs16):
     """Decode iterations padded to their batch and key buckets and run on static buffers
     (``runtime/cuda_graphs.py``; on the CPU every step of that path but the capture itself)
     give the eager runner's tokens and, with the shipped drafter, the same accepted drafts, at
-    batch 1 (``DFlashEngine``, its runner kept between requests), plain decoding and DFlash with
+    batch 1 (an engine per block size, one request after another), plain decoding and DFlash with
     prompt lookup. Where lookup fills every draft, the drafter skips its forward and reads this
     iteration's features after the next replay, so features kept as views into the static
     outputs instead of copies change the accepted drafts (the bug class "tau 1.00 under CUDA
@@ -583,13 +579,24 @@ def test_graph_path_gives_the_same_tokens_and_acceptance(smollm2, reqs16):
     reqs = [Request(r.prompt_ids, 32) for r in reqs16[:6]]
     runs = {}
     for graphs in (False, True):
-        one = DFlashEngine(smollm2.model, drafter, smollm2.stop_token_ids, prompt_lookup=(2, 4), cuda_graphs=graphs)
-        stats = LoopStats(4)
-        plain = [one.generate([r], 1)[0].output_ids for r in reqs]
-        dflash = [one.generate([r], 4, stats=stats)[0].output_ids for r in reqs]
-        runs[graphs] = plain, dflash, stats
+        one = {
+            K: make_engine(
+                smollm2,
+                drafter,
+                K,
+                reqs[:1],
+                prompt_lookup_min=2,
+                cuda_graphs=graphs,
+                kv_capacity=1024,
+                max_num_tokens=512,
+            )
+            for K in (1, 4)
+        }
+        plain = [one[1].generate([r])[0].output_ids for r in reqs]
+        dflash = [one[4].generate([r])[0].output_ids for r in reqs]
+        runs[graphs] = plain, dflash, one[4].stats
     eager, graphed = runs[False], runs[True]
-    replays = {K: one._runners[K].graphs.replays for K in (1, 4)}
+    replays = {K: e.runner.graphs.replays for K, e in one.items()}
     print(f"\nbatch 1: replays {replays}, tau {eager[2].tau:.3f} / {graphed[2].tau:.3f} (eager / graphs)")
     assert min(replays.values()) >= 30
     assert graphed[0] == eager[0] and graphed[1] == eager[1]

@@ -12,18 +12,19 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
-from helpers import ROWS_TIE, OracleRunner, plain_outputs, same_or_tie
+from helpers import ROWS_TIE, OracleProposer, generate, plain_outputs, same_or_tie
 
 from dflash_trt.checkpoints.gguf_packed import _qk_inverse_rows
 from dflash_trt.checkpoints.loader import load_pair, load_target
 from dflash_trt.checkpoints.sources import default_target_gguf
+from dflash_trt.engine_args import EngineArgs
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.layers import AttentionMetadata
-from dflash_trt.models.prefill import KVCache
+from dflash_trt.models.prefill import KVCache, first_divergence, top2_margin
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
 from dflash_trt.quantization.int4 import q4_1_codes
 from dflash_trt.quantization.packed import PackedLinear, packed_stack
-from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request, first_divergence, top2_margin
+from dflash_trt.runtime.request import LoopStats, Request
 
 BF16 = torch.bfloat16
 #: bf16 top-2 logit margin below which the packed path and the reference may pick differently:
@@ -204,18 +205,17 @@ def test_dflash_lossless_on_packed_path(int4_pair, prompts, fmt):
     per_layer = [p(h) for layer in drafter.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
     assert isinstance(stacked, PackedLinear) and torch.equal(stacked(h), torch.cat(per_layer, -1))
     ref = plain_outputs(target, prompts, 20)
-    OracleRunner.continuations = [p + r for p, r in zip(prompts, ref)]
+    OracleProposer.continuations = [p + r for p, r in zip(prompts, ref)]
     ties = 0
     for block in (4, 8):
         stats = LoopStats(block)
-        engine = DFlashEngine(target.model, drafter, target.stop_token_ids, runner_cls=OracleRunner)
-        outs = [o.output_ids for o in engine.generate([Request(p, 20) for p in prompts], block, stats=stats)]
+        got = generate(target, drafter, [Request(p, 20) for p in prompts], block, stats, proposer_cls=OracleProposer)
+        outs = [o.output_ids for o in got]
         ties += sum(same_or_tie(target.model, p, r, o, ROWS_TIE) for p, r, o in zip(prompts, ref, outs))
         print(f"{fmt} oracle block {block}: tau {stats.tau:.2f}")
         assert stats.tau > 1.5
     stats = LoopStats(8)
-    engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
-    outs = [engine.generate([Request(p, 20)], 8, stats=stats)[0].output_ids for p in prompts]
+    outs = [generate(target, drafter, [Request(p, 20)], 8, stats)[0].output_ids for p in prompts]
     ties += sum(same_or_tie(target.model, p, r, o, ROWS_TIE) for p, r, o in zip(prompts, ref, outs))
     print(f"{fmt} shipped drafter block 8: tau {stats.tau:.2f}; {ties} of {3 * len(prompts)} runs parted at a tie")
     assert ties <= len(prompts)
@@ -269,8 +269,7 @@ def test_builder_engine_round_trip(tmp_path, smollm2, fmt):
         load_models(None, None, str(out), BF16, weights="int8" if fmt == "int4" else "int4")
     prompt = chat_prompt_ids(target.tokenizer, mixed_prompts(1)[0])
     plain = plain_outputs(target, [prompt], 16)
-    engine = DFlashEngine(target.model, drafter, target.stop_token_ids)
-    got = engine.generate([Request(prompt, 16)], 4)[0].output_ids
+    got = generate(target, drafter, [Request(prompt, 16)], 4)[0].output_ids
     assert same_or_tie(target.model, prompt, plain[0], got, ROWS_TIE) == 0 or fmt == "int8"
 
 
@@ -294,7 +293,7 @@ def test_service_serves_packed_weights(int4_target, prompts):
     from dflash_trt.runtime.sampling import SamplingParams
     from dflash_trt.serving.service import EngineService, Finished, ServeConfig
 
-    svc = EngineService(ServeConfig(weights="int4", kv_capacity=4096, max_batch_size=4))
+    svc = EngineService(ServeConfig(EngineArgs(weights="int4", kv_capacity=4096, max_batch_size=4, adaptive=True)))
     try:
         assert svc.dtype == "bf16" and isinstance(svc.engine.runner.target.lm_head, PackedLinear)
 

@@ -179,24 +179,27 @@ def test_accept_kernel():
 def recorded_drafts(smollm2, drafter, reqs, mode: str, monkeypatch) -> tuple[list, list, list]:
     """Run the engine with ``DFLASH_TRT_KERNELS=mode``: every draft call's proposals, the
     drafter's final hidden states of every call (``[S, B - 1, hidden]``), the outputs."""
-    from dflash_trt.runtime.engine import EngineConfig, LLMEngine
+    from helpers import engine_config
+
+    from dflash_trt.runtime.engine import LLMEngine
     from dflash_trt.runtime.model_runner import ModelRunner
+    from dflash_trt.runtime.spec_decode.dflash import DFlashProposer
 
     calls: list = []
     hidden: list = []
 
-    class Recording(ModelRunner):
-        def draft(self, items, block):
-            out = super().draft(items, block)
+    class Recording(DFlashProposer):
+        def propose(self, items, block):
+            out = super().propose(items, block)
             calls.append([row[: it.num_draft] for row, it in zip(out.tolist(), items)])
             return out
 
     propose = type(drafter).propose
     monkeypatch.setattr(drafter, "propose", lambda h, *a: hidden.append(h.clone()) or propose(drafter, h, *a))
     monkeypatch.setenv("DFLASH_TRT_KERNELS", mode)
-    cfg = EngineConfig(block_size=8, max_batch_size=4, max_num_tokens=64, tokens_per_block=16)
-    runner = Recording(smollm2.model, drafter, 64, 16)
-    assert runner.kernels == (mode == "triton")
+    cfg = engine_config(block_size=8, max_batch_size=4, max_num_tokens=64, tokens_per_block=16, kv_capacity=64 * 16)
+    runner = ModelRunner(smollm2.model, drafter, cfg.with_defaults(8), proposer_cls=Recording)
+    assert runner.proposer.kernels == (mode == "triton")
     engine = LLMEngine(smollm2.model, drafter, smollm2.stop_token_ids, cfg, runner=runner)
     ids = [engine.add_request(r) for r in reqs]
     engine.run()
@@ -211,7 +214,7 @@ def test_runtime_drafts_through_kernels_equal_torch_modules(smollm2, window, mon
     from dflash_trt.checkpoints.loader import default_mask_token_id
     from dflash_trt.checkpoints.zlab import init_drafter
     from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
-    from dflash_trt.runtime.executor import Request
+    from dflash_trt.runtime.request import Request
 
     mask = default_mask_token_id(smollm2.tokenizer, smollm2.model.cfg.vocab_size)
     d2t = torch.arange(0, 4096) * 3 if window else None  # a draft vocabulary on one of the two

@@ -8,7 +8,7 @@ import json
 import math
 
 import pytest
-from helpers import error_line, run
+from helpers import engine_config, main_error, run
 
 from dflash_trt.bench.load import (
     Lane,
@@ -18,9 +18,10 @@ from dflash_trt.bench.load import (
     drive_lanes,
     kv_capacity_for,
 )
-from dflash_trt.checkpoints.engine import DEFAULT_KV_CAPACITY
-from dflash_trt.runtime.engine import EngineConfig, LLMEngine
-from dflash_trt.runtime.executor import first_divergence, top2_margin
+from dflash_trt.engine_args import EngineArgs
+from dflash_trt.models.prefill import first_divergence, top2_margin
+from dflash_trt.runtime.config import DEFAULT_KV_CAPACITY
+from dflash_trt.runtime.engine import LLMEngine
 from dflash_trt.runtime.request import Request
 
 TIE = 1e-4  # fp32 top-2 logit margin below which a greedy divergence is a numerical tie (test_lossless.py)
@@ -130,7 +131,7 @@ def test_driver_respects_arrivals_and_concurrency(smollm2):
         smollm2.model,
         None,
         smollm2.stop_token_ids,
-        EngineConfig(block_size=1, max_batch_size=8, max_num_tokens=512, kv_capacity_tokens=4096),
+        engine_config(block_size=1, max_batch_size=8, max_num_tokens=512, kv_capacity=4096),
     )
     n, C = 7, 2
     reqs = [Request(prompts[i % 3], 5, stop_token_ids=()) for i in range(n)]
@@ -145,7 +146,7 @@ def test_driver_respects_arrivals_and_concurrency(smollm2):
     for rec, t in zip(records, arrivals):
         assert rec.release_s == t or rec.release_s in finishes  # waited for a slot
     assert max(r.finish_s for r in records) >= arrivals[-1]
-    ref = LLMEngine(smollm2.model, None, smollm2.stop_token_ids, EngineConfig(block_size=1, kv_capacity_tokens=4096))
+    ref = LLMEngine(smollm2.model, None, smollm2.stop_token_ids, engine_config(block_size=1, kv_capacity=4096))
     for i, p in enumerate(prompts):
         sid = ref.add_request(Request(p, 5, stop_token_ids=()))
         ref.run()
@@ -169,9 +170,9 @@ def test_lanes_interleave_on_their_own_clocks(smollm2, random_drafter):
     from dflash_trt.prompts import chat_prompt_ids, load_prompts
 
     prompts = [chat_prompt_ids(smollm2.tokenizer, t) for t in load_prompts("gsm8k", 4)]
-    ecfg = dict(max_batch_size=8, max_num_tokens=512, kv_capacity_tokens=8192)
-    plain = LLMEngine(smollm2.model, None, smollm2.stop_token_ids, EngineConfig(block_size=1, **ecfg))
-    dflash = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, EngineConfig(block_size=4, **ecfg))
+    ecfg = dict(max_batch_size=8, max_num_tokens=512, kv_capacity=8192)
+    plain = LLMEngine(smollm2.model, None, smollm2.stop_token_ids, engine_config(block_size=1, **ecfg))
+    dflash = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, engine_config(block_size=4, **ecfg))
     n, C = 6, 2
     arrivals = arrival_times(n, None, 0)
     lanes = [
@@ -222,14 +223,14 @@ def test_kv_capacity_default(tmp_path):
         return str(d)
 
     assert kv_capacity_for(LoadConfig()) == (DEFAULT_KV_CAPACITY, "default")
-    assert kv_capacity_for(LoadConfig(kv_capacity=1000))[0] == 1000
-    assert kv_capacity_for(LoadConfig(engine=engine_dir("small", {"kv_token_capacity": 5000}))) == (
+    assert kv_capacity_for(LoadConfig(EngineArgs(kv_capacity=1000)))[0] == 1000
+    assert kv_capacity_for(LoadConfig(EngineArgs(engine=engine_dir("small", {"kv_token_capacity": 5000})))) == (
         5000,
         "engine memory plan",
     )
-    cap, src = kv_capacity_for(LoadConfig(engine=engine_dir("big", {"kv_token_capacity": 10**7})))
+    cap, src = kv_capacity_for(LoadConfig(EngineArgs(engine=engine_dir("big", {"kv_token_capacity": 10**7}))))
     assert cap == DEFAULT_KV_CAPACITY and "capped" in src
-    cap, src = kv_capacity_for(LoadConfig(engine=engine_dir("none", None)))
+    cap, src = kv_capacity_for(LoadConfig(EngineArgs(engine=engine_dir("none", None))))
     assert cap == DEFAULT_KV_CAPACITY and "no memory plan" in src
 
 
@@ -247,25 +248,12 @@ def test_kv_capacity_default(tmp_path):
         (["--kv-capacity", "4096"], "add --concurrency"),
     ],
 )
-def test_load_bench_bad_input_one_line(args, expect):
-    assert expect in error_line(run("bench", *args))
+def test_load_bench_bad_input_one_line(args, expect, capsys):
+    assert expect in main_error(capsys, "bench", *args)
 
 
-def test_engine_settings_rejected_before_running():
+def test_engine_settings_rejected_before_running(capsys):
     """A block size above the token budget fails as one line (the engine's own check)."""
-    line = error_line(
-        run(
-            "bench",
-            "--concurrency",
-            "1",
-            "--num-prompts",
-            "1",
-            "--max-new-tokens",
-            "2",
-            "--max-num-tokens",
-            "4",
-            "--threads",
-            "1",
-        )
-    )
-    assert "max_num_tokens (4) must be >= the block size (8)" in line  # the shipped drafter's block
+    argv = ["--concurrency", "1", "--num-prompts", "1", "--max-new-tokens", "2", "--max-num-tokens", "4"]
+    line = main_error(capsys, "bench", *argv)
+    assert "--max-num-tokens (4) must be >= the block size (8)" in line  # the shipped drafter's block

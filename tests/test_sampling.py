@@ -17,24 +17,54 @@ the bound with probability <= delta = 1e-4.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
+from helpers import generate
 from scipy import stats as sstats
 
 from dflash_trt.checkpoints.zlab import init_drafter
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.config import TargetConfig
-from dflash_trt.models.layers import AttentionMetadata
+from dflash_trt.models.layers import AttentionMetadata, argmax_last
 from dflash_trt.models.prefill import KVCache
 from dflash_trt.models.target import TargetModel
-from dflash_trt.runtime.executor import DFlashEngine, LoopStats, Request
-from dflash_trt.runtime.sampling import SamplingParams, accepted_lengths, choose_tokens, target_probs
+from dflash_trt.runtime.request import LoopStats, Request
+from dflash_trt.runtime.sampling import SamplingParams, sample_rows, target_probs
+from dflash_trt.runtime.spec_decode.verify import accepted
+
+
+def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Target's token at each position: argmax when greedy, else one sample per position
+    (:func:`sample_rows` with one uniform per row drawn from ``generator``, the request's own
+    CPU generator, so a seed gives the same tokens on any device).
+
+    Args:
+        logits: ``[T, vocab]`` for one request.
+    Returns:
+        int64 ``[T]``.
+    """
+    if params.greedy:
+        return argmax_last(logits)
+    n, dev = logits.shape[0], logits.device
+    u = torch.rand(n, generator=generator).to(dev)
+    row = dict(dtype=torch.float32, device=dev)
+    return sample_rows(
+        logits,
+        torch.full((n,), params.temperature, **row),
+        torch.full((n,), params.top_k, dtype=torch.long, device=dev),
+        torch.full((n,), params.top_p, **row),
+        u,
+        truncate=params.top_k > 0 or params.top_p < 1,
+    )
+
 
 # ----------------------------------------------------------------------------------------------
 # 1. target_probs / SamplingParams / choose_tokens units
@@ -168,7 +198,7 @@ def test_sampling_params_accepts_edges():
     assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
 
 
-def test_choose_tokens_and_accepted_lengths():
+def test_choose_tokens_and_accepted():
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(6, 9, generator=g)
     assert torch.equal(choose_tokens(logits, SamplingParams(), None), logits.argmax(-1))
@@ -177,7 +207,9 @@ def test_choose_tokens_and_accepted_lengths():
     assert torch.equal(choose_tokens(logits, sp, sp.make_generator()), logits.argmax(-1))
     drafts = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3], [9, 2, 3]])
     target = torch.tensor([[1, 2, 3, 4], [1, 5, 3, 4], [1, 2, 3, 0], [1, 2, 3, 4]])
-    assert accepted_lengths(drafts, target).tolist() == [3, 1, 3, 0]
+    assert accepted(drafts, target, torch.tensor([3, 3, 3, 3], dtype=torch.int32)).tolist() == [3, 1, 3, 0]
+    # only each row's own drafts count: a row with 1 draft accepts at most 1
+    assert accepted(drafts, target, torch.tensor([3, 1, 2, 0], dtype=torch.int32)).tolist() == [3, 1, 2, 0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -339,7 +371,7 @@ def wrong_sampler(target: TargetModel, drafter, params: SamplingParams, L: int, 
 
 
 def engine_sampler(
-    engine: DFlashEngine, params: SamplingParams, block_size: int, L: int, n: int, stats: LoopStats | None = None
+    engine: Callable, params: SamplingParams, block_size: int, L: int, n: int, stats: LoopStats | None = None
 ) -> np.ndarray:
     """n engine runs with seeds 0..n-1, BATCH requests per generate call; int64 [n, L]."""
     out = []
@@ -353,7 +385,7 @@ def engine_sampler(
             )
             for i in range(lo, min(n, lo + BATCH))
         ]
-        for r in engine.generate(reqs, block_size=block_size, stats=stats):
+        for r in engine(reqs, block_size, stats):
             assert len(r.output_ids) == L and r.finish_reason == "length"
             out.append(r.output_ids)
     return np.asarray(out, dtype=np.int64)
@@ -392,7 +424,7 @@ _MODELS: dict[str, tuple] = {}
 def _models(name: str):
     if name not in _MODELS:
         target, drafter = _tiny_models(CASES[name])
-        _MODELS[name] = target, drafter, DFlashEngine(target, drafter, stop_token_ids=())
+        _MODELS[name] = target, drafter, functools.partial(generate, target, drafter)
     return _MODELS[name]
 
 
@@ -459,24 +491,22 @@ def test_per_request_seeds(block_size):
     prompts = [[1, 2, 3], [4], [5, 0, 1, 2, 3, 4, 5], [2, 2], [3, 1, 4, 1, 5]]
     lengths = [12, 5, 16, 1, 9]
     # same seed -> same output, across calls
-    a = engine.generate([_req(prompts[0], 7)], block_size=block_size)[0].output_ids
-    b = engine.generate([_req(prompts[0], 7)], block_size=block_size)[0].output_ids
+    a = engine([_req(prompts[0], 7)], block_size)[0].output_ids
+    b = engine([_req(prompts[0], 7)], block_size)[0].output_ids
     assert a == b and len(a) == 12
     # different seeds -> different outputs (6**12 continuations; a clash is vanishingly rare)
-    outs = [
-        tuple(r.output_ids) for r in engine.generate([_req(prompts[0], s) for s in range(20)], block_size=block_size)
-    ]
+    outs = [tuple(r.output_ids) for r in engine([_req(prompts[0], s) for s in range(20)], block_size)]
     assert len(set(outs)) >= 18, outs
     # in a batch with other requests (other prompts, lengths, seeds, a greedy one) == alone
     reqs = [_req(p, 100 + i, n) for i, (p, n) in enumerate(zip(prompts, lengths))]
     reqs.insert(2, Request([1, 2], max_new_tokens=6, stop_token_ids=()))  # greedy row
     reqs.append(_req(prompts[0], 7))
-    batched = engine.generate(reqs, block_size=block_size)
+    batched = engine(reqs, block_size)
     for r, out in zip(reqs, batched):
-        alone = engine.generate([r], block_size=block_size)[0]
+        alone = engine([r], block_size)[0]
         assert out.output_ids == alone.output_ids, (r, out.output_ids, alone.output_ids)
         assert len(out.output_ids) == r.max_new_tokens
     assert batched[-1].output_ids == a
     # the greedy row is the target's argmax chain
-    g = engine.generate([Request([1, 2], max_new_tokens=6, stop_token_ids=())], block_size=1)[0]
+    g = engine([Request([1, 2], max_new_tokens=6, stop_token_ids=())], 1)[0]
     assert batched[2].output_ids == g.output_ids

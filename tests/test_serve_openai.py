@@ -66,19 +66,23 @@ def server(random_drafter, tmp_path_factory):
     import uvicorn
 
     from dflash_trt.checkpoints.zlab import save_drafter
+    from dflash_trt.engine_args import EngineArgs
     from dflash_trt.serving.openai_api import build_app
     from dflash_trt.serving.service import EngineService, ServeConfig
 
     drafter_dir = save_drafter(copy.deepcopy(random_drafter).cpu(), tmp_path_factory.mktemp("d") / "drafter")
     service = EngineService(
         ServeConfig(
-            drafter=str(drafter_dir),
-            dtype="fp32",
-            device="cpu",
-            block_size=4,
-            max_batch_size=32,
-            tokens_per_block=16,
-            kv_capacity=16384,
+            EngineArgs(
+                drafter=str(drafter_dir),
+                dtype="fp32",
+                device="cpu",
+                block_size=4,
+                adaptive=True,
+                max_batch_size=32,
+                tokens_per_block=16,
+                kv_capacity=16384,
+            )
         )
     )
     port = free_port()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import json
 import queue
 import random
@@ -72,6 +71,7 @@ class TritonPythonModel(_Model):
 @pytest.fixture(scope="module")
 def triton(random_drafter, tmp_path_factory):
     from dflash_trt.checkpoints.zlab import save_drafter
+    from dflash_trt.engine_args import EngineArgs
     from dflash_trt.serving.service import ServeConfig
     from dflash_trt.serving.triton_repo import start_server, write_repo
 
@@ -80,13 +80,16 @@ def triton(random_drafter, tmp_path_factory):
     repo = write_repo(
         tmp / "repo",
         ServeConfig(
-            drafter=str(drafter_dir),
-            dtype="fp32",
-            device="cpu",
-            block_size=4,
-            tokens_per_block=16,
-            kv_capacity=16384,
-            max_batch_size=64,
+            EngineArgs(
+                drafter=str(drafter_dir),
+                dtype="fp32",
+                device="cpu",
+                block_size=4,
+                adaptive=True,
+                tokens_per_block=16,
+                kv_capacity=16384,
+                max_batch_size=64,
+            )
         ),
     )
     (repo / "dflash" / "1" / "model.py").write_text(FAULTY_MODEL)
@@ -288,12 +291,22 @@ def test_tp2_model_equals_tp1(random_drafter, tmp_path, smollm2, prompts, refere
     rank itself (no MPI inside tritonserver); HTTP streaming gives plain decoding's (TP=1)
     tokens on the 8 prompts, 4 at a time, and the worker rank exits with the server."""
     from dflash_trt.checkpoints.zlab import save_drafter
+    from dflash_trt.engine_args import EngineArgs
     from dflash_trt.serving.service import ServeConfig
     from dflash_trt.serving.triton_repo import start_server, write_repo
 
     drafter_dir = save_drafter(copy.deepcopy(random_drafter).cpu(), tmp_path / "drafter")
-    cfg = ServeConfig(drafter=str(drafter_dir), dtype="fp32", device="cpu", block_size=4, tokens_per_block=16)
-    repo = write_repo(tmp_path / "repo", dataclasses.replace(cfg, kv_capacity=8192, tp_size=2))
+    args = EngineArgs(
+        drafter=str(drafter_dir),
+        dtype="fp32",
+        device="cpu",
+        block_size=4,
+        adaptive=True,
+        tokens_per_block=16,
+        kv_capacity=8192,
+        tensor_parallel_size=2,
+    )
+    repo = write_repo(tmp_path / "repo", ServeConfig(args))
     http, grpc, metrics = free_ports(3)
     proc = start_server(repo, http, grpc, metrics, log_path=tmp_path / "server.log")
     url = f"http://127.0.0.1:{http}"
@@ -311,13 +324,13 @@ def test_tp2_model_equals_tp1(random_drafter, tmp_path, smollm2, prompts, refere
         got = asyncio.run(all_streams())
         for p, (ids, ref), (text, final) in zip(prompts, reference, got):
             assert final is not None and same_text(smollm2, ids, ref, text[len(p) :] if text.startswith(p) else text)
-        workers = subprocess.run(["pgrep", "-f", "dflash_trt.serving.tp_worker"], capture_output=True, text=True)
+        workers = subprocess.run(["pgrep", "-f", "dflash_trt.runtime.tp_worker"], capture_output=True, text=True)
         assert workers.stdout.split(), "the second TP rank is not running"
     finally:
         proc.terminate()
         proc.wait(60)
     for _ in range(60):  # the worker follows rank 0 out
-        if not subprocess.run(["pgrep", "-f", "dflash_trt.serving.tp_worker"], capture_output=True).stdout:
+        if not subprocess.run(["pgrep", "-f", "dflash_trt.runtime.tp_worker"], capture_output=True).stdout:
             break
         time.sleep(0.5)
     else:

@@ -21,15 +21,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import full_features
+from helpers import engine_config, full_features, generate
 
 from dflash_trt.checkpoints.loader import default_mask_token_id
 from dflash_trt.checkpoints.zlab import init_drafter, load_drafter
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.layers import AttentionMetadata
-from dflash_trt.models.prefill import KVCache, features_and_predictions
-from dflash_trt.runtime.executor import DFlashEngine, Request, first_divergence, top2_margin
+from dflash_trt.models.prefill import KVCache, features_and_predictions, first_divergence, top2_margin
 from dflash_trt.runtime.model_runner import ModelRunner, StepItem
+from dflash_trt.runtime.request import Request
 from dflash_trt.training.batching import IGNORE, TrainSequence, build_batch, holdout_split, prepare_sequences
 from dflash_trt.training.config import TrainConfig, autocast_dtype, default_gamma
 from dflash_trt.training.loss import HeadCrossEntropy, compute_loss, sampled_vocab, slot_weights
@@ -155,15 +155,17 @@ def test_forward_train_equals_inference(smollm2, samples, window):
                 continue
             # the engine's own draft call: its argmax tokens equal the LM head on our hidden states
             nb = -(-(a + B) // 16)
-            runner = ModelRunner(target, drafter, nb, 16)
-            runner.store_features(0, 0, f[:a])
+            cfg = engine_config(block_size=B, tokens_per_block=16, kv_capacity=nb * 16)
+            runner = ModelRunner(target, drafter, cfg.with_defaults(B))
+            runner.proposer.store_features(0, 0, f[:a])
             item = StepItem(0, [int(blocks[i][j, 0])], a, list(range(nb)), num_draft=B - 1)
-            got = runner.draft([item], B)[0].tolist()
+            with runner.grad_mode():
+                got = runner.proposer.propose([item], B)[0].tolist()
             assert got == target.lm_head(batched[i, j, 1:]).argmax(-1).tolist()
             tokens_checked += B - 1
     print(
         f"\nforward_train vs inference forward, fp32, 2 layers, B={B}, window {window}: max abs diff {worst:.3g} "
-        f"({tokens_checked} draft tokens equal to ModelRunner.draft); feature pass diff {fd:.3g}"
+        f"({tokens_checked} draft tokens equal to the runner's proposer); feature pass diff {fd:.3g}"
     )
     assert worst < 1e-4
 
@@ -397,11 +399,9 @@ def test_exported_drafter_is_lossless(smollm2, trained):
     _, path, _ = trained
     drafter = load_drafter(path)
     assert drafter.cfg.block_size == 8 and drafter.cfg.num_layers == 1
-    plain = DFlashEngine(smollm2.model, None, smollm2.stop_token_ids)
-    engine = DFlashEngine(smollm2.model, drafter, smollm2.stop_token_ids)
     prompts = [chat_prompt_ids(smollm2.tokenizer, q) for q in ("Name a color.", "Why do birds sing?")]
-    ref = [plain.generate([Request(p, 20)], 1)[0].output_ids for p in prompts]
-    got = [o.output_ids for o in engine.generate([Request(p, 20) for p in prompts], 8)]
+    ref = [generate(smollm2, None, [Request(p, 20)], 1)[0].output_ids for p in prompts]
+    got = [o.output_ids for o in generate(smollm2, drafter, [Request(p, 20) for p in prompts], 8)]
     for p, r, o in zip(prompts, ref, got):
         i = first_divergence(r, o)
         assert i is None or top2_margin(smollm2.model, p + r[:i]) < 1e-4, (r, o)

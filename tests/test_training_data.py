@@ -8,11 +8,13 @@ import re
 
 import pytest
 import torch
+from helpers import generate
 from safetensors.torch import load_file
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.models.prefill import first_divergence, top2_margin
 from dflash_trt.prompts import chat_prompt_ids, iter_json_array, load_prompts, sharegpt_prompts, sharegpt_stats
-from dflash_trt.runtime.executor import DFlashEngine, Request, first_divergence, top2_margin
+from dflash_trt.runtime.request import Request
 from dflash_trt.runtime.sampling import SamplingParams
 from dflash_trt.training.dataset import load_dataset
 from dflash_trt.training.distill import generate_dataset, request_seed
@@ -104,7 +106,6 @@ def test_generate_load_resume(smollm2, tmp_path):
     assert [s.prompt_index for s in samples] == [0, 1, 2, 3]
     assert sum(s.sampled for s in samples) == 1  # round(0.25 * 4)
     assert manifest["totals"]["tokens"] == sum(len(s.input_ids) for s in samples)
-    engine = DFlashEngine(smollm2.model, None, smollm2.stop_token_ids)
     ties = 0
     for i, s in enumerate(samples):
         ids = chat_prompt_ids(smollm2.tokenizer, prompts[i])
@@ -114,7 +115,7 @@ def test_generate_load_resume(smollm2, tmp_path):
         resp = s.input_ids[n:]
         assert 1 <= len(resp) <= 8 and s.stopped == (resp[-1] in smollm2.stop_token_ids)
         sampling = SamplingParams(0.7, seed=request_seed(0, i)) if s.sampled else SamplingParams()
-        ref = engine.generate([Request(ids, 8, sampling)], block_size=1)[0].output_ids
+        ref = generate(smollm2, None, [Request(ids, 8, sampling)], 1)[0].output_ids
         if s.sampled:
             assert resp == ref  # per-request seed: independent of the batch it ran in
         else:

@@ -81,7 +81,7 @@ def fresh_cache(model: DFlashDrafter, batch: int, capacity: int) -> KVCache:
 
 
 def draft_call(model, cache, block, ctx, ctx_pos, start, ctx_valid=None):
-    """One drafter call the way ``DFlashEngine.draft`` builds it (positions ``ctx_pos`` then
+    """One drafter call the way the runner's proposer builds it (positions ``ctx_pos`` then
     ``start..start+K-1``; slot j visible iff j < start + K, and with a sliding window W iff
     the query position minus j is < W; invalid context -> trash slot)."""
     n, K, _ = block.shape

@@ -22,15 +22,16 @@ import json
 import sys
 
 import torch
-from helpers import OracleRunner
+from helpers import OracleProposer
 
 from dflash_trt.checkpoints.loader import default_mask_token_id, load_target
 from dflash_trt.checkpoints.zlab import init_drafter
+from dflash_trt.engine_args import EngineArgs
 from dflash_trt.models.layers import AttentionMetadata
 from dflash_trt.models.prefill import KVCache
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
+from dflash_trt.runtime.config import EngineConfig
 from dflash_trt.runtime.distributed import init_tp, shard_target, tp_engine
-from dflash_trt.runtime.engine import EngineConfig
 from dflash_trt.runtime.request import Request
 
 NUM_PROMPTS = 4
@@ -42,14 +43,14 @@ RUNS = [("block1", 1, False), ("block8", 8, False), ("block8_adaptive", 8, True)
 def engine_config(block_size: int, adaptive: bool) -> EngineConfig:
     """Shared with test_tp.py's TP=1 runs. A 192-token budget splits the longer prompts into
     chunks (chunked prefill under TP too)."""
-    return EngineConfig(
+    return EngineArgs(
         block_size=block_size,
         adaptive=adaptive,
         max_batch_size=NUM_PROMPTS,
         max_num_tokens=192,
         tokens_per_block=16,
-        kv_capacity_tokens=4096,
-    )
+        kv_capacity=4096,
+    ).create_engine_config()
 
 
 def prompts_for(tokenizer) -> list[list[int]]:
@@ -127,8 +128,8 @@ def main(out_path: str) -> None:
 
     # 3. high acceptance: multi-token commits and rollback on every rank
     base = tp.comm.bcast(runs["block1"]["outputs"] if tp.rank == 0 else None, root=0)
-    OracleRunner.continuations = [p + r for p, r in zip(prompts, base)]
-    engine = tp_engine(model, drafter, loaded.stop_token_ids, engine_config(8, False), tp, runner_cls=OracleRunner)
+    OracleProposer.continuations = [p + r for p, r in zip(prompts, base)]
+    engine = tp_engine(model, drafter, loaded.stop_token_ids, engine_config(8, False), tp, proposer_cls=OracleProposer)
     if engine is not None:
         runs["oracle8"] = serve(engine, prompts)
         tp.stop_workers()

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import DFlashError
-from ..models.layers import argmax_last
 
 
 @dataclass(frozen=True)
@@ -102,31 +101,6 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Target's token at each position: argmax when greedy, else one sample per position
-    (:func:`sample_rows` with one uniform per row drawn from ``generator``, the request's own
-    CPU generator, so a seed gives the same tokens on any device).
-
-    Args:
-        logits: ``[T, vocab]`` for one request.
-    Returns:
-        int64 ``[T]``.
-    """
-    if params.greedy:
-        return argmax_last(logits)
-    n, dev = logits.shape[0], logits.device
-    u = torch.rand(n, generator=generator).to(dev)
-    row = dict(dtype=torch.float32, device=dev)
-    return sample_rows(
-        logits,
-        torch.full((n,), params.temperature, **row),
-        torch.full((n,), params.top_k, dtype=torch.long, device=dev),
-        torch.full((n,), params.top_p, **row),
-        u,
-        truncate=params.top_k > 0 or params.top_p < 1,
-    )
-
-
 def sample_rows(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -169,16 +143,3 @@ def sample_rows(
     at = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
     # right=True: a token of zero probability (dropped) is never the first to exceed ``at``
     return torch.searchsorted(cdf, at, right=True).clamp_(max=vocab - 1).squeeze(-1)
-
-
-def accepted_lengths(drafts: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
-    """Number of leading draft tokens the target accepts, per row.
-
-    Args:
-        drafts: int64 ``[B, K-1]`` draft tokens (block slots 1..K-1).
-        target_tokens: int64 ``[B, K]`` the target's choice after each block slot.
-    Returns:
-        int64 ``[B]`` in ``0..K-1``; the committed tokens are ``drafts[:a]`` plus the bonus
-        token ``target_tokens[a]``.
-    """
-    return (drafts == target_tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
