@@ -270,8 +270,14 @@ def test_prefill_cap_in_the_engine_stays_lossless(smollm2, random_drafter, reqs1
     arrive; every iteration prefills at most 32 prompt tokens, every sequence that was
     decoding commits at least one token in every iteration, and every output is plain
     decoding's."""
-    cfg = engine_config(block_size=4, max_batch_size=16, max_num_tokens=2048, tokens_per_block=8, kv_capacity=4096)
-    cfg.max_prefill_tokens = 32
+    cfg = engine_config(
+        block_size=4,
+        max_batch_size=16,
+        max_num_tokens=2048,
+        tokens_per_block=8,
+        kv_capacity=4096,
+        max_prefill_tokens=32,
+    )
     engine = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, cfg)
     schedule, mixed = engine.scheduler.schedule, []
 
@@ -379,8 +385,9 @@ def test_failed_prefill_iteration_ends_only_its_request(smollm2, random_drafter,
     chunks run beside others' chunks and verify blocks). Request 6 ends with ``error`` and no
     tokens, every other request with plain decoding's tokens. Without ``isolate_failures`` the
     failure propagates out of ``step``."""
-    cfg = engine_config(block_size=4, max_batch_size=16, max_num_tokens=256, tokens_per_block=8, kv_capacity=4096)
-    cfg.max_prefill_tokens = 64
+    cfg = engine_config(
+        block_size=4, max_batch_size=16, max_num_tokens=256, tokens_per_block=8, kv_capacity=4096, max_prefill_tokens=64
+    )
     engine = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, cfg)
     culprit = 6
     inject_fault(engine, culprit, lambda it: it.start < len(reqs16[culprit].prompt_ids))

@@ -143,6 +143,7 @@ def test_interleaved_llama_cpp_crash_keeps_the_bench(tmp_path, monkeypatch):
     SIGSEGV on the next one, as native code does: the benchmark finishes with its own figures
     and reports the peer's crash in one line."""
     from dflash_trt.bench.runner import BenchConfig, run_bench
+    from dflash_trt.engine_args import EngineArgs
 
     fake = tmp_path / "llama_cpp"
     fake.mkdir()
@@ -170,7 +171,7 @@ def test_interleaved_llama_cpp_crash_keeps_the_bench(tmp_path, monkeypatch):
         "    return LOGITS.ctypes.data_as(ctypes.POINTER(ctypes.c_float))\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = BenchConfig(dataset="gsm8k", num_prompts=2, max_new_tokens=4, block_size=4, peers=("llama.cpp",))
+    cfg = BenchConfig(EngineArgs(block_size=4), dataset="gsm8k", num_prompts=2, max_new_tokens=4, peers=("llama.cpp",))
     r = run_bench(cfg, progress=lambda m: None)
     assert r["ar_tokens"] == r["dflash_tokens"] == 8 and r["lossless"]
     assert "llama.cpp" not in r["peers"]

@@ -182,12 +182,22 @@ def test_temperature_top_k_top_p_order():
         dict(top_p=-0.5),
         dict(top_p=1.0001),
         dict(top_p=float("nan")),
-        dict(top_k=-1),
+        dict(top_k=-2),
+        dict(max_tokens=0),
+        dict(min_tokens=5, max_tokens=4),
+        dict(stop=[3]),
     ],
 )
 def test_sampling_params_rejects(kwargs):
     with pytest.raises(DFlashError):
         SamplingParams(**kwargs)
+
+
+def test_sampling_params_vllm_forms():
+    """vLLM's spellings: ``top_k=-1`` is off (0 here); one stop string or a list."""
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(stop="x").stop == ("x",) and SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert SamplingParams(stop_token_ids=[5, 6]).stop_token_ids == (5, 6)
 
 
 def test_sampling_params_accepts_edges():

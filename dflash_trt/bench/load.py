@@ -268,134 +268,153 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
     Raises:
         DFlashError: bad settings, bad checkpoints, impossible block size or engine settings.
     """
-    from tqdm import tqdm
-
     cfg.validate()
-    a = cfg.engine_args
     kv_cap, kv_src = kv_capacity_for(cfg)
     progress(f"KV capacity: {kv_cap:,} tokens ({kv_src})")
-    texts = cfg.prompts()
-    sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
     # under mpiexec: rank 0 runs the benchmark, the other ranks mirror every engine (TP shards;
     # with a tp_size N engine each rank reads only its own target rank file)
-    tp = init_tp()
-    config = a.create_engine_config()
-    if "dflash" not in cfg.modes:
-        config = speculative_off(config)
-    models = load_models(config, tp.rank if tp else 0, tp.size if tp else 1)
-    target, drafter = models.target, models.drafter
-    prompts = [chat_prompt_ids(target.tokenizer, t) for t in texts]
-    K = a.block_size or (drafter.cfg.block_size if drafter is not None else 1)
-    tp_engines = TPEngines(models, tp) if tp is not None else None
-    if tp is not None and tp.rank != 0:
-        tp_engines.serve()
-        tp.shutdown()
+    run = _LoadRun(cfg, kv_cap, init_tp(), progress)
+    if run.tp is not None and run.tp.rank != 0:
+        run.tp_engines.serve()
+        run.tp.shutdown()
         return None
+    for mode in cfg.modes:
+        run.engine_for(mode)
+    rows = [row for c in cfg.concurrency for row in run.at_concurrency(c)]
+    result = run.result(rows, kv_src)
+    if run.tp is not None:
+        run.tp_engines.close()
+        run.tp.shutdown()
+    if cfg.json_out:
+        write_json(cfg.json_out, result)
+    return result
 
-    engines: dict[str, LLMEngine] = {}
 
-    def engine_for(mode: str) -> LLMEngine:
-        """The mode's engine, built and warmed up once (under TP: anew for every run, since the
-        worker ranks mirror one engine at a time)."""
-        if mode in engines and tp is None:
-            return engines[mode]
+class _LoadRun:
+    """One load benchmark's models, prompts and engines (one per mode, built and warmed up
+    once; under TP anew for every run, since the worker ranks mirror one engine at a time)."""
+
+    def __init__(self, cfg: LoadConfig, kv_cap: int, tp, progress):
+        self.cfg, self.kv_cap, self.tp, self.progress = cfg, kv_cap, tp, progress
+        self.sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
+        config = cfg.engine_args.create_engine_config()
+        if "dflash" not in cfg.modes:
+            config = speculative_off(config)
+        self.models = load_models(config, tp.rank if tp else 0, tp.size if tp else 1)
+        drafter = self.models.drafter
+        self.prompts = [chat_prompt_ids(self.models.target.tokenizer, t) for t in cfg.prompts()]
+        self.K = cfg.engine_args.block_size or (drafter.cfg.block_size if drafter is not None else 1)
+        self.tp_engines = TPEngines(self.models, tp) if tp is not None else None
+        self.engines: dict[str, LLMEngine] = {}
+
+    def engine_for(self, mode: str) -> LLMEngine:
+        """The mode's engine (its warm-up untimed; on the compiled path a batch and a request
+        joining it compile there)."""
+        a, tp = self.cfg.engine_args, self.tp
+        if mode in self.engines and tp is None:
+            return self.engines[mode]
         dflash = mode == "dflash"
         args = a.replace(
-            block_size=K if dflash else 1,
+            block_size=self.K if dflash else 1,
             adaptive=a.adaptive and dflash,
-            kv_capacity=kv_cap,
+            kv_capacity=self.kv_cap,
             prompt_lookup_min=a.prompt_lookup_min if dflash else 0,
         )
-        if mode not in engines:
-            progress(
+        if mode not in self.engines:
+            self.progress(
                 f"{mode}: building the engine (block size {args.block_size}"
                 f"{', adaptive: measuring forward costs' if args.adaptive else ''}"
                 f"{f', TP {tp.size}' if tp else ''}) ..."
             )
-        eng = tp_engines.make(args) if tp is not None else create_engine(args, models)
-        # untimed; on the compiled path also a batch and a request joining it (those graphs compile here)
-        warm_s = eng.warm_up(prompts[:3], sampling, min(8, cfg.max_new_tokens))
+        eng = self.tp_engines.make(args) if tp is not None else create_engine(args, self.models)
+        warm_s = eng.warm_up(self.prompts[:3], self.sampling, min(8, self.cfg.max_new_tokens))
         if a.compile:
-            progress(f"{mode}: compiled in {warm_s:.0f} s (warm-up, untimed)")
-        engines[mode] = eng
+            self.progress(f"{mode}: compiled in {warm_s:.0f} s (warm-up, untimed)")
+        self.engines[mode] = eng
         return eng
 
-    for mode in cfg.modes:
-        engine_for(mode)
+    def at_concurrency(self, c: int) -> list[dict]:
+        """One row per mode at concurrency ``c``."""
+        from tqdm import tqdm
 
-    rows = []
-    for c in cfg.concurrency:
+        cfg = self.cfg
         n = cfg.requests_for(c)
         arrivals = arrival_times(n, cfg.request_rate, cfg.seed * 1_000_003 + c)
-        req_prompts = [prompts[i % len(prompts)] for i in range(n)]
+        req_prompts = [self.prompts[i % len(self.prompts)] for i in range(n)]
         # one process: the modes' lanes interleaved, so contention falls on each in proportion to
         # its compute; under TP the worker ranks mirror one engine at a time: one after the other
-        groups = [list(cfg.modes)] if tp is None else [[m] for m in cfg.modes]
+        groups = [list(cfg.modes)] if self.tp is None else [[m] for m in cfg.modes]
         lanes: dict[str, Lane] = {}
         with tqdm(total=n * len(cfg.modes), desc=f"C={c}", unit="req", leave=False, disable=None) as bar:
             for group in groups:
                 for mode in group:
-                    eng = engine_for(mode)
+                    eng = self.engine_for(mode)
                     eng.stats = LoopStats(eng.block_size)  # count the timed requests only
-                    reqs = [Request(p, cfg.max_new_tokens, sampling) for p in req_prompts]
+                    reqs = [Request(p, cfg.max_new_tokens, self.sampling) for p in req_prompts]
                     lanes[mode] = Lane(eng, reqs, arrivals, c, bar)
                 drive_lanes([lanes[m] for m in group])
-        outputs = {mode: [r.output for r in lane.records] for mode, lane in lanes.items()}
+        divergences = self._divergences(
+            {mode: [r.output for r in lane.records] for mode, lane in lanes.items()}, req_prompts
+        )
+        rows = []
         for mode in cfg.modes:
-            eng = lanes[mode].engine
+            lane = lanes[mode]
+            eng = lane.engine
             row = {"concurrency": c, "mode": mode, "block_size": eng.block_size, "interleaved": len(groups[0]) > 1}
-            row |= summarize(lanes[mode].records, eng.stats, lanes[mode].iteration_s)
+            row |= summarize(lane.records, eng.stats, lane.iteration_s)
             if eng.controller is not None:
                 row["controller"] = controller_state(eng.controller)
-            rows.append(row)
-        lossless, divergences = None, None
-        if cfg.temperature == 0 and set(MODES) <= set(cfg.modes):
-            divergences = []
-            for i, (a, b) in enumerate(zip(outputs["ar"], outputs["dflash"])):
-                k = first_divergence(a, b)
-                if k is not None:  # (a TP-sharded target only runs forwards on every rank: no margin)
-                    margin = top2_margin(target.model, req_prompts[i] + a[:k]) if tp is None else None
-                    divergences.append({"request": i, "prompt": i % len(prompts), "token": k, "top2_margin": margin})
-            lossless = not divergences
-        for row in rows[-len(cfg.modes) :]:
-            row["lossless"] = lossless
+            row["lossless"] = None if divergences is None else not divergences
             row["divergences"] = divergences
+            rows.append(row)
+        return rows
 
-    result = {
-        "benchmark": "load",
-        "dataset": cfg.prompt_set,
-        "num_prompts": len(prompts),
-        "max_new_tokens": cfg.max_new_tokens,
-        # null = every request arrives at t=0 (infinite rate)
-        "request_rate": cfg.request_rate if cfg.poisson else None,
-        "block_size": K,
-        "adaptive": a.adaptive,
-        "temperature": cfg.temperature,
-        "target": str(target.path),
-        "drafter": str(a.drafter) if a.drafter else ("engine" if a.engine else "default"),
-        "engine": a.engine,
-        "dtype": models.dtype,
-        "weights": a.weights,
-        "batch_invariant": next(iter(engines.values())).runner.batch_invariant,
-        "device": device_name(models.device if tp is None else tp.device),
-        "threads": torch.get_num_threads(),
-        "seed": cfg.seed,
-        "engine_config": {
-            "max_batch_size": a.max_batch_size,
-            "max_num_tokens": a.max_num_tokens,
-            "tokens_per_block": a.tokens_per_block,
-            "kv_capacity_tokens": kv_cap,
-            "kv_capacity_source": kv_src,
-        },
-        "tp_size": tp.size if tp is not None else 1,
-        "load": rows,
-    }
-    if tp is not None:
-        tp_engines.close()
-        tp.shutdown()
-    if cfg.json_out:
-        write_json(cfg.json_out, result)
-    return result
+    def _divergences(self, outputs: dict[str, list[list[int]]], req_prompts: list[list[int]]) -> list[dict] | None:
+        """Greedy runs of both modes: the requests where DFlash parts from plain decoding, with
+        the target's top-2 margin there (None under TP: a sharded target runs forwards on every
+        rank only); None when sampling or a mode did not run."""
+        if self.cfg.temperature != 0 or not set(MODES) <= set(self.cfg.modes):
+            return None
+        found = []
+        for i, (ar, df) in enumerate(zip(outputs["ar"], outputs["dflash"])):
+            k = first_divergence(ar, df)
+            if k is not None:
+                model = self.models.target.model
+                margin = top2_margin(model, req_prompts[i] + ar[:k]) if self.tp is None else None
+                found.append({"request": i, "prompt": i % len(self.prompts), "token": k, "top2_margin": margin})
+        return found
+
+    def result(self, rows: list[dict], kv_src: str) -> dict:
+        cfg, a, tp, models = self.cfg, self.cfg.engine_args, self.tp, self.models
+        return {
+            "benchmark": "load",
+            "dataset": cfg.prompt_set,
+            "num_prompts": len(self.prompts),
+            "max_new_tokens": cfg.max_new_tokens,
+            # null = every request arrives at t=0 (infinite rate)
+            "request_rate": cfg.request_rate if cfg.poisson else None,
+            "block_size": self.K,
+            "adaptive": a.adaptive,
+            "temperature": cfg.temperature,
+            "target": str(models.target.path),
+            "drafter": str(a.drafter) if a.drafter else ("engine" if a.engine else "default"),
+            "engine": a.engine,
+            "dtype": models.dtype,
+            "weights": a.weights,
+            "batch_invariant": next(iter(self.engines.values())).runner.batch_invariant,
+            "device": device_name(models.device if tp is None else tp.device),
+            "threads": torch.get_num_threads(),
+            "seed": cfg.seed,
+            "engine_config": {
+                "max_batch_size": a.max_batch_size,
+                "max_num_tokens": a.max_num_tokens,
+                "tokens_per_block": a.tokens_per_block,
+                "kv_capacity_tokens": self.kv_cap,
+                "kv_capacity_source": kv_src,
+            },
+            "tp_size": tp.size if tp is not None else 1,
+            "load": rows,
+        }
 
 
 def _ms(x: float | None) -> str:

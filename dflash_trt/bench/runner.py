@@ -184,7 +184,42 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         DFlashError: unknown dataset or peer, llama.cpp asked for but not installed, bad
             checkpoints, impossible block size.
     """
-    from .peers import PEERS, require_llama_cpp, run_peer
+    _check(cfg)
+    sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
+    a = cfg.engine_args
+    texts = cfg.prompts()
+    models = load_models(a.create_engine_config())
+    prompts = [chat_prompt_ids(models.target.tokenizer, t) for t in texts]
+    modes = batch1_engines(cfg, models, prompts)
+    for engine in modes:  # untimed; on the compiled path a second prompt length compiles here too
+        warm_s = engine.warm_up([prompts[0]] + ([prompts[0][:-1]] if a.compile else []), sampling, 8)
+        if a.compile:
+            progress(f"block size {engine.block_size}: compiled in {warm_s:.0f} s (warm-up, untimed)")
+    stops = models.target.stop_token_ids
+    llama = _InterleavedLlamaCpp(cfg, prompts, stops) if "llama.cpp" in cfg.peers else None
+    names = f"plain decoding, DFlash (block size {modes[1].block_size})"
+    if len(modes) > 2:
+        names += f", DFlash + prompt lookup (n-grams {a.prompt_lookup_min}-{a.prompt_lookup_max})"
+    names += " and llama.cpp" if llama and llama.session else ""
+    progress(f"{names}, interleaved, on {len(prompts)} {cfg.prompt_set} prompts ...")
+    runs = _run_modes(modes, prompts, cfg, sampling, llama)
+    ar_out, ar_wall, _ = runs[0]
+    ar_tps = sum(map(len, ar_out)) / ar_wall
+    peers, peer_errors = _peers(cfg, models, prompts, modes[1].block_size, llama, ar_out, ar_tps, progress)
+    result = _result(cfg, models, prompts, modes, runs) | {"peers": peers, "peer_errors": peer_errors}
+    if cfg.json_out:
+        write_json(cfg.json_out, result)
+    return result
+
+
+def _check(cfg: BenchConfig) -> None:
+    """What no run could use, before any model loads.
+
+    Raises:
+        DFlashError: an unknown peer, llama.cpp asked for but not installed, peers on an engine
+            directory, ``max_new_tokens`` < 1.
+    """
+    from .peers import PEERS, require_llama_cpp
 
     for p in cfg.peers:
         if p not in PEERS:
@@ -193,35 +228,15 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         require_llama_cpp()  # before minutes of benchmarking, not after
     if cfg.max_new_tokens < 1:
         raise ConfigError("max_new_tokens", f"must be >= 1, got {cfg.max_new_tokens}")
-    sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
-    a = cfg.engine_args
-    texts = cfg.prompts()
-    if a.engine and cfg.peers:
+    if cfg.engine_args.engine and cfg.peers:
         raise DFlashError("peers run on HF checkpoints; bench an engine directory without peers")
-    models = load_models(a.create_engine_config())
-    target, drafter = models.target, models.drafter
-    prompts = [chat_prompt_ids(target.tokenizer, t) for t in texts]
-    modes = batch1_engines(cfg, models, prompts)
-    K = modes[1].block_size
-    for engine in modes:  # untimed; on the compiled path a second prompt length compiles here too
-        warm_s = engine.warm_up([prompts[0]] + ([prompts[0][:-1]] if a.compile else []), sampling, 8)
-        if a.compile:
-            progress(f"block size {engine.block_size}: compiled in {warm_s:.0f} s (warm-up, untimed)")
-    llama = _InterleavedLlamaCpp(cfg, prompts, target.stop_token_ids) if "llama.cpp" in cfg.peers else None
-    names = f"plain decoding, DFlash (block size {K})"
-    if len(modes) > 2:
-        names += f", DFlash + prompt lookup (n-grams {a.prompt_lookup_min}-{a.prompt_lookup_max})"
-    names += " and llama.cpp" if llama and llama.session else ""
-    progress(f"{names}, interleaved, on {len(prompts)} {cfg.prompt_set} prompts ...")
-    runs = _run_modes(modes, prompts, cfg, sampling, llama)
-    (ar_out, ar_wall, ar_stats), (df_out, df_wall, df_stats) = runs[:2]
-    dtype, device = models.dtype, models.device
 
-    ar_tokens = sum(map(len, ar_out))
-    df_tokens = sum(map(len, df_out))
-    ar_tps = ar_tokens / ar_wall
-    df_tps = df_tokens / df_wall
-    decode_s = ar_stats.verify_s / max(ar_stats.verify_calls, 1)
+
+def _peers(cfg, models, prompts, K, llama, ar_out, ar_tps, progress) -> tuple[dict, dict]:
+    """Every peer's figures beside plain decoding's (``{name: figures}``), and the peers that
+    failed (``{name: the one-line error}``; what was measured is kept)."""
+    from .peers import run_peer
+
     peers, peer_errors = {}, {}
 
     def record(res) -> None:
@@ -241,6 +256,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
             peer_errors["llama.cpp"] = llama.error
         else:
             record(res)
+    target = models.target
     for name in [p for p in cfg.peers if p != "llama.cpp"]:
         progress(f"peer {name} ...")
         try:
@@ -249,10 +265,10 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
                 target.path,
                 prompts,
                 cfg.max_new_tokens,
-                parse_dtype(dtype),
+                parse_dtype(models.dtype),
                 target.stop_token_ids,
-                device=device,
-                drafter=drafter,
+                device=models.device,
+                drafter=models.drafter,
                 block_size=K,
             )
         except DFlashError as e:  # the peer fails alone: what was measured is kept
@@ -260,35 +276,50 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
             peer_errors[name] = str(e)
             continue
         record(res)
+    return peers, peer_errors
+
+
+def _divergences(cfg: BenchConfig, model, prompts, ar_out, out) -> list[dict] | None:
+    """Greedy runs that differ from plain decoding: the first differing token and the target's
+    top-2 logit gap there (a gap near the dtype's resolution is a numerical tie between 1-row
+    and K-row GEMMs); None when sampling."""
+    if cfg.temperature != 0:
+        return None
+    found = []
+    for i, (ref, got) in enumerate(zip(ar_out, out)):
+        k = first_divergence(ref, got)
+        if k is not None:
+            found.append({"prompt": i, "token": k, "top2_margin": top2_margin(model, prompts[i] + ref[:k])})
+    return found
+
+
+def _result(cfg: BenchConfig, models, prompts, modes, runs) -> dict:
+    """The result dict of the modes' runs (peers apart)."""
+    a = cfg.engine_args
+    (ar_out, ar_wall, ar_stats), (df_out, df_wall, df_stats) = runs[:2]
+    ar_tokens, df_tokens = sum(map(len, ar_out)), sum(map(len, df_out))
+    ar_tps, df_tps = ar_tokens / ar_wall, df_tokens / df_wall
+    decode_s = ar_stats.verify_s / max(ar_stats.verify_calls, 1)
+    target = models.target
 
     def divergences(out: list[list[int]]) -> list[dict] | None:
-        """Greedy runs that differ from plain decoding: the first differing token and the
-        target's top-2 logit gap there (a gap near the dtype's resolution is a numerical tie
-        between 1-row and K-row GEMMs); None when sampling."""
-        if cfg.temperature != 0:
-            return None
-        found = []
-        for i, (a, b) in enumerate(zip(ar_out, out)):
-            k = first_divergence(a, b)
-            if k is not None:
-                found.append({"prompt": i, "token": k, "top2_margin": top2_margin(target.model, prompts[i] + a[:k])})
-        return found
+        return _divergences(cfg, target.model, prompts, ar_out, out)
 
-    result = {
+    return {
         "dataset": cfg.prompt_set,
         "num_prompts": len(prompts),
         "max_new_tokens": cfg.max_new_tokens,
-        "block_size": K,
+        "block_size": modes[1].block_size,
         "temperature": cfg.temperature,
         "target": str(target.path),
         "drafter": str(a.drafter) if a.drafter else "default",
-        "drafter_layers": drafter.cfg.num_layers,
-        "dtype": dtype,
+        "drafter_layers": models.drafter.cfg.num_layers,
+        "dtype": models.dtype,
         "weights": a.weights,
         "compile": a.compile,
         "cuda_graphs": a.cuda_graphs,
         "batch_invariant": modes[0].runner.batch_invariant,
-        "device": device_name(device),
+        "device": device_name(models.device),
         "threads": torch.get_num_threads(),
         "lossless": (df_out == ar_out) if cfg.temperature == 0 else None,
         "divergences": divergences(df_out),
@@ -307,13 +338,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         "ar_prefill_tokens_per_s": sum(map(len, prompts)) / ar_stats.prefill_s if ar_stats.prefill_s > 0 else None,
         # DFlash + prompt lookup (--prompt-lookup-min), None when not run
         "prompt_lookup": _lookup_result(cfg, runs[2], ar_out, ar_tps, divergences) if len(runs) > 2 else None,
-        "peers": peers,
-        # peers that failed (llama.cpp crashing, a missing package): name -> the one-line error
-        "peer_errors": peer_errors,
     }
-    if cfg.json_out:
-        write_json(cfg.json_out, result)
-    return result
 
 
 def _lookup_result(cfg: BenchConfig, run, ar_out: list[list[int]], ar_tps: float, divergences: Callable) -> dict:
