@@ -37,29 +37,13 @@ def weight_error(ref: torch.nn.Module, got: torch.nn.Module) -> float:
     return (num / den) ** 0.5
 
 
-def main() -> None:
-    from tqdm import tqdm
-
-    from dflash_trt import EngineArgs, LLMEngine
+def build_formats(args) -> dict:
+    """The fp32 pair and its fp8 and nvfp4 engines (built here, loaded dequantized): per format
+    ``(target, drafter, weight relative L2 error, build seconds)``."""
     from dflash_trt.builder.builder import build_engine
     from dflash_trt.builder.config import BuildConfig
     from dflash_trt.checkpoints.engine import load_engine
     from dflash_trt.checkpoints.loader import load_pair
-    from dflash_trt.prompts import chat_prompt_ids, load_prompts
-    from dflash_trt.runtime.engine_factory import LoadedModels
-    from dflash_trt.runtime.request import LoopStats, Request
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--num-prompts", type=int, default=10)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--datasets", default="gsm8k,humaneval")
-    ap.add_argument("--calibration-samples", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", dest="json_out", default=None)
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
     target, drafter = load_pair(None, None, torch.float32)
     models = {"fp32": (target, drafter, 0.0, 0.0)}
@@ -74,7 +58,60 @@ def main() -> None:
             built = time.perf_counter() - t0
             t, d, _ = load_engine(Path(tmp) / fmt, torch.float32)
             models[fmt] = (t, d, weight_error(target.model, t.model), built)
+    return models
 
+
+def measure(args, t, d, tokenizer, reference: dict) -> dict:
+    """One format's figures per dataset: plain decoding against the fp32 reference (identical
+    answers, matching tokens) and DFlash on the same engine (tau, equal to plain decoding)."""
+    from tqdm import tqdm
+
+    from dflash_trt import EngineArgs, LLMEngine
+    from dflash_trt.prompts import chat_prompt_ids, load_prompts
+    from dflash_trt.runtime.engine_factory import LoadedModels
+    from dflash_trt.runtime.request import LoopStats, Request
+
+    engines = {
+        k: LLMEngine.from_engine_args(EngineArgs(block_size=k, kv_capacity=16384), LoadedModels.of(t, d))
+        for k in (1, args.block_size)
+    }
+    row = {}
+    for ds in args.datasets.split(","):
+        prompts = [chat_prompt_ids(tokenizer, x) for x in load_prompts(ds, args.num_prompts)]
+        reqs = [Request(p, args.max_new_tokens) for p in prompts]
+        with tqdm(total=2, desc=ds, leave=False) as bar:
+            plain = [o.output_ids for o in engines[1].generate(reqs)]
+            bar.update()
+            spec_engine = engines[args.block_size]
+            spec_engine.stats = LoopStats(args.block_size)  # this set's figures only
+            spec = [o.output_ids for o in spec_engine.generate(reqs)]
+            bar.update()
+        ref = reference.setdefault(ds, plain)
+        match = sum(x == y for a, b in zip(plain, ref) for x, y in zip(a, b))
+        row[ds] = {
+            "identical": sum(a == b for a, b in zip(plain, ref)) / len(ref),
+            "token_match": match / sum(max(len(a), len(b)) for a, b in zip(plain, ref)),
+            "tau": spec_engine.stats.tau,
+            "dflash_equals_plain": spec == plain,
+        }
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num-prompts", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--datasets", default="gsm8k,humaneval")
+    ap.add_argument("--calibration-samples", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", dest="json_out", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    models = build_formats(args)
+    tokenizer = models["fp32"][0].tokenizer
     result = {
         "num_prompts": args.num_prompts,
         "max_new_tokens": args.max_new_tokens,
@@ -85,33 +122,7 @@ def main() -> None:
     }
     reference: dict[str, list[list[int]]] = {}
     for fmt, (t, d, err, built) in models.items():
-        row = {"weight_rel_l2": err, "build_s": built}
-        engines = {
-            k: LLMEngine.from_engine_args(EngineArgs(block_size=k, kv_capacity=65536), LoadedModels.of(t, d))
-            for k in (1, args.block_size)
-        }
-        for ds in args.datasets.split(","):
-            prompts = [chat_prompt_ids(target.tokenizer, x) for x in load_prompts(ds, args.num_prompts)]
-            reqs = [Request(p, args.max_new_tokens) for p in prompts]
-            with tqdm(total=2, desc=f"{fmt} {ds}", leave=False) as bar:
-                plain = [o.output_ids for o in engines[1].generate(reqs)]
-                bar.update()
-                spec_engine = engines[args.block_size]
-                spec_engine.stats = LoopStats(args.block_size)  # this set's figures only
-                spec = [o.output_ids for o in spec_engine.generate(reqs)]
-                stats = spec_engine.stats
-                bar.update()
-            ref = reference.setdefault(ds, plain)
-            same = sum(a == b for a, b in zip(plain, ref))
-            match = sum(x == y for a, b in zip(plain, ref) for x, y in zip(a, b))
-            total = sum(max(len(a), len(b)) for a, b in zip(plain, ref))
-            row[ds] = {
-                "identical": same / len(ref),
-                "token_match": match / total,
-                "tau": stats.tau,
-                "dflash_equals_plain": spec == plain,
-            }
-        result["formats"][fmt] = row
+        result["formats"][fmt] = {"weight_rel_l2": err, "build_s": built} | measure(args, t, d, tokenizer, reference)
 
     datasets = args.datasets.split(",")
     head = "| format | weight rel. L2 | " + " | ".join(f"{ds} identical / tokens / tau" for ds in datasets) + " |"

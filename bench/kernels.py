@@ -385,20 +385,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    args.interpret = args.interpret or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # as if --interpret
-    if args.interpret:
-        if args.device not in (None, "cpu"):
-            raise SystemExit("bench/kernels.py: --interpret (or TRITON_INTERPRET=1) runs the kernels on the CPU only")
-        # before triton is first imported (it picks interpreter or compiler when a kernel is defined)
-        os.environ["TRITON_INTERPRET"] = "1"
-    import torch
-
-    from dflash_trt.kernels import ops
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def _device(args, torch):
+    """The device the kernels run on (checked)."""
     if args.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise SystemExit(f"bench/kernels.py: --device must be cpu, cuda or cuda:N, got {args.device!r}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.interpret else "cpu"))
@@ -408,13 +396,12 @@ def main(argv=None) -> None:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise SystemExit(f"bench/kernels.py: no {device} (torch sees {torch.cuda.device_count()} CUDA devices)")
         torch.cuda.set_device(device)  # the events and the Triton launches go to the current device
-    cuda = device.type == "cuda"
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    dtype = dtypes[args.dtype or ("bf16" if cuda else "fp32")]
-    wanted = [k.strip() for k in args.kernels.split(",") if k.strip()]
-    unknown = set(wanted) - {"block_attention", "context_kv", "accept"}
-    if unknown or not wanted:
-        raise SystemExit(f"bench/kernels.py: --kernels takes block_attention,context_kv,accept; got {args.kernels!r}")
+    return device
+
+
+def _geometry(args) -> dict:
+    """The drafter's attention geometry from its config, and the cases' settings checked
+    (``args.windows`` defaults to no window and the drafter's own)."""
     try:
         cfg = json.loads(Path(args.drafter_config).read_text())
     except (OSError, ValueError) as e:
@@ -440,11 +427,11 @@ def main(argv=None) -> None:
         raise SystemExit("bench/kernels.py: a sliding window must be 0 or at least the block size")
     if max(args.context_tokens) >= geo["max_positions"]:
         raise SystemExit(f"bench/kernels.py: --context-tokens must stay below {geo['max_positions']} positions")
-    repeats = args.repeats if args.repeats is not None else (50 if cuda else 5)
-    warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
-    if repeats < 1 or warmup < 0:
-        raise SystemExit("bench/kernels.py: --repeats must be >= 1 and --warmup >= 0")
+    return geo
 
+
+def _notes(args, ops, cuda: bool) -> tuple[list[str], bool]:
+    """What the reader should know about the run, and whether the Triton kernels run."""
     notes = []
     kernels = ops.HAVE_TRITON and (cuda or args.interpret)
     if not ops.HAVE_TRITON:
@@ -454,10 +441,66 @@ def main(argv=None) -> None:
     elif args.interpret:
         notes.append("Triton kernels run through Triton's interpreter (numpy): their times say nothing about GPU speed")
     if cuda:
-        name = torch.cuda.get_device_name(device)
         notes.append(
             "CUDA events per call from an idle GPU" + ("" if args.no_flush else ", L2 flushed before each call")
         )
+    return notes, kernels
+
+
+def _report(args, result: dict, geo: dict) -> None:
+    """Print the tables; write the JSON and the plot when asked for."""
+    print(
+        f"{result['device']}; torch {result['torch']}, triton {result['triton']}; {result['dtype']}; "
+        f"{geo['heads']}:{geo['kv_heads']} heads x {geo['head_dim']}, {args.tokens_per_block} tokens per KV block; "
+        f"median us per call of {result['repeats']} after {result['warmup']} warm-up"
+    )
+    for note in result["notes"]:
+        print(f"note: {note}")
+    others = {"block_attention": ["sdpa"], "context_kv": [], "accept": []}
+    for key in ("block_attention", "context_kv", "accept"):
+        if key in result:
+            print()
+            print(table(key, result[key], others[key]))
+    if args.json_out:
+        from dflash_trt.atomic import write_json
+
+        write_json(args.json_out, result)
+        print(f"wrote {args.json_out}")
+    if args.plot:
+        plot(args.plot, result)
+        print(f"wrote {args.plot}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    args.interpret = args.interpret or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # as if --interpret
+    if args.interpret:
+        if args.device not in (None, "cpu"):
+            raise SystemExit("bench/kernels.py: --interpret (or TRITON_INTERPRET=1) runs the kernels on the CPU only")
+        # before triton is first imported (it picks interpreter or compiler when a kernel is defined)
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    from dflash_trt.kernels import ops
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = _device(args, torch)
+    cuda = device.type == "cuda"
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    dtype = dtypes[args.dtype or ("bf16" if cuda else "fp32")]
+    wanted = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    unknown = set(wanted) - {"block_attention", "context_kv", "accept"}
+    if unknown or not wanted:
+        raise SystemExit(f"bench/kernels.py: --kernels takes block_attention,context_kv,accept; got {args.kernels!r}")
+    geo = _geometry(args)
+    repeats = args.repeats if args.repeats is not None else (50 if cuda else 5)
+    warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
+    if repeats < 1 or warmup < 0:
+        raise SystemExit("bench/kernels.py: --repeats must be >= 1 and --warmup >= 0")
+    notes, kernels = _notes(args, ops, cuda)
+    if cuda:
+        name = torch.cuda.get_device_name(device)
     else:
         import platform
 
@@ -492,27 +535,7 @@ def main(argv=None) -> None:
             result["context_kv"] = bench_context_kv(args, geo, timer, dtype, device, kernels)
         if "accept" in wanted:
             result["accept"] = bench_accept(args, timer, device, kernels)
-
-    print(
-        f"{name}; torch {torch.__version__}, triton {triton_version}; {result['dtype']}; "
-        f"{geo['heads']}:{geo['kv_heads']} heads x {geo['head_dim']}, {args.tokens_per_block} tokens per KV block; "
-        f"median us per call of {repeats} after {warmup} warm-up"
-    )
-    for note in notes:
-        print(f"note: {note}")
-    others = {"block_attention": ["sdpa"], "context_kv": [], "accept": []}
-    for key in ("block_attention", "context_kv", "accept"):
-        if key in result:
-            print()
-            print(table(key, result[key], others[key]))
-    if args.json_out:
-        from dflash_trt.atomic import write_json
-
-        write_json(args.json_out, result)
-        print(f"wrote {args.json_out}")
-    if args.plot:
-        plot(args.plot, result)
-        print(f"wrote {args.plot}")
+    _report(args, result, geo)
 
 
 if __name__ == "__main__":

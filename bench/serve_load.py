@@ -11,7 +11,7 @@ generator is another machine).
 
 The in-process engine runs the server's scheduling: at most ``--max-prefill-tokens`` prompt
 tokens per iteration (default: the serving default on a CPU,
-:data:`~dflash_trt.serving.service.CPU_MAX_PREFILL_TOKENS`; 0: no cap, as servers before it had).
+:data:`~dflash_trt.runtime.config.CPU_MAX_PREFILL_TOKENS`; 0: no cap, as servers before it had).
 
 The requests are aiperf's synthetic prompts (``--input-tokens`` long, fixed seed), chat
 completions streamed with ``ignore_eos`` so each answer is exactly ``--output-tokens`` long; the
@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash_trt.serving.service import CPU_MAX_PREFILL_TOKENS  # noqa: E402
+from dflash_trt.runtime.config import CPU_MAX_PREFILL_TOKENS  # noqa: E402
 
 
 def free_port() -> int:
@@ -207,7 +207,7 @@ def engine_baseline(args, concurrencies: list[int]) -> dict[int, dict]:
     return rates
 
 
-def main() -> None:
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--aiperf", required=True, help="the aiperf executable (its own venv)")
     ap.add_argument("--concurrency", default="1,4,16")
@@ -238,12 +238,11 @@ def main() -> None:
     )
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--plot")
-    args = ap.parse_args()
-    from dflash_trt.checkpoints.sources import resolve_target
+    return ap.parse_args()
 
-    conc = [int(x) for x in args.concurrency.split(",")]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+
+def server_command(args, port: int) -> list[str]:
+    """``dflash-trt serve`` with the run's settings (pinned with taskset when asked)."""
     cmd = [
         args.server_python,
         "-m",
@@ -262,9 +261,20 @@ def main() -> None:
         cmd += ["--drafter", str(Path(args.drafter).resolve())]
     if args.block_size:
         cmd += ["--block-size", str(args.block_size)]
-    work = Path(args.json_out or "out/serve-load.json").parent / "aiperf"
     if args.pin:
         cmd = ["taskset", "-c", args.pin[0], *cmd]
+    return cmd
+
+
+def main() -> None:
+    args = parse_args()
+    from dflash_trt.checkpoints.sources import resolve_target
+
+    conc = [int(x) for x in args.concurrency.split(",")]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = server_command(args, port)
+    work = Path(args.json_out or "out/serve-load.json").parent / "aiperf"
     # run from elsewhere than this checkout, so that the server imports its own venv's dflash_trt
     server = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd="/")
     rows = []
@@ -286,6 +296,16 @@ def main() -> None:
         for k, v in engine_rates[r["concurrency"]].items():
             r[f"engine_{k}"] = v
         r["server_vs_engine"] = (r["output_tokens_per_s"] or 0) / r["engine_output_tokens_per_s"]
+    print_rows(rows)
+    if args.json_out:
+        from dflash_trt.atomic import write_json
+
+        write_json(args.json_out, {"settings": vars(args), "rows": rows})
+    if args.plot:
+        plot(rows, args)
+
+
+def print_rows(rows: list[dict]) -> None:
     print(
         f"{'C':>3} {'server tok/s':>13} {'engine tok/s':>13} {'ratio':>6} {'TTFT p50/p99 ms':>16} "
         f"{'engine TTFT p50':>16} {'ITL p50/p99 ms':>15} {'engine iter p50/p99 ms':>23} {'client cores':>12}"
@@ -298,45 +318,44 @@ def main() -> None:
             f"{r['engine_iteration_ms_p50']:>11.1f}/{r['engine_iteration_ms_p99']:<11.1f} "
             f"{r['client_cpu_cores']:>12.2f}"
         )
-    if args.json_out:
-        from dflash_trt.atomic import write_json
 
-        write_json(args.json_out, {"settings": vars(args), "rows": rows})
-    if args.plot:
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+def plot(rows: list[dict], args) -> None:
+    """Throughput, TTFT and ITL against concurrency, server beside the in-process engine (PNG at ``args.plot``)."""
+    import matplotlib
 
-        fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-        cs = [r["concurrency"] for r in rows]
-        axes[0].plot(cs, [r["output_tokens_per_s"] for r in rows], "o-", label="dflash-trt serve (aiperf)")
-        axes[0].plot(cs, [r["engine_output_tokens_per_s"] for r in rows], "s--", label="in-process engine")
-        axes[0].set_ylabel("output tokens / s")
-        axes[0].legend(fontsize=8)
-        axes[1].plot(cs, [r["ttft_ms_p50"] for r in rows], "o-", label="server p50")
-        axes[1].plot(cs, [r["ttft_ms_p99"] for r in rows], "^:", label="server p99")
-        axes[1].plot(cs, [r["engine_ttft_ms_p50"] for r in rows], "s--", label="in-process engine p50")
-        axes[1].set_ylabel("TTFT (ms)")
-        axes[1].legend(fontsize=8)
-        axes[2].plot(cs, [r["itl_ms_p50"] for r in rows], "o-", label="server ITL p50")
-        axes[2].plot(cs, [r["itl_ms_p99"] for r in rows], "^:", label="server ITL p99")
-        axes[2].plot(cs, [r["engine_iteration_ms_p99"] for r in rows], "s--", label="engine iteration p99")
-        axes[2].set_ylabel("ms")
-        axes[2].legend(fontsize=8)
-        for a in axes:
-            a.set_xlabel("concurrency")
-            a.set_xscale("log", base=2)
-            a.grid(alpha=0.3)
-        fig.suptitle(
-            f"{args.input_tokens} in / {args.output_tokens} out tokens, {args.requests} requests, "
-            f"{args.dtype}, CPU {args.threads} threads"
-            + (f", server on cores {args.pin[0]}, aiperf on {args.pin[1]}" if args.pin else ""),
-            fontsize=9,
-        )
-        fig.tight_layout()
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.plot, dpi=110)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    cs = [r["concurrency"] for r in rows]
+    axes[0].plot(cs, [r["output_tokens_per_s"] for r in rows], "o-", label="dflash-trt serve (aiperf)")
+    axes[0].plot(cs, [r["engine_output_tokens_per_s"] for r in rows], "s--", label="in-process engine")
+    axes[0].set_ylabel("output tokens / s")
+    axes[0].legend(fontsize=8)
+    axes[1].plot(cs, [r["ttft_ms_p50"] for r in rows], "o-", label="server p50")
+    axes[1].plot(cs, [r["ttft_ms_p99"] for r in rows], "^:", label="server p99")
+    axes[1].plot(cs, [r["engine_ttft_ms_p50"] for r in rows], "s--", label="in-process engine p50")
+    axes[1].set_ylabel("TTFT (ms)")
+    axes[1].legend(fontsize=8)
+    axes[2].plot(cs, [r["itl_ms_p50"] for r in rows], "o-", label="server ITL p50")
+    axes[2].plot(cs, [r["itl_ms_p99"] for r in rows], "^:", label="server ITL p99")
+    axes[2].plot(cs, [r["engine_iteration_ms_p99"] for r in rows], "s--", label="engine iteration p99")
+    axes[2].set_ylabel("ms")
+    axes[2].legend(fontsize=8)
+    for a in axes:
+        a.set_xlabel("concurrency")
+        a.set_xscale("log", base=2)
+        a.grid(alpha=0.3)
+    fig.suptitle(
+        f"{args.input_tokens} in / {args.output_tokens} out tokens, {args.requests} requests, "
+        f"{args.dtype}, CPU {args.threads} threads"
+        + (f", server on cores {args.pin[0]}, aiperf on {args.pin[1]}" if args.pin else ""),
+        fontsize=9,
+    )
+    fig.tight_layout()
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.plot, dpi=110)
 
 
 if __name__ == "__main__":

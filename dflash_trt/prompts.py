@@ -268,6 +268,50 @@ def _sharegpt_file() -> Path:
     return package_file(module, pypi, rel, "ShareGPT prompts")
 
 
+class _ChunkedText:
+    """A UTF-8 file read ``_CHUNK`` bytes at a time: ``buf`` holds the text not yet consumed
+    (from ``pos``); :meth:`more` appends the next chunk (a multi-byte character split across
+    chunks waits for its rest).
+
+    Raises:
+        DFlashError: bytes that are not UTF-8.
+    """
+
+    def __init__(self, f, path: Path, name: str):
+        self.f, self.path, self.name = f, path, name
+        self.buf, self.pos, self.eof, self.pending = "", 0, False, b""
+
+    def more(self) -> bool:
+        """Read the next chunk; False at end of file."""
+        if self.eof:
+            return False
+        chunk = self.f.read(_CHUNK)
+        if not chunk:
+            self.eof = True
+            return False
+        data = self.pending + chunk
+        try:
+            text, self.pending = data.decode("utf-8"), b""
+        except UnicodeDecodeError as e:  # a multi-byte char split across chunks
+            if e.start < len(data) - 3:
+                raise DFlashError(f"{self.name}: {self.path} is not UTF-8 text") from None
+            text, self.pending = data[: e.start].decode("utf-8"), data[e.start :]
+        self.buf, self.pos = self.buf[self.pos :] + text, 0
+        return True
+
+    def skip(self, chars: str) -> None:
+        """Move past any of ``chars``, reading on as needed."""
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] in chars:
+                self.pos += 1
+            if self.pos < len(self.buf) or not self.more():
+                return
+
+    def at(self, ch: str) -> bool:
+        """Whether the next character is ``ch`` (False at end of file)."""
+        return self.pos < len(self.buf) and self.buf[self.pos] == ch
+
+
 def iter_json_array(path: Path, name: str = "ShareGPT"):
     """Yield the complete items of a JSON array file whose end may be cut off.
 
@@ -289,54 +333,25 @@ def iter_json_array(path: Path, name: str = "ShareGPT"):
     except OSError as e:
         raise DFlashError(f"{name}: cannot read {path} ({type(e).__name__}: {e})") from None
     with f:
-        buf, pos, eof = "", 0, False
-        pending = b""
-
-        def more() -> bool:
-            nonlocal buf, pos, eof, pending
-            if eof:
-                return False
-            chunk = f.read(_CHUNK)
-            if not chunk:
-                eof = True
-                return False
-            data = pending + chunk
-            try:
-                text = data.decode("utf-8")
-                pending = b""
-            except UnicodeDecodeError as e:  # a multi-byte char split across chunks
-                if e.start < len(data) - 3:
-                    raise DFlashError(f"{name}: {path} is not UTF-8 text") from None
-                text, pending = data[: e.start].decode("utf-8"), data[e.start :]
-            buf, pos = buf[pos:] + text, 0
-            return True
-
-        def skip(chars: str) -> None:
-            nonlocal pos
-            while True:
-                while pos < len(buf) and buf[pos] in chars:
-                    pos += 1
-                if pos < len(buf) or not more():
-                    return
-
-        skip(ws)
-        if pos >= len(buf) or buf[pos] != "[":
+        t = _ChunkedText(f, path, name)
+        t.skip(ws)
+        if not t.at("["):
             raise DFlashError(f"{name}: {path} does not hold a JSON array")
-        pos += 1
+        t.pos += 1
         while True:
-            skip(ws + ",")
-            if pos >= len(buf) or buf[pos] == "]":
+            t.skip(ws + ",")
+            if t.pos >= len(t.buf) or t.at("]"):
                 return
             try:
-                item, end = dec.raw_decode(buf, pos)
+                item, end = dec.raw_decode(t.buf, t.pos)
             except json.JSONDecodeError:
-                if more():
+                if t.more():
                     continue
-                yield None, len(buf) - pos
+                yield None, len(t.buf) - t.pos
                 return
-            if end >= len(buf) and not eof and more():  # a number or literal may continue in the next chunk
+            if end >= len(t.buf) and not t.eof and t.more():  # a number or literal may continue in the next chunk
                 continue
-            pos = end
+            t.pos = end
             yield item, 0
 
 

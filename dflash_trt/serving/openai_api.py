@@ -225,63 +225,120 @@ def build_app(
     """
     app = FastAPI(title="dflash-trt", version="0.1.0")
     app.add_middleware(_Bounds, api_key=api_key, max_request_bytes=max_request_bytes)
-    name = service.model_name
+    api = _OpenAI(service)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/metrics", api.metrics, methods=["GET"])
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
+    return app
 
-    @app.exception_handler(APIError)
-    async def _api_error(_req, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_req, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        if first.get("type") == "json_invalid":
-            return JSONResponse(APIError(f"malformed JSON: {first.get('msg', '')}", 400).body(), status_code=400)
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
-        msg = first.get("msg", "invalid request")
-        return JSONResponse(APIError(f"{where}: {msg}" if where else msg, 400, where).body(), status_code=400)
+async def _api_error(_req, exc: APIError):
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    @app.get("/health")
-    async def health():
-        return Response(status_code=200)
 
-    @app.get("/v1/models")
-    async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "dflash-trt",
-                    "max_model_len": service.max_model_len,
-                }
-            ],
-        }
+async def _validation_error(_req, exc: RequestValidationError):
+    """400 in OpenAI's error shape for a body FastAPI could not parse or validate."""
+    errs = exc.errors()
+    first = errs[0] if errs else {}
+    if first.get("type") == "json_invalid":
+        return JSONResponse(APIError(f"malformed JSON: {first.get('msg', '')}", 400).body(), status_code=400)
+    where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+    msg = first.get("msg", "invalid request")
+    return JSONResponse(APIError(f"{where}: {msg}" if where else msg, 400, where).body(), status_code=400)
 
-    @app.get("/metrics")
-    async def metrics():
-        return Response(service.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def prepare(body: _Common, prompt_ids: list[int], max_tokens: int | None):
-        extra = body.model_extra or {}
-        for field, defaults in UNSUPPORTED.items():
-            if field in extra and not any(extra[field] == d and type(extra[field]) is type(d) for d in defaults):
-                raise APIError(f"{field} is not supported by dflash-trt", 400, field)
-        unknown = sorted(k for k in extra if k not in UNSUPPORTED)
-        if unknown:
-            log.info("ignoring unsupported request fields: %s", ", ".join(unknown))
+async def _health():
+    return Response(status_code=200)
+
+
+def _finish_reason(fin: Finished) -> str:
+    return "length" if fin.reason == "length" else "stop"
+
+
+def _completion_prompt(body: CompletionRequest):
+    """The one prompt of a completion request: text or token ids.
+
+    Raises:
+        APIError: several prompts, an empty one, text that is not valid Unicode.
+    """
+    p = body.prompt
+    if isinstance(p, list) and p and isinstance(p[0], str):
+        if len(p) != 1:
+            raise APIError("a list of several prompts is not supported: send one prompt per request", 400, "prompt")
+        p = p[0]
+    if not p:
+        raise APIError("prompt must not be empty", 400, "prompt")
+    _check_text(p, "prompt")
+    return p
+
+
+def _chat_messages(body: ChatRequest) -> list[dict]:
+    """The conversation as ``{"role", "content"}`` dicts (text parts joined, ``developer`` as
+    ``system``).
+
+    Raises:
+        APIError: no messages, a part that is not text, text that is not valid Unicode.
+    """
+    if not body.messages:
+        raise APIError("messages must not be empty", 400, "messages")
+    messages = []
+    for m in body.messages:
+        content = m.content
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if any(part.get("type") != "text" for part in content):
+                raise APIError("only text content parts are supported", 400, "messages")
+            content = "".join(part.get("text", "") for part in content)
+        _check_text(content, "messages")
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    return messages
+
+
+def _check_unsupported(body: _Common) -> None:
+    """400 for a field set to a value we do not implement; unknown fields are logged."""
+    extra = body.model_extra or {}
+    for field, defaults in UNSUPPORTED.items():
+        if field in extra and not any(extra[field] == d and type(extra[field]) is type(d) for d in defaults):
+            raise APIError(f"{field} is not supported by dflash-trt", 400, field)
+    unknown = sorted(k for k in extra if k not in UNSUPPORTED)
+    if unknown:
+        log.info("ignoring unsupported request fields: %s", ", ".join(unknown))
+
+
+class _OpenAI:
+    """The routes of one served model (``service``)."""
+
+    def __init__(self, service: EngineService):
+        self.service, self.name = service, service.model_name
+
+    async def models(self):
+        s = self.service
+        card = {"id": self.name, "object": "model", "created": 0, "owned_by": "dflash-trt"}
+        return {"object": "list", "data": [card | {"max_model_len": s.max_model_len}]}
+
+    async def metrics(self):
+        return Response(self.service.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def prepare(self, body: _Common, prompt_ids: list[int], max_tokens: int | None):
+        """The engine request and stop strings of a checked body.
+
+        Raises:
+            APIError: 400 (a bad field), 404 (another model), 503 (the waiting queue is full).
+        """
+        _check_unsupported(body)
         _check_text(body.stop, "stop")
-        if body.model is not None and body.model != name:
+        if body.model is not None and body.model != self.name:
             raise APIError(f"The model `{body.model}` does not exist.", 404, "model", "NotFoundError")
         if body.n != 1:
             raise APIError(f"n = {body.n} is not supported: dflash-trt returns one choice per request", 400, "n")
         if max_tokens is None:
-            max_tokens = service.max_model_len - len(prompt_ids)
+            max_tokens = self.service.max_model_len - len(prompt_ids)
         try:
             sampling = SamplingParams(body.temperature, body.top_p, body.top_k, body.seed)
-            req = service.request(prompt_ids, max_tokens, sampling, body.ignore_eos, body.stop_token_ids)
+            req = self.service.request(prompt_ids, max_tokens, sampling, body.ignore_eos, body.stop_token_ids)
         except QueueFull as e:
             raise APIError(str(e), 503, None, "ServiceUnavailableError", {"Retry-After": "1"}) from None
         except DFlashError as e:
@@ -289,13 +346,18 @@ def build_app(
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         return req, stop
 
-    async def run(http: Request, req, stop, chat: bool, body: _Common):
-        """Non-streaming: the whole answer (the request is aborted if the client leaves)."""
+    async def run(self, http: Request, req, stop):
+        """Non-streaming: the whole answer ``(text, Finished)``, or a 499 response when the
+        client left (the request is aborted then).
+
+        Raises:
+            APIError: 500 when the engine failed on this request.
+        """
         text, fin = [], None
 
         async def collect():
             nonlocal fin
-            async for ev in service.stream(req, stop):
+            async for ev in self.service.stream(req, stop):
                 if isinstance(ev, Delta):
                     text.append(ev.text)
                 else:
@@ -314,22 +376,11 @@ def build_app(
             raise _engine_failed()
         return "".join(text), fin
 
-    def reason(fin: Finished) -> str:
-        return "length" if fin.reason == "length" else "stop"
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: Request):
-        p = body.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str):
-            if len(p) != 1:
-                raise APIError("a list of several prompts is not supported: send one prompt per request", 400, "prompt")
-            p = p[0]
-        if not p:
-            raise APIError("prompt must not be empty", 400, "prompt")
-        _check_text(p, "prompt")
-        prompt_ids = service.tokenizer.encode(p) if isinstance(p, str) else list(p)
-        req, stop = prepare(body, prompt_ids, body.max_tokens)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    async def completions(self, body: CompletionRequest, http: Request):
+        p = _completion_prompt(body)
+        prompt_ids = self.service.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        req, stop = self.prepare(body, prompt_ids, body.max_tokens)
+        rid, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.name
         head = p if body.echo and isinstance(p, str) else ""
 
         def chunk(text: str, finish: str | None, usage: dict | None = None) -> dict:
@@ -337,36 +388,24 @@ def build_app(
             return _envelope(rid, "text_completion", created, name, choice, usage)
 
         if body.stream:
-            return _EngineStream(
-                _stream(service, req, stop, body, chunk, head, len(prompt_ids), None), media_type="text/event-stream"
-            )
-        got = await run(http, req, stop, False, body)
+            events = _stream(self.service, req, stop, body, chunk, head, len(prompt_ids), None)
+            return _EngineStream(events, media_type="text/event-stream")
+        got = await self.run(http, req, stop)
         if isinstance(got, Response):
             return got
         text, fin = got
-        return chunk(head + text, reason(fin), _usage(len(prompt_ids), fin.completion_tokens))
+        return chunk(head + text, _finish_reason(fin), _usage(len(prompt_ids), fin.completion_tokens))
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, http: Request):
+    async def chat(self, body: ChatRequest, http: Request):
         from ..prompts import chat_prompt_ids
 
-        if not body.messages:
-            raise APIError("messages must not be empty", 400, "messages")
-        messages = []
-        for m in body.messages:
-            content = m.content
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                if any(part.get("type") != "text" for part in content):
-                    raise APIError("only text content parts are supported", 400, "messages")
-                content = "".join(part.get("text", "") for part in content)
-            _check_text(content, "messages")
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        messages = _chat_messages(body)
         try:
-            prompt_ids = chat_prompt_ids(service.tokenizer, messages)
+            prompt_ids = chat_prompt_ids(self.service.tokenizer, messages)
         except DFlashError as e:
             raise APIError(str(e), 400, "messages") from None
-        req, stop = prepare(body, prompt_ids, body.max_completion_tokens or body.max_tokens)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        req, stop = self.prepare(body, prompt_ids, body.max_completion_tokens or body.max_tokens)
+        rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.name
 
         def chunk(text: str, finish: str | None, usage: dict | None = None, first: bool = False) -> dict:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
@@ -374,31 +413,22 @@ def build_app(
             return _envelope(rid, "chat.completion.chunk", created, name, choice, usage)
 
         if body.stream:
-            first = chunk("", None, first=True)
-            return _EngineStream(
-                _stream(service, req, stop, body, chunk, "", len(prompt_ids), first), media_type="text/event-stream"
-            )
-        got = await run(http, req, stop, True, body)
+            events = _stream(self.service, req, stop, body, chunk, "", len(prompt_ids), chunk("", None, first=True))
+            return _EngineStream(events, media_type="text/event-stream")
+        got = await self.run(http, req, stop)
         if isinstance(got, Response):
             return got
         text, fin = got
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish_reason(fin)}
         return {
             "id": rid,
             "object": "chat.completion",
             "created": created,
             "model": name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": reason(fin),
-                }
-            ],
+            "choices": [choice],
             "usage": _usage(len(prompt_ids), fin.completion_tokens),
         }
-
-    return app
 
 
 async def _stream(
