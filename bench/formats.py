@@ -42,7 +42,7 @@ def build_formats(args) -> dict:
     ``(target, drafter, weight relative L2 error, build seconds)``."""
     from dflash_trt.builder.builder import build_engine
     from dflash_trt.builder.config import BuildConfig
-    from dflash_trt.checkpoints.engine import load_engine
+    from dflash_trt.checkpoints.engine_dir import load_engine
     from dflash_trt.checkpoints.loader import load_pair
 
     target, drafter = load_pair(None, None, torch.float32)

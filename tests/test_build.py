@@ -21,7 +21,7 @@ from helpers import generate
 from safetensors.torch import load_file
 
 from dflash_trt.builder.config import BuildConfig
-from dflash_trt.checkpoints import trtllm as L
+from dflash_trt.checkpoints import trtllm
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.config import TargetConfig
 from dflash_trt.quantization.fp8 import dequantize_fp8, quantize_fp8
@@ -162,17 +162,17 @@ def test_shard_round_trip(tp):
     q, k, v = 12 * 16, 4 * 16 if tp != 3 else 3 * 16, 4 * 16 if tp != 3 else 3 * 16
     qkv = torch.randn(q + k + v, 96, generator=g)
     for split, t, extra in (
-        (L.QKV, qkv, (q, k, v)),
-        (L.COLUMN, torch.randn(48, 96, generator=g), None),
-        (L.ROW, torch.randn(96, 96, generator=g), None),
-        (L.VOCAB, torch.randn(101, 32, generator=g), None),
+        (trtllm.QKV, qkv, (q, k, v)),
+        (trtllm.COLUMN, torch.randn(48, 96, generator=g), None),
+        (trtllm.ROW, torch.randn(96, 96, generator=g), None),
+        (trtllm.VOCAB, torch.randn(101, 32, generator=g), None),
     ):
-        parts = [L.shard(t, split, tp, r, extra) for r in range(tp)]
+        parts = [trtllm.shard(t, split, tp, r, extra) for r in range(tp)]
         assert len({p.shape for p in parts}) == 1
-        assert torch.equal(L.unshard(parts, split, extra, rows=t.shape[0]), t)
+        assert torch.equal(trtllm.unshard(parts, split, extra, rows=t.shape[0]), t)
     if tp > 1:
         with pytest.raises(DFlashError, match="does not divide"):
-            L.check_tp(TargetConfig("llama", 49152, 576, 1536, 30, 9, 3, 64), 2, "target")
+            trtllm.check_tp(TargetConfig("llama", 49152, 576, 1536, 30, 9, 3, 64), 2, "target")
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,7 +205,7 @@ def test_engine_directory_layout(built, smollm2):
     out, bc = built
     m = json.loads((out / "engine.json").read_text())
     assert m["tp_size"] == 3 and m["memory_plan"]["kv_token_capacity"] > 0
-    from dflash_trt.checkpoints.engine import engine_files_ok
+    from dflash_trt.checkpoints.engine_dir import engine_files_ok
 
     assert engine_files_ok(out) == [] and len(m["files"]) >= 14
     cfg = json.loads((out / "target" / "config.json").read_text())
@@ -278,17 +278,17 @@ def test_tp_shards_reassemble_to_modelopt_quantization(built, smollm2):
     tc = smollm2.model.cfg
     ranks = [load_file(str(out / "target" / f"rank{r}.safetensors")) for r in range(3)]
     sd = smollm2.model.state_dict()
-    qkv = L.qkv_sizes(tc.num_heads, tc.num_kv_heads, tc.head_dim)
+    qkv = trtllm.qkv_sizes(tc.num_heads, tc.num_kv_heads, tc.head_dim)
     for i in (0, tc.num_layers - 1):
         for name, src, rows, split in (
-            ("attention.qkv", f"layers.{i}.attn.qkv.weight", None, L.QKV),
-            ("attention.dense", f"layers.{i}.attn.o.weight", None, L.ROW),
-            ("mlp.gate", f"layers.{i}.mlp.gate_up.weight", (tc.intermediate_size, None), L.COLUMN),
-            ("mlp.proj", f"layers.{i}.mlp.down.weight", None, L.ROW),
+            ("attention.qkv", f"layers.{i}.attn.qkv.weight", None, trtllm.QKV),
+            ("attention.dense", f"layers.{i}.attn.o.weight", None, trtllm.ROW),
+            ("mlp.gate", f"layers.{i}.mlp.gate_up.weight", (tc.intermediate_size, None), trtllm.COLUMN),
+            ("mlp.proj", f"layers.{i}.mlp.down.weight", None, trtllm.ROW),
         ):
             key = f"transformer.layers.{i}.{name}"
-            packed = L.unshard([r[key + ".weight"] for r in ranks], split, qkv)
-            bs = L.unshard([r[key + ".weights_scaling_factor"] for r in ranks], split, qkv)
+            packed = trtllm.unshard([r[key + ".weight"] for r in ranks], split, qkv)
+            bs = trtllm.unshard([r[key + ".weights_scaling_factor"] for r in ranks], split, qkv)
             s2 = ranks[0][key + ".weights_scaling_factor_2"]
             assert all(torch.equal(r[key + ".weights_scaling_factor_2"], s2) for r in ranks)
             full = sd[src].float()
@@ -301,7 +301,7 @@ def test_tp_shards_reassemble_to_modelopt_quantization(built, smollm2):
             assert torch.equal(packed, ref), key
             assert torch.equal(bs.view(torch.uint8), ref_bs.view(torch.uint8)), key
             assert torch.equal(s2.reshape(()), ref_s2.float()), key
-    emb = L.unshard([r["transformer.vocab_embedding.weight"] for r in ranks], L.VOCAB, rows=tc.vocab_size)
+    emb = trtllm.unshard([r["transformer.vocab_embedding.weight"] for r in ranks], trtllm.VOCAB, rows=tc.vocab_size)
     assert torch.equal(emb, sd["embed.weight"])
 
 
@@ -309,7 +309,7 @@ def test_tp_engine_loads_on_every_rank(built, smollm2):
     """Every rank of the NVFP4 TP-3 engine loads its target shard and the same drafter; the fp8
     KV cache's per-tensor ``kv_cache_scaling_factor`` in each rank file is not a weight's scale
     (reassembling the drafter from its rank files once raised KeyError on it)."""
-    from dflash_trt.checkpoints.engine import load_engine
+    from dflash_trt.checkpoints.engine_dir import load_engine
 
     out, _ = built
     tc = smollm2.model.cfg
@@ -357,7 +357,7 @@ def test_fp8_engine_runs_in_the_runtime(tmp_path, smollm2):
     originals, and greedy DFlash on it equals plain decoding on the same engine."""
     pytest.importorskip("modelopt")
     from dflash_trt.builder.builder import build_engine
-    from dflash_trt.checkpoints.engine import load_engine
+    from dflash_trt.checkpoints.engine_dir import load_engine
     from dflash_trt.runtime.request import Request
     from dflash_trt.runtime.sampling import SamplingParams
 

@@ -231,7 +231,7 @@ def test_builder_engine_round_trip(tmp_path, smollm2, fmt):
 
     from dflash_trt.builder.builder import build_engine
     from dflash_trt.builder.config import BuildConfig
-    from dflash_trt.checkpoints.engine import load_engine, load_models, read_manifest
+    from dflash_trt.checkpoints.engine_dir import load_engine, load_models, read_manifest
     from dflash_trt.models.target import TargetModel
     from dflash_trt.quantization.int4 import quantize_int4
     from dflash_trt.quantization.packed import quantize_linears

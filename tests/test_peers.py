@@ -142,7 +142,7 @@ def test_interleaved_llama_cpp_crash_keeps_the_bench(tmp_path, monkeypatch):
     answers the first prompts (its warm-up and prompt 0: a fixed token sequence) and dies of
     SIGSEGV on the next one, as native code does: the benchmark finishes with its own figures
     and reports the peer's crash in one line."""
-    from dflash_trt.bench.runner import BenchConfig, run_bench
+    from dflash_trt.bench.batch1 import BenchConfig, run_bench
     from dflash_trt.engine_args import EngineArgs
 
     fake = tmp_path / "llama_cpp"

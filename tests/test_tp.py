@@ -142,7 +142,7 @@ def test_tp3_engine_rank_files(tmp_path, smollm2, prompts):
     engine_dir = tmp_path / "tp3"
     bc = BuildConfig.load(root / "build_configs" / "cpu-fp32.yaml", {"tp_size": 3})
     build_engine(bc, None, None, engine_dir, progress=False, log=lambda *a: None)
-    from dflash_trt.checkpoints.engine import load_engine
+    from dflash_trt.checkpoints.engine_dir import load_engine
 
     with pytest.raises(DFlashError, match="has tp_size 3: run it as 3 ranks"):
         load_engine(engine_dir)  # one process cannot run a 3-rank engine

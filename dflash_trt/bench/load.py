@@ -28,7 +28,7 @@ first arrival to the last finish; ``ttft_*`` from release to first token; ``tpot
 controller also carry its cost model and acceptance estimates after the run, ``controller``).
 Each engine serves one untimed warm-up request first. Greedy runs also compare the dflash
 outputs with the ar outputs request by request (``lossless``; ``divergences`` give the first
-differing token and the target's top-2 logit margin there, as in ``bench/runner.py``: a margin
+differing token and the target's top-2 logit margin there, as in ``bench/batch1.py``: a margin
 near the dtype's resolution is a numerical tie between differently shaped GEMMs, not a
 lossless-ness bug).
 """
@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from ..atomic import write_json
-from ..checkpoints.engine import kv_capacity
+from ..checkpoints.engine_dir import kv_capacity
 from ..engine_args import EngineArgs
 from ..errors import ConfigError, DFlashError
 from ..models.prefill import first_divergence, top2_margin
@@ -55,7 +55,7 @@ from ..runtime.engine import LLMEngine
 from ..runtime.engine_factory import create_engine, load_models, speculative_off
 from ..runtime.request import LoopStats, Request
 from ..runtime.sampling import SamplingParams
-from .runner import BenchConfig, device_name
+from .batch1 import BenchConfig, device_name
 
 MODES = ("dflash", "ar")
 
@@ -114,7 +114,7 @@ class LoadConfig(BenchConfig):
 
 
 def kv_capacity_for(cfg: LoadConfig) -> tuple[int, str]:
-    """``(KV capacity in tokens, where it came from)`` (:func:`~dflash_trt.checkpoints.engine.kv_capacity`)."""
+    """``(KV capacity in tokens, where it came from)`` (:func:`~dflash_trt.checkpoints.engine_dir.kv_capacity`)."""
     return kv_capacity(cfg.engine_args.engine, cfg.engine_args.kv_capacity)
 
 

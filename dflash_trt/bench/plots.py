@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def plot_bench(result: dict, out: str | Path) -> Path:
-    """Write a two-panel PNG for a :func:`dflash_trt.bench.runner.run_bench` result.
+    """Write a two-panel PNG for a :func:`dflash_trt.bench.batch1.run_bench` result.
 
     Left: output tokens/s of plain decoding, DFlash, DFlash + prompt lookup (when the result has
     it) and each peer. Right: P(draft position k accepted | position k reached) for

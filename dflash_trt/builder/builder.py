@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from ..atomic import atomic_dir, write_json
-from ..checkpoints import trtllm as L
-from ..checkpoints.engine import ENGINE_FORMAT, ENGINE_VERSION
+from ..checkpoints import trtllm
+from ..checkpoints.engine_dir import ENGINE_FORMAT, ENGINE_VERSION
 from ..checkpoints.loader import LoadedTarget, dtype_name
 from ..checkpoints.sources import sha256_file
 from ..errors import DFlashError
@@ -48,7 +48,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 
 def quantize_model(
     sd: dict[str, torch.Tensor],
-    specs: list[L.TensorSpec],
+    specs: list[trtllm.TensorSpec],
     fmt: str,
     amax: dict[str, float],
     progress: bool = False,
@@ -80,23 +80,23 @@ def quantize_model(
             if missing:
                 raise DFlashError(f"no calibrated activation range for {missing[0]}")
             act_amax = max(amax[m] for m in mods)
-        out[s.source] = wf.quantize(L.gather_source(sd, s.source).float(), act_amax, group_size)
+        out[s.source] = wf.quantize(trtllm.gather_source(sd, s.source).float(), act_amax, group_size)
     return out
 
 
 def linear_tensors(
-    spec: L.TensorSpec, sd: dict[str, torch.Tensor], qlin: dict[str, QuantizedLinear], dtype: torch.dtype
+    spec: trtllm.TensorSpec, sd: dict[str, torch.Tensor], qlin: dict[str, QuantizedLinear], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """``{suffix: tensor}`` of one spec over its full range: ``{"": weight}`` unquantized, or
     the quantized tensors (``weight``, scales)."""
     if spec.source in qlin:
         q = qlin[spec.source]
         return linear_rows(q, *spec.rows) if spec.rows else q
-    return {"": L.gather(sd, spec).to(dtype)}
+    return {"": trtllm.gather(sd, spec).to(dtype)}
 
 
 def rank_tensors(
-    specs: list[L.TensorSpec],
+    specs: list[trtllm.TensorSpec],
     sd: dict[str, torch.Tensor],
     qlin: dict[str, QuantizedLinear],
     dtype: torch.dtype,
@@ -110,11 +110,11 @@ def rank_tensors(
         base = s.name[: -len(".weight")] if s.name.endswith(".weight") else s.name
         for suffix, t in linear_tensors(s, sd, qlin, dtype).items():
             if suffix == "":
-                out[s.name] = L.shard(t, s.split, tp, rank, qkv)
+                out[s.name] = trtllm.shard(t, s.split, tp, rank, qkv)
             elif suffix == "weight":
-                out[s.name] = L.shard(t, s.split, tp, rank, qkv, col_unit=2 if t.dtype == torch.uint8 else 1)
+                out[s.name] = trtllm.shard(t, s.split, tp, rank, qkv, col_unit=2 if t.dtype == torch.uint8 else 1)
             elif t.dim() == 2:  # NVFP4 block scales (int4 / int8 scales: tp 1) follow the weight's rows
-                out[f"{base}.{suffix}"] = L.shard(t, s.split, tp, rank, qkv, col_unit=16)
+                out[f"{base}.{suffix}"] = trtllm.shard(t, s.split, tp, rank, qkv, col_unit=16)
             else:
                 out[f"{base}.{suffix}"] = t.clone()
     return out
@@ -206,7 +206,7 @@ def quant_algos(fmt: str, kv: str, exclude: list[str] | None, group_size: int = 
 
 
 def hf_tensors(
-    specs: list[L.TensorSpec], sd: dict[str, torch.Tensor], qlin: dict[str, QuantizedLinear], dtype: torch.dtype
+    specs: list[trtllm.TensorSpec], sd: dict[str, torch.Tensor], qlin: dict[str, QuantizedLinear], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """Unified-HF tensors: ``x.weight`` (+ ``x.weight_scale``, ``x.weight_scale_2``, ``x.input_scale``, 0-d)."""
     out = {}
@@ -366,8 +366,8 @@ class EngineContents:
     drafter: DFlashDrafter
     tsd: dict[str, torch.Tensor]
     dsd: dict[str, torch.Tensor]
-    tspecs: list[L.TensorSpec]
-    dspecs: list[L.TensorSpec]
+    tspecs: list[trtllm.TensorSpec]
+    dspecs: list[trtllm.TensorSpec]
     tq: dict[str, QuantizedLinear]
     dq: dict[str, QuantizedLinear]
     dtype: torch.dtype
@@ -418,7 +418,7 @@ def build_engine(
 
     tsd = {k: v.detach() for k, v in target.model.state_dict().items()}
     dsd = {k: v.detach() for k, v in drafter.state_dict().items()}
-    tspecs, dspecs = L.target_specs(tcfg), L.drafter_specs(dcfg)
+    tspecs, dspecs = trtllm.target_specs(tcfg), trtllm.drafter_specs(dcfg)
     tq: dict[str, QuantizedLinear] = {}
     dq: dict[str, QuantizedLinear] = {}
     if bc.target_quant != "none" or bc.drafter_quant != "none":
@@ -455,8 +455,8 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
 
     bc, target, drafter, dtype = c.bc, c.target, c.drafter, c.dtype
     tcfg, dcfg = target.model.cfg, drafter.cfg
-    t_qkv = L.qkv_sizes(tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
-    d_qkv = L.qkv_sizes(dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim)
+    t_qkv = trtllm.qkv_sizes(tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
+    d_qkv = trtllm.qkv_sizes(dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim)
     write_json(tmp / "target" / "config.json", target_trtllm_config(tcfg, bc))
     write_json(tmp / "drafter" / "config.json", drafter_trtllm_config(dcfg, bc))
     kv_scale = bc.kv_cache_dtype == "fp8"
@@ -483,7 +483,7 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
     _write_hf(
         tmp / "hf" / "target",
         hf_cfg,
-        hf_tensors(L.hf_target_specs(tcfg), c.tsd, c.tq, dtype),
+        hf_tensors(trtllm.hf_target_specs(tcfg), c.tsd, c.tq, dtype),
         bc.target_quant,
         bc.kv_cache_dtype,
         ["model.embed_tokens"] + ([] if bc.head_quant != "none" else ["lm_head"]),
@@ -495,7 +495,7 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
     _write_hf(
         tmp / "hf" / "drafter",
         drafter_config_to_json(dcfg),
-        hf_tensors(L.hf_drafter_specs(dcfg), c.dsd, c.dq, dtype) | d2t,
+        hf_tensors(trtllm.hf_drafter_specs(dcfg), c.dsd, c.dq, dtype) | d2t,
         bc.drafter_quant,
         bc.kv_cache_dtype,
         [],

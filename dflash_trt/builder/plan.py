@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..checkpoints import trtllm as L
+from ..checkpoints import trtllm
 from ..checkpoints.loader import dtype_bytes
 from ..errors import DFlashError
 from ..models.config import DrafterConfig, TargetConfig
@@ -46,18 +46,18 @@ def _tensor_bytes(shape: tuple[int, ...], fmt: str, dtype_bytes: int, linear: bo
     return n / 2 + n / 16 + 8  # packed e2m1 + e4m3 block scales + global scales
 
 
-def _rank_shape(spec: L.TensorSpec, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    if spec.split == L.REPLICATE:
+def _rank_shape(spec: trtllm.TensorSpec, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    if spec.split == trtllm.REPLICATE:
         return shape
-    if spec.split == L.VOCAB:
-        return (L.padded_vocab(shape[0], tp) // tp, *shape[1:])
-    if spec.split == L.ROW:
+    if spec.split == trtllm.VOCAB:
+        return (trtllm.padded_vocab(shape[0], tp) // tp, *shape[1:])
+    if spec.split == trtllm.ROW:
         return (shape[0], shape[1] // tp)
     return (shape[0] // tp, *shape[1:])  # column, qkv
 
 
 def weight_bytes(
-    specs: list[L.TensorSpec], shapes: dict[str, tuple[int, ...]], fmt: str, dtype_bytes: int, tp: int
+    specs: list[trtllm.TensorSpec], shapes: dict[str, tuple[int, ...]], fmt: str, dtype_bytes: int, tp: int
 ) -> float:
     """Bytes of one rank's tensors (``shapes``: full shape per spec name)."""
     total = 0.0
@@ -66,7 +66,7 @@ def weight_bytes(
     return total
 
 
-def spec_shapes(specs: list[L.TensorSpec], model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+def spec_shapes(specs: list[trtllm.TensorSpec], model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """Full shapes of ``specs`` from a model built on the meta device (no weights needed)."""
     sd = model.state_dict()
     out = {}
@@ -151,23 +151,23 @@ def memory_plan(bc: BuildConfig, tcfg: TargetConfig, dcfg: DrafterConfig | None)
     from ..models.target import TargetModel
 
     tp = bc.tp_size
-    L.check_tp(tcfg, tp, "target")
+    trtllm.check_tp(tcfg, tp, "target")
     act = dtype_bytes(bc.dtype)
     kvb = dtype_bytes(bc.kv_dtype)
     with torch.device("meta"):
         tmodel = TargetModel(tcfg)
-        tspecs = L.target_specs(tcfg)
+        tspecs = trtllm.target_specs(tcfg)
         tw = weight_bytes(tspecs, spec_shapes(tspecs, tmodel), bc.target_quant, act, tp)
         dw, dkv = 0.0, 0.0
         if dcfg is not None:
-            L.check_tp(dcfg, tp, "drafter")
-            dspecs = L.drafter_specs(dcfg)
+            trtllm.check_tp(dcfg, tp, "drafter")
+            dspecs = trtllm.drafter_specs(dcfg)
             dw = weight_bytes(dspecs, spec_shapes(dspecs, DFlashDrafter(dcfg)), bc.drafter_quant, act, tp)
             dkv = 2 * dcfg.num_layers * (dcfg.num_kv_heads // tp) * dcfg.head_dim * kvb
     tkv = 2 * tcfg.num_layers * (tcfg.num_kv_heads // tp) * tcfg.head_dim * kvb
-    q, k, v = L.qkv_sizes(tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
+    q, k, v = trtllm.qkv_sizes(tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
     per_token = ((q + k + v) // tp + q // tp + 2 * tcfg.intermediate_size // tp + 2 * tcfg.hidden_size) * act * 2
-    logits = bc.max_batch_size * bc.block_size * (L.padded_vocab(tcfg.vocab_size, tp) // tp) * 4
+    logits = bc.max_batch_size * bc.block_size * (trtllm.padded_vocab(tcfg.vocab_size, tp) // tp) * 4
     work = bc.max_num_tokens * per_token + logits
     free = bc.memory_bytes - tw - dw - work
     cap = max(0, int(free // (tkv + dkv))) if free > 0 else 0

@@ -59,7 +59,7 @@ def auto_dtype(engine: str | None = None, weights: str | None = None, target: st
         DFlashError: an unreadable engine manifest or target config.
     """
     if engine:
-        from .engine import read_manifest
+        from .engine_dir import read_manifest
 
         return read_manifest(engine).get("dtype", "fp32")
     if weights:

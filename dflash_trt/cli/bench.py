@@ -68,7 +68,7 @@ def _rate(text: str | None) -> float | None:
 
 
 def _settings(args) -> dict:
-    """The :class:`~dflash_trt.bench.runner.BenchConfig` fields both bench modes take."""
+    """The :class:`~dflash_trt.bench.batch1.BenchConfig` fields both bench modes take."""
     return dict(
         dataset=args.dataset,
         num_prompts=args.num_prompts,
@@ -89,7 +89,7 @@ def run(args) -> None:
     ]
     if given:
         raise DFlashError(f"{', '.join(given)}: load benchmark flag(s); add --concurrency")
-    from ..bench.runner import BenchConfig, format_table, run_bench
+    from ..bench.batch1 import BenchConfig, format_table, run_bench
 
     cfg = BenchConfig(
         engine_args=EngineArgs.from_cli_args(args),

@@ -46,7 +46,7 @@ all-reduces) is already present everywhere. Rank 0's draft tokens are broadcast
 Weights: from a tp 1 checkpoint or engine each rank loads everything and slices it
 (:func:`shard_target`; uneven splits allowed). An engine directory built with
 ``dflash-trt build --tp N`` (TensorRT-LLM layout, even splits, vocab padded) runs as N ranks,
-rank r reading only ``target/rank{r}.safetensors`` (``checkpoints.engine.load_engine``);
+rank r reading only ``target/rank{r}.safetensors`` (``checkpoints.engine_dir.load_engine``);
 :func:`attach_engine_shard` gathers its vocab-split embedding once into the replicated one.
 
 Numerics: the row-parallel outputs are summed over ranks in another order than one GEMM sums

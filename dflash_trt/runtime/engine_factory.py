@@ -70,7 +70,7 @@ def load_models(config: EngineConfig, rank: int = 0, world_size: int = 1) -> Loa
         DFlashError: missing or corrupt checkpoints, a drafter that does not fit the target,
             weights or dtypes the device cannot run.
     """
-    from ..checkpoints.engine import load_models as load_checkpoints
+    from ..checkpoints.engine_dir import load_models as load_checkpoints
     from ..checkpoints.loader import parse_device, parse_dtype
     from .cuda_graphs import check_cuda_graphs
 
@@ -95,14 +95,14 @@ def load_models(config: EngineConfig, rank: int = 0, world_size: int = 1) -> Loa
 
 def resolve(config: EngineConfig, drafter: DFlashDrafter | None) -> EngineConfig:
     """``config`` with what it leaves open decided: the KV capacity
-    (:func:`~dflash_trt.checkpoints.engine.kv_capacity`: an engine directory's memory plan,
+    (:func:`~dflash_trt.checkpoints.engine_dir.kv_capacity`: an engine directory's memory plan,
     capped, else the default) and the block size (the drafter's, or 1 without one).
 
     Raises:
         ConfigError: a block size the drafter cannot serve.
         DFlashError: an unreadable engine manifest.
     """
-    from ..checkpoints.engine import kv_capacity
+    from ..checkpoints.engine_dir import kv_capacity
     from .engine import check_block_size
 
     cap, _ = kv_capacity(config.model.engine_dir, config.cache.kv_capacity)

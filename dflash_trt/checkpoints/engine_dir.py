@@ -20,7 +20,7 @@ from ..models.config import TargetConfig
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
 from ..quantization.common import replace_module, stored_format
-from . import trtllm as L
+from . import trtllm
 from .loader import LoadedTarget, parse_dtype, with_tokenizer
 from .sources import load_safetensors_file, read_json, sha256_file
 from .zlab import check_d2t, drafter_config_from_json
@@ -80,7 +80,7 @@ def dequantized(tensors: dict[str, torch.Tensor], name: str, dtype: torch.dtype)
 
 
 def state_dict_from_rank(
-    specs: list[L.TensorSpec], tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor], dtype: torch.dtype
+    specs: list[trtllm.TensorSpec], tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """Our state dict (keys and shapes of ``own``) from one full rank's tensors (tp_size 1)."""
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
@@ -88,7 +88,7 @@ def state_dict_from_rank(
         if s.name not in tensors:
             raise DFlashError(f"engine rank file lacks {s.name}")
         t = dequantized(tensors, s.name, dtype)
-        if s.split == L.VOCAB:
+        if s.split == trtllm.VOCAB:
             t = t[: own[s.source].shape[0]]
         pieces.setdefault(s.source, []).append((s.rows[0] if s.rows else 0, t))
     out = {}
@@ -104,7 +104,7 @@ def state_dict_from_rank(
 
 
 def quantized_modules(
-    model: torch.nn.Module, specs: list[L.TensorSpec], tensors: dict[str, torch.Tensor], formats: tuple[str, ...]
+    model: torch.nn.Module, specs: list[trtllm.TensorSpec], tensors: dict[str, torch.Tensor], formats: tuple[str, ...]
 ) -> int:
     """Swap every linear whose engine weight is stored in one of ``formats`` for that format's
     run-time linear over the engine's own bytes (:attr:`WeightFormat.runtime_linears`: FP8 GEMMs,
@@ -140,7 +140,7 @@ def quantized_modules(
 
 
 def unshard_rank_files(
-    specs: list[L.TensorSpec], ranks: list[dict[str, torch.Tensor]], qkv: tuple[int, int, int]
+    specs: list[trtllm.TensorSpec], ranks: list[dict[str, torch.Tensor]], qkv: tuple[int, int, int]
 ) -> dict[str, torch.Tensor]:
     """One tp_size-1 tensor dict from every rank's tensors (inverse of the builder's sharding):
     weights, biases and NVFP4 block scales are reassembled by their spec's split, per-tensor
@@ -156,7 +156,7 @@ def unshard_rank_files(
             continue
         if sp is None:  # a per-row scale tensor: "<base>.<suffix>"
             sp = by_base[name.rsplit(".", 1)[0]]
-        out[name] = L.unshard(parts, sp.split, qkv)
+        out[name] = trtllm.unshard(parts, sp.split, qkv)
     return out
 
 
@@ -232,7 +232,7 @@ def _load_target(d: Path, tp: int, rank: int, dtype: torch.dtype, formats: tuple
     as their format's run-time linears (see :func:`load_engine`)."""
     tcfg = TargetConfig.from_hf(_hf_config(d, "target"))
     tt = load_safetensors_file(d / "target" / f"rank{rank if tp > 1 else 0}.safetensors", "engine target")
-    specs = L.target_specs(tcfg)
+    specs = trtllm.target_specs(tcfg)
     if tp == 1:
         model = TargetModel(tcfg)
         sd = state_dict_from_rank(specs, tt, model.state_dict(), dtype)
@@ -248,7 +248,7 @@ def _load_target(d: Path, tp: int, rank: int, dtype: torch.dtype, formats: tuple
         model = TargetModel(local)
         head = dequantized(tt, "lm_head.weight", dtype)
         model.lm_head = torch.nn.Linear(tcfg.hidden_size, head.shape[0], bias=False)  # unties a tied head
-        sd = state_dict_from_rank([sp for sp in specs if sp.split != L.VOCAB], tt, model.state_dict(), dtype)
+        sd = state_dict_from_rank([sp for sp in specs if sp.split != trtllm.VOCAB], tt, model.state_dict(), dtype)
         sd["lm_head.weight"] = head
         sd["embed.weight"] = torch.zeros_like(model.embed.weight, dtype=dtype)  # gathered by the runtime
         model.engine_shard = EngineShard(rank, tp, dequantized(tt, "transformer.vocab_embedding.weight", dtype))
@@ -262,14 +262,14 @@ def _load_drafter(d: Path, tp: int, dtype: torch.dtype, formats: tuple[str, ...]
     """The drafter, reassembled from every rank file (it runs replicated), in ``dtype``, linears
     of ``formats`` run as their format's run-time linears."""
     dcfg = drafter_config_from_json(_hf_config(d, "drafter"))
-    dspecs = L.drafter_specs(dcfg)
+    dspecs = trtllm.drafter_specs(dcfg)
     dt = [load_safetensors_file(d / "drafter" / f"rank{r}.safetensors", "engine drafter") for r in range(tp)]
     d2t = dt[0].get("d2t")  # replicated in every rank file, not sharded: set apart
     dt = [{k: v for k, v in r.items() if k != "d2t"} for r in dt]
     dt = (
         dt[0]
         if tp == 1
-        else unshard_rank_files(dspecs, dt, L.qkv_sizes(dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim))
+        else unshard_rank_files(dspecs, dt, trtllm.qkv_sizes(dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim))
     )
     drafter = DFlashDrafter(dcfg)
     dsd = state_dict_from_rank(dspecs, dt, drafter.state_dict(), dtype)
