@@ -15,6 +15,11 @@ from .sequence import TokenCallback
 log = logging.getLogger("dflash_trt.runtime")
 
 
+class StopStream(Exception):
+    """Thrown into :meth:`AsyncLLM.stream` to end its request as stopped (``finish_reason``
+    ``stop``), not aborted."""
+
+
 class AsyncLLM:
     """Streams requests through an :class:`LLMEngine` stepped on a background thread.
 
@@ -47,7 +52,9 @@ class AsyncLLM:
 
     async def stream(self, request: Request) -> AsyncIterator[list[int] | RequestResult]:
         """Each batch of committed tokens as a list, then the :class:`RequestResult` (finish
-        reason, per-step draft / accepted lengths) last. Leaving early aborts the request.
+        reason, per-step draft / accepted lengths) last. Leaving early aborts the request;
+        ``athrow(StopStream())`` ends it with finish reason ``stop`` instead (a stop string the
+        caller found in the text).
 
         Raises:
             DFlashError: the request is invalid (empty prompt, more KV than the whole cache, ...).
@@ -60,15 +67,17 @@ class AsyncLLM:
             on_finish=lambda _sid, out: loop.call_soon_threadsafe(queue.put_nowait, out),
         )
         self._wake.set()
-        finished = False
+        finished, reason = False, "abort"
         try:
             while not isinstance(item := await queue.get(), RequestResult):
                 yield item
             finished = True
             yield item
+        except StopStream:
+            reason = "stop"
         finally:
             if not finished:
-                self.engine.abort(sid)
+                self.engine.abort(sid, reason)
                 self._wake.set()
 
     def submit(

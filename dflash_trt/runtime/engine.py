@@ -120,7 +120,7 @@ class LLMEngine:
         self._next_id = 0
         self._seqs: dict[int, Sequence] = {}  # every request not yet collected, by sequence id
         self._inbox: list[Sequence] = []  # added since the last iteration began
-        self._aborts: set[int] = set()
+        self._aborts: dict[int, str] = {}  # seq id -> the finish reason it ends with
         self._release: list[int] = []
         # step() holds _lock for a whole iteration. add_request and abort come from other threads
         # (an HTTP server's event loop) and must never wait for an iteration: they take _admit,
@@ -208,12 +208,13 @@ class LLMEngine:
             if type(t) is not int or not 0 <= t < vocab:
                 raise DFlashError(f"{name} token id {t!r} is not in the vocabulary (0..{vocab - 1})")
 
-    def abort(self, seq_id: int) -> None:
-        """Cancel a request: it ends (finish reason ``abort``, KV blocks freed, callbacks run)
-        when the next iteration begins. Thread-safe and never waits for a running iteration;
-        unknown ids are ignored."""
+    def abort(self, seq_id: int, reason: str = "abort") -> None:
+        """Cancel a request: it ends (finish reason ``reason``: ``abort``, or ``stop`` when a
+        front end found a stop string; KV blocks freed, callbacks run) when the next iteration
+        begins. Thread-safe and never waits for a running iteration; unknown ids are ignored;
+        the first reason given wins."""
         with self._admit:
-            self._aborts.add(seq_id)
+            self._aborts.setdefault(seq_id, reason)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting or self._inbox or self._aborts)
@@ -222,12 +223,12 @@ class LLMEngine:
         """Requests queued and not yet admitted to the running batch."""
         return len(self.scheduler.waiting) + len(self._inbox)
 
-    def _admit_new(self) -> set[int]:
+    def _admit_new(self) -> dict[int, str]:
         """Move the requests added since the last iteration into the scheduler's queue; returns
-        the aborts asked for meanwhile (the stepping thread only)."""
+        the aborts asked for meanwhile, ``{seq id: finish reason}`` (the stepping thread only)."""
         with self._admit:
             inbox, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, set()
+            aborts, self._aborts = self._aborts, {}
         for seq in inbox:
             self.scheduler.add(seq)
         return aborts
@@ -308,10 +309,10 @@ class LLMEngine:
 
     def _step(self) -> list[Sequence]:
         done: list[Sequence] = []
-        for sid in self._admit_new():
+        for sid, reason in self._admit_new().items():
             seq = self._seqs.get(sid)
             if seq is not None and not seq.finished:
-                seq.finish_reason = "abort"
+                seq.finish_reason = reason
                 seq.finish_s = time.perf_counter()
                 self._finish(seq, done)
         t0 = time.perf_counter()

@@ -5,6 +5,7 @@ OpenAI-compatible server and the Triton python-backend model drive it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -15,7 +16,7 @@ import torch
 
 from ..engine_args import EngineArgs
 from ..errors import ConfigError, DFlashError
-from ..runtime.async_llm import AsyncLLM
+from ..runtime.async_llm import AsyncLLM, StopStream
 from ..runtime.config import CPU_MAX_PREFILL_TOKENS
 from ..runtime.engine import LLMEngine
 from ..runtime.request import Request, RequestResult
@@ -220,8 +221,9 @@ class EngineService:
                 text = detok.push(item)
                 if text:
                     yield Delta(text, len(item))
-                if detok.stopped:
-                    await gen.aclose()  # aborts the request in the engine
+                if detok.stopped:  # ends the request in the engine, counted as a stop
+                    with contextlib.suppress(StopAsyncIteration):
+                        await gen.athrow(StopStream())
                     out = RequestResult(detok.ids, "stop", [], 0.0, 0.0)
                     yield Finished("stop", out, tokens)
                     return

@@ -207,7 +207,7 @@ class TritonPythonModel:
         text = live.detok.push(tokens)
         live.sent_tokens += len(tokens) if live.stream else 0
         if live.detok.stopped:
-            self.service.engine.abort(sid)  # a stop word: end here (KV freed), reported as "stop"
+            self.service.engine.abort(sid, "stop")  # a stop word: end here (KV freed), reported as "stop"
         if live.stream and text:
             live.sender.send(self._response(live, text, len(tokens), None, None))
 
