@@ -222,7 +222,7 @@ def parse_args():
         "--max-prefill-tokens",
         type=int,
         default=CPU_MAX_PREFILL_TOKENS,
-        help="the in-process engine's prompt tokens per iteration, as the server's (0: no cap, as before the cap)",
+        help="prompt tokens per iteration of the server and the in-process engine (0: no cap, as before the cap)",
     )
     ap.add_argument(
         "--pin",
@@ -261,6 +261,8 @@ def server_command(args, port: int) -> list[str]:
         cmd += ["--drafter", str(Path(args.drafter).resolve())]
     if args.block_size:
         cmd += ["--block-size", str(args.block_size)]
+    if args.max_prefill_tokens != CPU_MAX_PREFILL_TOKENS:  # (0: no cap, i.e. up to the whole token budget)
+        cmd += ["--max-prefill-tokens", str(args.max_prefill_tokens or 2048)]
     if args.pin:
         cmd = ["taskset", "-c", args.pin[0], *cmd]
     return cmd
