@@ -68,6 +68,7 @@ def convert_gguf(path: Path) -> Path:
             raise DFlashError(f"{path} is not a GGUF file (bad magic bytes)")
     out = cache_root() / "gguf" / f"{path.stem}-{sha256_file(path)[:16]}"
     if (out / "config.json").is_file():
+        _name_architecture(out / "config.json")  # (conversions written before it was named)
         return out
     print(f"converting {path.name} to safetensors once (cached in {out}) ...", file=sys.stderr, flush=True)
     try:
@@ -82,6 +83,7 @@ def convert_gguf(path: Path) -> Path:
         ) from None
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
+    cfg["architectures"] = cfg.get("architectures") or [type(model).__name__]
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
     if cfg.get("tie_word_embeddings"):
         sd.pop("lm_head.weight", None)
@@ -95,6 +97,20 @@ def convert_gguf(path: Path) -> Path:
         if not (out / "config.json").is_file():  # not a lost race with another process
             raise
     return out
+
+
+def _name_architecture(config: Path) -> None:
+    """Write the architecture into a converted checkpoint's ``config.json`` when it has none
+    (transformers' GGUF loading leaves ``architectures`` null, which vLLM and transformers' Auto
+    classes cannot load), from transformers' own ``model_type`` -> causal-LM class table."""
+    cfg = read_json(config, "converted target")
+    if cfg.get("architectures"):
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.get("model_type", ""))
+    if arch:
+        write_json(config, cfg | {"architectures": [arch]})
 
 
 def resolve_target(spec: str | os.PathLike | None) -> Path:
