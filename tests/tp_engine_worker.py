@@ -10,10 +10,10 @@ import json
 import sys
 
 import torch
-from tp_worker import MAX_NEW, engine_config, prompts_for
+from tp_worker import MAX_NEW, engine_config, prompts_for, tp_engine
 
 from dflash_trt.checkpoints.engine_dir import load_engine
-from dflash_trt.runtime.distributed import init_tp, tp_engine
+from dflash_trt.runtime.distributed import init_tp
 from dflash_trt.runtime.request import Request
 
 

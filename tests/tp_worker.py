@@ -31,7 +31,8 @@ from dflash_trt.models.layers import AttentionMetadata
 from dflash_trt.models.prefill import KVCache
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
 from dflash_trt.runtime.config import EngineConfig
-from dflash_trt.runtime.distributed import init_tp, shard_target, tp_engine
+from dflash_trt.runtime.distributed import init_tp, shard_target, tp_runner
+from dflash_trt.runtime.engine import LLMEngine
 from dflash_trt.runtime.request import Request
 
 NUM_PROMPTS = 4
@@ -51,6 +52,21 @@ def engine_config(block_size: int, adaptive: bool) -> EngineConfig:
         tokens_per_block=16,
         kv_capacity=4096,
     ).create_engine_config()
+
+
+def tp_engine(model, drafter, stop_token_ids, config: EngineConfig, tp, proposer_cls=None):
+    """This rank's part of a TP engine built from ``model`` (rank 0: the engine; the other
+    ranks mirror it until rank 0 stops them, then None), with ``proposer_cls`` drafting when
+    given (the package's factory always uses the DFlash proposer)."""
+    kw = {"proposer_cls": proposer_cls} if proposer_cls is not None else {}
+    runner = tp_runner(model, drafter, config, tp, **kw)
+    if runner is None:
+        return None
+    try:
+        return LLMEngine(model, drafter, tuple(stop_token_ids), config, runner=runner, tp=tp)
+    except BaseException:
+        tp.stop_workers()
+        raise
 
 
 def prompts_for(tokenizer) -> list[list[int]]:

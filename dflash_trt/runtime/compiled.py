@@ -35,6 +35,10 @@ from torch import nn
 #: in one process; compiling takes ~3x longer on a cold cache)
 OPTIONS = {"cpp_wrapper": True}
 
+#: torch.compile backend: inductor; a test whose subject is dynamo's graphs and recompiles, not
+#: the generated kernels, may set "eager" (the same captured graphs, run by eager kernels)
+BACKEND = "inductor"
+
 #: graphs dynamo may compile per function before it gives up and runs it eagerly (its default,
 #: 8, is exceeded by one process that serves an adaptive DFlash engine and a plain one on the
 #: same target: torch.compile specialises sizes 0 and 1 of every input, so batch of one,
@@ -60,6 +64,9 @@ def compiled_forward(model: nn.Module) -> Callable:
         # wrap a graph that mutates the KV pools
         forward = type(model).forward
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        fn = torch.compile(getattr(forward, "__wrapped__", forward).__get__(model), dynamic=True, options=OPTIONS)
+        options = {"options": OPTIONS} if BACKEND == "inductor" else {}
+        fn = torch.compile(
+            getattr(forward, "__wrapped__", forward).__get__(model), dynamic=True, backend=BACKEND, **options
+        )
         model.__dict__["_compiled_forward"] = fn
     return fn

@@ -10,7 +10,7 @@ that mpi4py was built against). MPI gives the ranks and the rendezvous; the tens
   sampling) and sends every :class:`~.model_runner.StepPlan` to the others with
   :meth:`TPGroup.send_plan`; every rank executes it with its own
   :class:`~.model_runner.ModelRunner` (:func:`run_worker` on ranks > 0);
-- :func:`tp_engine` wires the three together.
+- :func:`tp_runner` wires the three together into a rank's runner.
 
 Sharding (Megatron-LM, Shoeybi et al. 2019, arXiv:1909.08053 §3: ``ColumnParallelLinear`` /
 ``RowParallelLinear`` in ``megatron/core/tensor_parallel/layers.py``; vLLM and TensorRT-LLM use
@@ -85,7 +85,7 @@ __all__ = [
     "shard_target",
     "spawn_tp",
     "split_sizes",
-    "tp_engine",
+    "tp_runner",
 ]
 
 
@@ -410,37 +410,39 @@ def run_worker(runner: ModelRunner, tp: TPGroup) -> None:
         runner.step(plan)
 
 
-def tp_engine(
+def tp_runner(
     target: TargetModel,
     drafter: DFlashDrafter | None,
-    stop_token_ids: tuple[int, ...],
     config: EngineConfig,
     tp: TPGroup,
     proposer_cls: type[DFlashProposer] = DFlashProposer,
-) -> LLMEngine | None:
-    """Shard ``target`` (in place) and serve it on every rank of ``tp``.
+) -> ModelRunner | None:
+    """Shard ``target`` (in place) and build this rank's :class:`ModelRunner` on ``tp``.
 
     Every rank calls it with the same arguments (the full target, the same drafter, the same
-    config). Rank 0 gets an :class:`LLMEngine` whose every iteration is mirrored by the other
-    ranks; those ranks loop in :func:`run_worker` and return None once rank 0 calls
-    ``tp.stop_workers()`` (or ``tp.shutdown()``). Call ``tp.shutdown()`` on every rank at the end.
+    config). Rank 0 gets its runner back, for the :class:`LLMEngine` that
+    :func:`~.engine_factory.create_engine` builds around it; every iteration of that engine is
+    mirrored by the other ranks, which loop in :func:`run_worker` here and return None once
+    rank 0 calls ``tp.stop_workers()`` (or ``tp.shutdown()``). Call ``tp.shutdown()`` on every
+    rank at the end.
 
     Order: the workers enter their loop right after building their runner, so they are waiting
     in the plan broadcast when rank 0's engine constructor sends its first plans
-    (:meth:`LLMEngine.calibrate` in adaptive mode); MPI's bcast blocks both sides until they meet.
-    A setting rank 0's engine rejects stops the workers before the error propagates.
+    (:meth:`LLMEngine.calibrate` in adaptive mode); MPI's bcast blocks both sides until they
+    meet. Rank 0 must stop the workers (``tp.stop_workers()``) when its engine's constructor
+    raises.
 
     Args:
         target: the full target (sharded here unless ``target.tp`` is already set); it is moved
             to ``tp.device``, as is the drafter.
+        config: the engine's settings (block size defaults to the drafter's).
         proposer_cls: the draft proposer (a test may substitute its own; it must propose the
             same drafts on every rank).
 
     Raises:
-        DFlashError: a bad block size (on every rank), tp_size above the KV heads, anything
-            ``LLMEngine`` rejects (rank 0; the workers are stopped first). An error on one rank
-            in the middle of a step leaves the others waiting in a collective: run under
-            ``python -m mpi4py`` so that an uncaught exception aborts the whole job.
+        DFlashError: a bad block size (on every rank), tp_size above the KV heads. An error on
+            one rank in the middle of a step leaves the others waiting in a collective: run
+            under ``python -m mpi4py`` so that an uncaught exception aborts the whole job.
     """
     config = config.with_defaults(drafter.cfg.block_size if drafter else None)
     K = config.speculative.block_size
@@ -457,11 +459,7 @@ def tp_engine(
         run_worker(runner, tp)
         return None
     tp._workers_looping = True
-    try:
-        return LLMEngine(target, drafter, stop_token_ids, config, runner=runner, tp=tp)
-    except BaseException:
-        tp.stop_workers()
-        raise
+    return runner
 
 
 class TPEngines:

@@ -158,7 +158,7 @@ def create_engine(args, models: LoadedModels | None = None, tp=None):
 
 
 def _create(config: EngineConfig, models: LoadedModels | None, tp):
-    from .distributed import tp_engine
+    from .distributed import tp_runner
     from .engine import LLMEngine
 
     if models is None:
@@ -166,12 +166,17 @@ def _create(config: EngineConfig, models: LoadedModels | None, tp):
     drafter = models.drafter if config.speculative.enabled else None
     config = resolve(config, drafter)
     target = models.target
-    if tp is None:
-        engine = LLMEngine(target.model, drafter, target.stop_token_ids, config)
-    else:
-        engine = tp_engine(target.model, drafter, tuple(target.stop_token_ids), config, tp)
-        if engine is None:  # a worker rank: rank 0 has closed its engine
+    runner = None
+    if tp is not None:
+        runner = tp_runner(target.model, drafter, config, tp)
+        if runner is None:  # a worker rank: rank 0 has closed its engine
             return None
+    try:
+        engine = LLMEngine(target.model, drafter, tuple(target.stop_token_ids), config, runner=runner, tp=tp)
+    except BaseException:
+        if tp is not None:
+            tp.stop_workers()  # they wait for rank 0's first plan
+        raise
     engine.models = models
     return engine
 
