@@ -154,13 +154,13 @@ def test_stress_200_requests_cancellations_small_cache(smollm2, random_drafter):
     done = [i for i in range(200) if outputs[i] is not None]
     aborted = [i for i in range(200) if outputs[i] is None]
     assert set(aborted) <= set(cancel) and len(aborted) >= 20, len(aborted)
-    refs = reference_outputs(smollm2, [reqs[i] for i in done])
-    ties = ties_or_fail(smollm2.model, [reqs[i] for i in done], refs, [outputs[i] for i in done])
+    # one batch: ties between row counts are allowed by ties_or_fail in any case
+    refs = plain_outputs(smollm2, [r.prompt_ids for r in reqs], [r.max_new_tokens for r in reqs], batched=True)
+    ties = ties_or_fail(smollm2.model, [reqs[i] for i in done], [refs[i] for i in done], [outputs[i] for i in done])
     for i in done:
         assert streamed[i] == outputs[i]
     for i in aborted:  # what was streamed before the abort is a prefix of the full output
-        full = reference_outputs(smollm2, [reqs[i]])[0] if streamed[i] else []
-        assert streamed[i] == full[: len(streamed[i])]
+        assert streamed[i] == refs[i][: len(streamed[i])]
     bm = engine.blocks
     assert bm.num_free_blocks == bm.num_blocks and bm.num_unreserved_blocks == bm.num_blocks and not bm.holders()
     assert engine.runner.proposer._features == {}

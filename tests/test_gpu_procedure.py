@@ -137,7 +137,7 @@ def test_gpu_validation_dry_run_on_cpu(pack, tmp_path):
         work,
         STAGES="tests bench kernels invariance",
         GRAPHS="off",  # (--cuda-graphs needs a CUDA device)
-        TESTS="tests/test_cpu_memory.py",
+        TESTS="tests/test_models.py::test_prefill_then_decode_equals_full_forward",  # loads the default target
         BENCH_PROMPTS="2",
         BENCH_TOKENS="8",
         PEERS="",

@@ -26,25 +26,18 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
 
 import httpx
 import pytest
-from helpers import CLI, error_line, plain_outputs, run, same_text
+from helpers import CLI, burst_share, error_line, free_ports, plain_outputs, run, same_text
 
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
 
 openai = pytest.importorskip("openai", reason="pip install openai")
 MAX_NEW = 24
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_health(port: int, proc: subprocess.Popen, tries: int = 600) -> None:
@@ -85,7 +78,7 @@ def server(random_drafter, tmp_path_factory):
             )
         )
     )
-    port = free_port()
+    (port,) = free_ports(1)
     srv = uvicorn.Server(uvicorn.Config(build_app(service), host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
@@ -107,13 +100,14 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def reference(smollm2, prompts):
-    """Plain decoding (block size 1) of each prompt as chat and as raw text."""
+    """Plain decoding (block size 1) of each prompt as chat and as raw text, the prompts in one
+    batch (the comparisons here allow ties)."""
     tok = smollm2.tokenizer
     chat = [chat_prompt_ids(tok, p) for p in prompts]
     raw = [tok.encode(p) for p in prompts]
     return {
-        "chat": list(zip(chat, plain_outputs(smollm2, chat, MAX_NEW))),
-        "raw": list(zip(raw, plain_outputs(smollm2, raw, MAX_NEW))),
+        "chat": list(zip(chat, plain_outputs(smollm2, chat, MAX_NEW, batched=True))),
+        "raw": list(zip(raw, plain_outputs(smollm2, raw, MAX_NEW, batched=True))),
     }
 
 
@@ -284,9 +278,7 @@ def test_metrics_equal_engine_counts(server):
     text = httpx.get(url + "/metrics").text
 
     def value(name, **labels):
-        sel = ",".join(f'{k}="{v}"' for k, v in labels.items())
-        pat = rf"^{re.escape(name)}\{{[^}}]*{re.escape(sel)}[^}}]*\}} (\S+)$"
-        return sum(float(m) for m in re.findall(pat, text, re.M))
+        return _metric(url, name, **labels)
 
     st = service.engine.stats
     assert value("vllm:spec_decode_num_drafts_total") == st.drafting_steps > 0
@@ -299,8 +291,28 @@ def test_metrics_equal_engine_counts(server):
     assert "vllm:time_to_first_token_seconds_bucket" in text
 
 
+def test_stop_string_ends_as_stop(server, smollm2, prompts, reference):
+    """A stop string found in the answer ends the request there with finish reason "stop"
+    (the text cut before the stop string), counted as a stop in ``vllm:request_success_total``."""
+    service, url = server
+    ids, ref = reference["raw"][0]
+    full = smollm2.tokenizer.decode(ref, skip_special_tokens=True)
+    words = full.split()
+    assert len(words) >= 4, full
+    stop = words[len(words) // 2]
+    stops = _metric(url, "vllm:request_success_total", finished_reason="stop")
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x")
+    r = c.completions.create(
+        model=service.model_name, prompt=prompts[0], max_tokens=MAX_NEW, temperature=0, stop=[stop]
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == full[: full.index(stop)]
+    assert _wait_idle(service)
+    assert _metric(url, "vllm:request_success_total", finished_reason="stop") == stops + 1
+
+
 def test_serve_command(tmp_path):
-    port = free_port()
+    (port,) = free_ports(1)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         CLI + ["serve", "--port", str(port), "--block-size", "1", "--threads", "1"],
@@ -324,7 +336,7 @@ def test_serve_command(tmp_path):
         proc.wait(30)
 
 
-def test_serve_tp2_equals_tp1(smollm2, random_drafter, tmp_path):
+def test_serve_tp2_equals_tp1(smollm2, random_drafter, prompts, reference, tmp_path):
     """``mpiexec -n 2 dflash-trt serve``: the target tensor-parallel over two ranks, DFlash
     drafting replicated; 8 concurrent chat requests give plain decoding's (TP=1) text."""
     import shutil
@@ -339,13 +351,12 @@ def test_serve_tp2_equals_tp1(smollm2, random_drafter, tmp_path):
     if mpiexec is None:
         pytest.skip("no mpiexec (pip install mpich mpi4py)")
     drafter_dir = save_drafter(copy.deepcopy(random_drafter).cpu(), tmp_path / "drafter")
-    port = free_port()
+    (port,) = free_ports(1)
     cmd = [mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "dflash_trt.cli", "serve", "--port", str(port)]
     cmd += ["--drafter", str(drafter_dir), "--block-size", "4", "--threads", "1", "--dtype", "fp32"]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
     )
-    texts = mixed_prompts(8)
     try:
         wait_health(port, proc)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
@@ -358,10 +369,8 @@ def test_serve_tp2_equals_tp1(smollm2, random_drafter, tmp_path):
             return r.choices[0].message.content
 
         with ThreadPoolExecutor(8) as ex:
-            got = list(ex.map(ask, texts))
-        prompts = [chat_prompt_ids(smollm2.tokenizer, t) for t in texts]
-        refs = plain_outputs(smollm2, prompts, MAX_NEW)
-        assert all(same_text(smollm2, p, r, g) for p, r, g in zip(prompts, refs, got))
+            got = list(ex.map(ask, prompts))
+        assert all(same_text(smollm2, ids, ref, g) for (ids, ref), g in zip(reference["chat"], got))
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         assert re.search(r"vllm:spec_decode_num_drafts_total\{[^}]*\} [1-9]", metrics)
     finally:
@@ -388,7 +397,7 @@ def keyed_server(server):
     from dflash_trt.serving.openai_api import build_app
 
     service, _ = server
-    port = free_port()
+    (port,) = free_ports(1)
     srv = uvicorn.Server(
         uvicorn.Config(build_app(service, api_key="sk-test", max_request_bytes=1 << 20), port=port, log_level="warning")
     )
@@ -516,16 +525,6 @@ async def _timed_stream(client: httpx.AsyncClient, model: str, prompt: str, max_
     return times
 
 
-def _burst_share(times: list[float], window: float) -> float:
-    """The largest share of a stream's chunks that arrived within ``window`` seconds of each other."""
-    best, j = 0, 0
-    for k in range(len(times)):
-        while times[k] - times[j] > window:
-            j += 1
-        best = max(best, k - j + 1)
-    return best / len(times)
-
-
 @pytest.mark.parametrize("streams", [16, 32])
 def test_streams_arrive_as_the_engine_makes_them(server, prompts, streams):
     """Many concurrent streams: every stream's tokens arrive spread over its engine iterations,
@@ -544,7 +543,7 @@ def test_streams_arrive_as_the_engine_makes_them(server, prompts, streams):
     got = asyncio.run(go())
     iters = sorted(engine.iteration_s)
     p50, longest = iters[len(iters) // 2], iters[-1]
-    shares = [_burst_share(ts, p50 / 2) for ts in got]
+    shares = [burst_share(ts, p50 / 2) for ts in got]
     gaps = [b - a for ts in got for a, b in zip(ts, ts[1:])]
     print(
         f"\n{streams} streams: {len(iters)} iterations (p50 {p50 * 1e3:.0f} ms, longest {longest * 1e3:.0f} ms: "

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-from helpers import free_ports, plain_outputs, same_text
+from helpers import burst_share, free_ports, plain_outputs, same_text
 
 from dflash_trt.prompts import mixed_prompts
 
@@ -113,7 +113,7 @@ def prompts():
 @pytest.fixture(scope="module")
 def reference(smollm2, prompts):
     ids = [smollm2.tokenizer.encode(p) for p in prompts]
-    return list(zip(ids, plain_outputs(smollm2, ids, MAX_NEW)))
+    return list(zip(ids, plain_outputs(smollm2, ids, MAX_NEW, batched=True)))
 
 
 def generate(url: str, body: dict) -> dict:
@@ -370,16 +370,6 @@ class _TimedStream:
         self.client.close()
 
 
-def _burst_share(times: list[float], window: float) -> float:
-    """The largest share of a stream's chunks that arrived within ``window`` seconds of each other."""
-    best, j = 0, 0
-    for k in range(len(times)):
-        while times[k] - times[j] > window:
-            j += 1
-        best = max(best, k - j + 1)
-    return best / len(times)
-
-
 def _log_lines(path) -> list[str]:
     return path.read_text(errors="replace").splitlines()
 
@@ -397,7 +387,7 @@ def test_grpc_streams_under_load_and_disconnects(triton, prompts):
         assert s.done.wait(600)
         s.close()
     gaps = sorted(b - a for s in streams for a, b in zip(s.times, s.times[1:]))
-    shares = [_burst_share(s.times, 0.02) for s in streams]
+    shares = [burst_share(s.times, 0.02) for s in streams]
     print(
         f"\n16 gRPC streams: responses per stream {min(len(s.times) for s in streams)}-"
         f"{max(len(s.times) for s in streams)}; gap between responses p50 {gaps[len(gaps) // 2] * 1e3:.0f} ms, "
