@@ -215,6 +215,24 @@ def burst_share(times: list[float], window: float) -> float:
     return best / len(times)
 
 
+def saved_drafter(drafter, directory) -> str:
+    """``drafter`` (a copy, on the CPU) saved as a z-lab drafter directory under ``directory``;
+    its path, for servers started from settings."""
+    import copy
+
+    from dflash_trt.checkpoints.zlab import save_drafter
+
+    return str(save_drafter(copy.deepcopy(drafter).cpu(), directory / "drafter"))
+
+
+def serving_args(drafter, directory, **kw) -> EngineArgs:
+    """The serving tests' engine settings: ``drafter`` (saved under ``directory``) at block size 4
+    with the adaptive draft length, fp32 on the CPU, 16-position KV pages, 16384 KV positions;
+    ``kw``: other ``EngineArgs`` fields (they win)."""
+    base = dict(drafter=saved_drafter(drafter, directory), dtype="fp32", device="cpu", block_size=4, adaptive=True)
+    return EngineArgs(**(base | dict(tokens_per_block=16, kv_capacity=16384) | kw))
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct free TCP ports on 127.0.0.1 (bound together, then released)."""
     import socket

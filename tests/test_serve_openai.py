@@ -20,7 +20,6 @@ official ``openai`` client and raw HTTP (httpx), on 127.0.0.1:
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import os
 import random
@@ -32,7 +31,7 @@ import time
 
 import httpx
 import pytest
-from helpers import CLI, burst_share, error_line, free_ports, plain_outputs, run, same_text
+from helpers import CLI, burst_share, error_line, free_ports, plain_outputs, run, same_text, saved_drafter, serving_args
 
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
 
@@ -58,26 +57,10 @@ def server(random_drafter, tmp_path_factory):
     import torch
     import uvicorn
 
-    from dflash_trt.checkpoints.zlab import save_drafter
-    from dflash_trt.engine_args import EngineArgs
     from dflash_trt.serving.openai_api import build_app
     from dflash_trt.serving.service import EngineService, ServeConfig
 
-    drafter_dir = save_drafter(copy.deepcopy(random_drafter).cpu(), tmp_path_factory.mktemp("d") / "drafter")
-    service = EngineService(
-        ServeConfig(
-            EngineArgs(
-                drafter=str(drafter_dir),
-                dtype="fp32",
-                device="cpu",
-                block_size=4,
-                adaptive=True,
-                max_batch_size=32,
-                tokens_per_block=16,
-                kv_capacity=16384,
-            )
-        )
-    )
+    service = EngineService(ServeConfig(serving_args(random_drafter, tmp_path_factory.mktemp("d"), max_batch_size=32)))
     (port,) = free_ports(1)
     srv = uvicorn.Server(uvicorn.Config(build_app(service), host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=srv.run, daemon=True)
@@ -344,13 +327,11 @@ def test_serve_tp2_equals_tp1(smollm2, random_drafter, prompts, reference, tmp_p
     from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
 
-    from dflash_trt.checkpoints.zlab import save_drafter
-
     local = Path(sys.executable).parent / "mpiexec"  # the mpich wheel's, in the venv
     mpiexec = str(local) if local.exists() else shutil.which("mpiexec")
     if mpiexec is None:
         pytest.skip("no mpiexec (pip install mpich mpi4py)")
-    drafter_dir = save_drafter(copy.deepcopy(random_drafter).cpu(), tmp_path / "drafter")
+    drafter_dir = saved_drafter(random_drafter, tmp_path)
     (port,) = free_ports(1)
     cmd = [mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "dflash_trt.cli", "serve", "--port", str(port)]
     cmd += ["--drafter", str(drafter_dir), "--block-size", "4", "--threads", "1", "--dtype", "fp32"]

@@ -20,7 +20,6 @@ nvidia-pytriton wheel), the real SmolLM2 target and real prompts, through real c
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import queue
 import random
@@ -33,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-from helpers import burst_share, free_ports, plain_outputs, same_text
+from helpers import burst_share, free_ports, plain_outputs, same_text, serving_args
 
 from dflash_trt.prompts import mixed_prompts
 
@@ -70,28 +69,11 @@ class TritonPythonModel(_Model):
 
 @pytest.fixture(scope="module")
 def triton(random_drafter, tmp_path_factory):
-    from dflash_trt.checkpoints.zlab import save_drafter
-    from dflash_trt.engine_args import EngineArgs
     from dflash_trt.serving.service import ServeConfig
     from dflash_trt.serving.triton_repo import start_server, write_repo
 
     tmp = tmp_path_factory.mktemp("triton")
-    drafter_dir = save_drafter(copy.deepcopy(random_drafter).cpu(), tmp / "drafter")
-    repo = write_repo(
-        tmp / "repo",
-        ServeConfig(
-            EngineArgs(
-                drafter=str(drafter_dir),
-                dtype="fp32",
-                device="cpu",
-                block_size=4,
-                adaptive=True,
-                tokens_per_block=16,
-                kv_capacity=16384,
-                max_batch_size=64,
-            )
-        ),
-    )
+    repo = write_repo(tmp / "repo", ServeConfig(serving_args(random_drafter, tmp, max_batch_size=64)))
     (repo / "dflash" / "1" / "model.py").write_text(FAULTY_MODEL)
     http, grpc, metrics = free_ports(3)
     proc = start_server(repo, http, grpc, metrics, log_path=tmp / "server.log")
@@ -290,22 +272,10 @@ def test_tp2_model_equals_tp1(random_drafter, tmp_path, smollm2, prompts, refere
     """The ``dflash`` model with ``tp_size 2``: the model instance (rank 0) starts its second
     rank itself (no MPI inside tritonserver); HTTP streaming gives plain decoding's (TP=1)
     tokens on the 8 prompts, 4 at a time, and the worker rank exits with the server."""
-    from dflash_trt.checkpoints.zlab import save_drafter
-    from dflash_trt.engine_args import EngineArgs
     from dflash_trt.serving.service import ServeConfig
     from dflash_trt.serving.triton_repo import start_server, write_repo
 
-    drafter_dir = save_drafter(copy.deepcopy(random_drafter).cpu(), tmp_path / "drafter")
-    args = EngineArgs(
-        drafter=str(drafter_dir),
-        dtype="fp32",
-        device="cpu",
-        block_size=4,
-        adaptive=True,
-        tokens_per_block=16,
-        kv_capacity=8192,
-        tensor_parallel_size=2,
-    )
+    args = serving_args(random_drafter, tmp_path, kv_capacity=8192, tensor_parallel_size=2)
     repo = write_repo(tmp_path / "repo", ServeConfig(args))
     http, grpc, metrics = free_ports(3)
     proc = start_server(repo, http, grpc, metrics, log_path=tmp_path / "server.log")
