@@ -397,7 +397,8 @@ def build_engine(
 
     Raises:
         DFlashError: ``out_dir`` exists, a bad pair, a block size above the drafter's, a
-            tp_size that does not divide the heads, a model that does not fit the memory plan,
+            tp_size that does not divide the heads, a target family the builder does not write
+            (a mixture-of-experts one), a model that does not fit the memory plan,
             corrupt checkpoints, ModelOpt missing for a quantized build. Nothing is left at
             ``out_dir`` on any error.
     """
@@ -410,6 +411,9 @@ def build_engine(
     target, drafter = load_pair(target_spec, drafter_spec, torch.float32)
     drafter_path = Path(drafter_spec) if drafter_spec else default_drafter_path(target, target_spec is None)
     tcfg, dcfg = target.model.cfg, drafter.cfg
+    if tcfg.family not in ARCHITECTURES:
+        supported = ", ".join(ARCHITECTURES)
+        raise DFlashError(f"building an engine of a {tcfg.family} target is not supported yet (supported: {supported})")
     if bc.block_size > dcfg.block_size:
         raise DFlashError(f"block_size {bc.block_size} is above the drafter's block size {dcfg.block_size}")
     plan = memory_plan(bc, tcfg, dcfg)  # also checks tp_size against both models' heads

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from ..errors import DFlashError
 
 #: target families with our own torch implementation, keyed by HF ``model_type``
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 #: RoPE scaling types ``layers.rope_inv_freq`` implements
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -24,12 +24,18 @@ def _check_rope_scaling(scaling: dict | None, what: str) -> None:
 
 @dataclass(frozen=True)
 class TargetConfig:
-    """Shape of a decoder-only target LLM (Llama / SmolLM2, Qwen2, Qwen3).
+    """Shape of a decoder-only target LLM (Llama / SmolLM2, Qwen2, Qwen3, Qwen3-MoE).
 
     Attributes follow the HF ``config.json`` keys of those families. ``attention_bias`` is
-    true for Qwen2 (bias on q/k/v); ``qk_norm`` is true for Qwen3 (per-head RMSNorm of q and k
-    before RoPE). ``rope_scaling`` is the HF ``rope_scaling`` / ``rope_parameters`` dict when it
-    is not the default RoPE (Llama-3.1 uses ``rope_type: llama3``).
+    true for Qwen2 (bias on q/k/v); ``qk_norm`` is true for Qwen3 and Qwen3-MoE (per-head RMSNorm
+    of q and k before RoPE). ``rope_scaling`` is the HF ``rope_scaling`` / ``rope_parameters``
+    dict when it is not the default RoPE (Llama-3.1 uses ``rope_type: llama3``).
+
+    Mixture of experts (Qwen3-MoE; ``num_experts`` 0 for a dense target): ``num_experts``,
+    ``num_experts_per_tok`` (top-k), ``moe_intermediate_size`` (each expert's width),
+    ``norm_topk_prob``, and which layers are sparse: layer ``i`` is, unless listed in
+    ``mlp_only_layers``, when ``(i + 1) % decoder_sparse_step == 0``; the others have a dense MLP
+    of ``intermediate_size`` (transformers' ``Qwen3MoeDecoderLayer``).
     """
 
     family: str
@@ -48,6 +54,16 @@ class TargetConfig:
     qk_norm: bool = False
     max_position_embeddings: int = 4096
     eos_token_ids: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i``'s MLP is the routed experts (else a dense gated MLP)."""
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     def __post_init__(self) -> None:
         if self.family not in SUPPORTED_FAMILIES:
@@ -92,12 +108,32 @@ class TargetConfig:
                 rope_scaling=scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-                qk_norm=family == "qwen3",
+                qk_norm=family in ("qwen3", "qwen3_moe"),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
                 eos_token_ids=eos_ids,
+                **_moe_fields(cfg),
             )
         except KeyError as e:
             raise DFlashError(f"target config.json lacks required key {e.args[0]!r}") from None
+
+
+def _moe_fields(cfg: dict) -> dict:
+    """The mixture-of-experts fields of a Qwen3-MoE ``config.json`` (transformers'
+    ``Qwen3MoeConfig`` defaults where a key is absent); {} for a dense family."""
+    if cfg.get("model_type") != "qwen3_moe":
+        return {}
+    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 128)))
+    top_k = int(cfg.get("num_experts_per_tok", 8))
+    if not 0 < top_k <= experts:
+        raise DFlashError(f"target config.json: num_experts_per_tok {top_k} is not in 1..num_experts ({experts})")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size", 768)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=max(1, int(cfg.get("decoder_sparse_step", 1))),
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+    )
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

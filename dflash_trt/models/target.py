@@ -1,5 +1,6 @@
-"""Target LLM in our own torch code: Llama / SmolLM2, Qwen2 (q/k/v bias) and Qwen3 (per-head
-q_norm / k_norm). Fused q|k|v and gate|up GEMMs; the KV cache is owned by the runtime.
+"""Target LLM in our own torch code: Llama / SmolLM2, Qwen2 (q/k/v bias), Qwen3 (per-head
+q_norm / k_norm) and Qwen3-MoE (Qwen3 attention, routed experts in the sparse layers,
+``models/moe.py``). Fused q|k|v and gate|up GEMMs; the KV cache is owned by the runtime.
 
 The forward returns logits for the requested rows and the target features: the outputs of
 the layers listed in ``capture`` (HF ``hidden_states[i + 1]``), concatenated on the last axis,
@@ -15,6 +16,7 @@ from torch import nn
 
 from .config import TargetConfig
 from .layers import AttentionMetadata, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, cached_attention
+from .moe import MoEBlock
 
 
 class TargetAttention(nn.Module):
@@ -47,14 +49,19 @@ class TargetAttention(nn.Module):
 
 
 class TargetLayer(nn.Module):
-    """Pre-norm decoder layer: attention then gated MLP, each with a residual."""
+    """Pre-norm decoder layer ``index``: attention then the gated MLP (the routed experts in a
+    mixture-of-experts target's sparse layers), each with a residual."""
 
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, cfg: TargetConfig, index: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = TargetAttention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        if cfg.is_moe_layer(index):
+            args = (cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            self.mlp = MoEBlock(cfg.hidden_size, *args)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         # tensor parallelism (runtime/distributed.shard_target): a group whose ``all_reduce``
         # sums the row-parallel outputs of ``attn.o`` and ``mlp.down`` over the ranks
         self.tp = None
@@ -102,7 +109,7 @@ class TargetModel(nn.Module):
         self.cfg = cfg
         self.tp = None  # set by runtime/distributed.shard_target
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(TargetLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(TargetLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -185,6 +192,9 @@ class TargetModel(nn.Module):
                 out[f"layers.{i}.attn.q_norm.weight"] = sd[a + "q_norm.weight"]
                 out[f"layers.{i}.attn.k_norm.weight"] = sd[a + "k_norm.weight"]
             m = p + "mlp."
+            if self.cfg.is_moe_layer(i):
+                out.update(_hf_experts(sd, m, f"layers.{i}.mlp.", self.cfg.num_experts))
+                continue
             out[f"layers.{i}.mlp.gate_up.weight"] = torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])
             out[f"layers.{i}.mlp.down.weight"] = sd[m + "down_proj.weight"]
         for name, t in out.items():
@@ -193,3 +203,26 @@ class TargetModel(nn.Module):
         if self.cfg.tie_word_embeddings:
             out["lm_head.weight"] = out["embed.weight"]
         self.load_state_dict(out, strict=True)
+
+
+def _hf_experts(sd: dict[str, torch.Tensor], hf: str, ours: str, num_experts: int) -> dict[str, torch.Tensor]:
+    """A Qwen3-MoE sparse MLP's weights under our names: the router ``{hf}gate.weight``, and the
+    experts stacked, either from the checkpoint's per-expert tensors
+    (``{hf}experts.{e}.{gate,up,down}_proj.weight``, what the official checkpoints and
+    transformers' ``save_pretrained`` write) or from transformers' fused in-memory ones
+    (``{hf}experts.gate_up_proj [E, 2I, H]``, ``{hf}experts.down_proj [E, H, I]``).
+
+    Raises:
+        KeyError: a missing tensor (its HF name).
+    """
+    out = {ours + "gate.weight": sd[hf + "gate.weight"]}
+    x = hf + "experts."
+    if x + "gate_up_proj" in sd:
+        out[ours + "gate_up"], out[ours + "down"] = sd[x + "gate_up_proj"], sd[x + "down_proj"]
+        return out
+    experts = range(num_experts)
+    out[ours + "gate_up"] = torch.stack(
+        [torch.cat([sd[f"{x}{e}.gate_proj.weight"], sd[f"{x}{e}.up_proj.weight"]]) for e in experts]
+    )
+    out[ours + "down"] = torch.stack([sd[f"{x}{e}.down_proj.weight"] for e in experts])
+    return out

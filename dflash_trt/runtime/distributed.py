@@ -342,12 +342,15 @@ def shard_target(model: TargetModel, tp: TPGroup) -> TargetModel:
 
     Raises:
         DFlashError: ``tp.size`` exceeds the target's KV heads ("tp_size 4 exceeds the
-            target's 3 KV heads"), or the model is already sharded.
+            target's 3 KV heads"), the model is already sharded, or it is a mixture-of-experts
+            target (its experts are not split yet).
     """
     cfg = model.cfg
     n, r = tp.size, tp.rank
     if getattr(model, "tp", None) is not None:
         raise DFlashError("the target is already sharded")
+    if cfg.num_experts:
+        raise DFlashError(f"tensor parallelism over a {cfg.family} target (mixture of experts) is not supported yet")
     if n > cfg.num_kv_heads:
         raise DFlashError(
             f"tp_size {n} exceeds the target's {cfg.num_kv_heads} KV heads "

@@ -1,0 +1,141 @@
+"""Qwen3-MoE targets (``models/moe.py``): a tiny random ``Qwen3MoeForCausalLM`` that transformers
+builds and saves (routed experts in some layers, a dense MLP in the others, ``mlp_only_layers``,
+``head_dim`` != hidden / heads, random q/k norms, ``norm_topk_prob`` on and off) loads through
+our loader from the checkpoint's per-expert tensors and gives transformers' logits and hidden
+states; in the engine, DFlash (an oracle proposer: long acceptances and mid-block rejections;
+and a random drafter) equals plain decoding token for token at batch 1 and in flight (the
+batch-invariant mode, on by default in fp32, covers the expert GEMMs); tensor parallelism over
+it, and building an engine of it, are refused in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import OracleProposer, generate, max_diff, plain_outputs
+from test_models import PROMPTS, full_forward, save_tiny
+
+from dflash_trt.checkpoints.loader import load_target
+from dflash_trt.checkpoints.zlab import init_drafter
+from dflash_trt.errors import DFlashError
+from dflash_trt.models.moe import MoEBlock
+from dflash_trt.runtime.request import LoopStats, Request
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_qwen3_moe(vocab: int, norm_topk_prob: bool, seed: int = 0):
+    """transformers' Qwen3-MoE at a tiny size: 6 layers, sparse ones 1 and 5 (every second
+    layer, layer 3 listed dense), 8 experts, top 2."""
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+        experts_implementation="eager",
+    )
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():  # the default init leaves the norms at 1: make them matter
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+            layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["norm_topk", "no_norm_topk"])
+def moe_pair(request, smollm2, tmp_path_factory):
+    """(transformers' model, ours loaded from its saved checkpoint; its ``path``)."""
+    hf = tiny_qwen3_moe(smollm2.model.cfg.vocab_size, request.param)
+    out = save_tiny(hf, smollm2.tokenizer, tmp_path_factory.mktemp("qwen3moe"))
+    return hf, load_target(str(out))
+
+
+def test_logits_and_features_equal_transformers(moe_pair, smollm2):
+    hf, ours = moe_pair
+    cfg = ours.model.cfg
+    assert cfg.family == "qwen3_moe" and cfg.qk_norm and cfg.num_experts == 8 and cfg.num_experts_per_tok == 2
+    assert [cfg.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
+    assert [isinstance(layer.mlp, MoEBlock) for layer in ours.model.layers] == [cfg.is_moe_layer(i) for i in range(6)]
+    ids = smollm2.tokenizer(PROMPTS[2])["input_ids"]
+    layers = (1, 3, 5)
+    got = full_forward(ours.model, ids, layers)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), output_hidden_states=True)
+    d = max_diff(got.logits, ref.logits) / float(ref.logits.abs().max())
+    h = cfg.hidden_size
+    fd = max(
+        max_diff(got.features[..., k * h : (k + 1) * h], ref.hidden_states[i + 1]) for k, i in enumerate(layers[:-1])
+    )
+    print(
+        f"\ntiny qwen3_moe (norm_topk_prob {cfg.norm_topk_prob}) vs transformers: logits max relative {d:.2g}, "
+        f"features max abs {fd:.2g}"
+    )
+    assert d < 1e-4 and fd < 1e-4
+    # the experts matter: routing every token to expert 0 alone changes the logits
+    moe = ours.model.layers[1].mlp
+    saved = moe.route
+    moe.route = lambda x: (torch.ones(x.shape[0], 1, dtype=x.dtype), torch.zeros(x.shape[0], 1, dtype=torch.long))
+    try:
+        assert max_diff(full_forward(ours.model, ids).logits, ref.logits) > 100 * max(d, 1e-6)
+    finally:
+        moe.route = saved
+
+
+def test_dflash_equals_plain_decoding(moe_pair, smollm2):
+    _, target = moe_pair
+    prompts = [smollm2.tokenizer(p)["input_ids"] for p in PROMPTS]
+    new = 16
+    ref = plain_outputs(target, prompts, new)
+    # an oracle proposer (the reference with every 5th position wrong): long acceptances and
+    # mid-block rejections; sequence ids are request indices within an engine
+    drafter = init_drafter(target.model.cfg, 1, 4, 0, seed=0)
+    stats = LoopStats(4)
+    for i, p in enumerate(prompts):  # batch 1
+        OracleProposer.continuations = [p + ref[i]]
+        got = generate(target, drafter, [Request(p, new)], 4, stats, proposer_cls=OracleProposer)[0].output_ids
+        assert got == ref[i], i
+    OracleProposer.continuations = [p + r for p, r in zip(prompts, ref)]
+    reqs = [Request(p, new) for p in prompts]
+    in_flight = [o.output_ids for o in generate(target, drafter, reqs, 4, stats, proposer_cls=OracleProposer)]
+    # and the random drafter (its drafts mostly rejected), all prompts at once
+    drafted = [o.output_ids for o in generate(target, drafter, [Request(p, new) for p in prompts], 4)]
+    same = {"oracle": in_flight == ref, "drafter": drafted == ref}
+    print(f"\nqwen3_moe: oracle tau {stats.tau:.2f}; in flight, equal to plain decoding: {same}")
+    assert stats.tau > 1.5
+    assert in_flight == ref and drafted == ref
+
+
+def test_tensor_parallel_is_refused(moe_pair):
+    from dflash_trt.runtime.distributed import shard_target
+
+    class Group:
+        size, rank = 2, 0
+
+    with pytest.raises(DFlashError, match="not supported yet"):
+        shard_target(moe_pair[1].model, Group())
+
+
+def test_build_is_refused(moe_pair, capsys, tmp_path):
+    from helpers import main_error, saved_drafter
+
+    target = moe_pair[1]
+    drafter = saved_drafter(init_drafter(target.model.cfg, 1, 4, 0, seed=0), tmp_path)
+    cfg = str(Path(__file__).resolve().parents[1] / "build_configs" / "cpu-fp32.yaml")
+    out = tmp_path / "engine"
+    args = ("build", "--config", cfg, "--target", str(target.path), "--drafter", drafter, "--out", str(out))
+    assert "qwen3_moe target is not supported yet" in main_error(capsys, *args)
+    assert not out.exists()
