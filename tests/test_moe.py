@@ -58,7 +58,7 @@ def tiny_qwen3_moe(vocab: int, norm_topk_prob: bool, seed: int = 0):
 
 @pytest.fixture(scope="module", params=[True, False], ids=["norm_topk", "no_norm_topk"])
 def moe_pair(request, smollm2, tmp_path_factory):
-    """(transformers' model, ours loaded from its saved checkpoint; its ``path``)."""
+    """(transformers' model, ours loaded by our loader from the checkpoint transformers saved)."""
     hf = tiny_qwen3_moe(smollm2.model.cfg.vocab_size, request.param)
     out = save_tiny(hf, smollm2.tokenizer, tmp_path_factory.mktemp("qwen3moe"))
     return hf, load_target(str(out))

@@ -34,6 +34,7 @@ from dflash_trt.runtime.config import EngineConfig
 from dflash_trt.runtime.distributed import init_tp, shard_target, tp_runner
 from dflash_trt.runtime.engine import LLMEngine
 from dflash_trt.runtime.request import Request
+from dflash_trt.runtime.spec_decode.dflash import DFlashProposer
 
 NUM_PROMPTS = 4
 MAX_NEW = 16
@@ -54,12 +55,11 @@ def engine_config(block_size: int, adaptive: bool) -> EngineConfig:
     ).create_engine_config()
 
 
-def tp_engine(model, drafter, stop_token_ids, config: EngineConfig, tp, proposer_cls=None):
+def tp_engine(model, drafter, stop_token_ids, config: EngineConfig, tp, proposer_cls=DFlashProposer):
     """This rank's part of a TP engine built from ``model`` (rank 0: the engine; the other
-    ranks mirror it until rank 0 stops them, then None), with ``proposer_cls`` drafting when
-    given (the package's factory always uses the DFlash proposer)."""
-    kw = {"proposer_cls": proposer_cls} if proposer_cls is not None else {}
-    runner = tp_runner(model, drafter, config, tp, **kw)
+    ranks mirror it until rank 0 stops them, then None), ``proposer_cls`` drafting (the
+    package's factory, ``engine_factory.create_engine``, always uses the DFlash proposer)."""
+    runner = tp_runner(model, drafter, config, tp, proposer_cls)
     if runner is None:
         return None
     try:
