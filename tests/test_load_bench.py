@@ -242,7 +242,7 @@ def test_kv_capacity_default(tmp_path):
         (["--concurrency", ","], "--concurrency takes comma-separated integers"),
         (["--concurrency", "1,4", "--request-rate", "-2"], "--request-rate must be > 0"),
         (["--concurrency", "1", "--request-rate", "fast"], "--request-rate takes a number"),
-        (["--concurrency", "1", "--peers", "hf"], "drop --peers with --concurrency"),
+        (["--concurrency", "1", "--peers", "hf"], "only peer is vllm"),
         (["--concurrency", "1", "--max-batch-size", "0"], "--max-batch-size must be >= 1"),
         (["--concurrency", "1", "--num-requests", "0"], "--num-requests must be >= 1"),
         (["--kv-capacity", "4096"], "add --concurrency"),

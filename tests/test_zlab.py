@@ -273,6 +273,26 @@ def test_save_load_round_trip(tmp_path, rope):
     assert torch.equal(half.fc.weight, model.fc.weight.to(torch.bfloat16))
 
 
+def test_save_writes_the_draft_vocabulary_head_for_vllm(tmp_path):
+    """With a draft vocabulary and the target's head, ``lm_head.weight`` holds the head's rows
+    ``i + d2t[i]`` (what vLLM's DFlash model loads); our loader reads the drafter unchanged."""
+    from safetensors.torch import load_file
+
+    target = tiny_target()
+    ids = torch.tensor([1, 4, 5, 9, 30])
+    model = init_drafter(target, 1, 4, mask_token_id=5, seed=3, draft_token_ids=ids)
+    head = torch.randn(target.vocab_size, target.hidden_size)
+    out = save_drafter(model, tmp_path / "d", lm_head=head)
+    sd = load_file(str(out / "model.safetensors"))
+    assert torch.equal(sd["lm_head.weight"], head[ids])
+    assert torch.equal(sd["d2t"], ids - torch.arange(5))
+    back = load_drafter(out)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in back.state_dict().items())
+    # a drafter over the whole vocabulary shares the target's head in vLLM: nothing written
+    full = save_drafter(init_drafter(target, 1, 4, mask_token_id=5), tmp_path / "f", lm_head=head)
+    assert "lm_head.weight" not in load_file(str(full / "model.safetensors"))
+
+
 def zlab_json(**over) -> dict:
     cfg = {
         "architectures": ["DFlashDraftModel"],

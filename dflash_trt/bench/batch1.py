@@ -220,12 +220,15 @@ def _check(cfg: BenchConfig) -> None:
             directory, ``max_new_tokens`` < 1.
     """
     from .peers import PEERS, require_llama_cpp
+    from .vllm_peer import check_vllm_peer
 
     for p in cfg.peers:
         if p not in PEERS:
             raise DFlashError(f"unknown peer {p!r}; choose from {', '.join(PEERS)}")
     if "llama.cpp" in cfg.peers:
         require_llama_cpp()  # before minutes of benchmarking, not after
+    if "vllm" in cfg.peers:
+        check_vllm_peer(cfg.engine_args)
     if cfg.max_new_tokens < 1:
         raise ConfigError("max_new_tokens", f"must be >= 1, got {cfg.max_new_tokens}")
     if cfg.engine_args.engine and cfg.peers:
@@ -247,6 +250,7 @@ def _peers(cfg, models, prompts, K, llama, ar_out, ar_tps, progress) -> tuple[di
             # llama.cpp: prefill and decode timed apart (None for the transformers peers)
             "prefill_tokens_per_s": res.prefill_tokens_per_s,
             "decode_tokens_per_s": res.decode_tokens_per_s,
+            "acceptance_length": res.acceptance_length,
         }
 
     if llama is not None:
@@ -257,7 +261,29 @@ def _peers(cfg, models, prompts, K, llama, ar_out, ar_tps, progress) -> tuple[di
         else:
             record(res)
     target = models.target
-    for name in [p for p in cfg.peers if p != "llama.cpp"]:
+    if "vllm" in cfg.peers:
+        from .vllm_peer import run_vllm
+
+        try:
+            got = run_vllm(
+                target.path,
+                models.drafter,
+                target.model.lm_head.weight,
+                prompts,
+                cfg.max_new_tokens,
+                parse_dtype(models.dtype),
+                target.stop_token_ids,
+                K,
+                threads=torch.get_num_threads(),
+                progress=progress,
+            )
+        except DFlashError as e:  # the peer fails alone: what was measured is kept
+            progress(f"peer vllm failed: {e}")
+            peer_errors["vllm"] = str(e)
+            got = {}
+        for by_c in got.values():
+            record(by_c[1])
+    for name in [p for p in cfg.peers if p not in ("llama.cpp", "vllm")]:
         progress(f"peer {name} ...")
         try:
             res = run_peer(
@@ -403,6 +429,8 @@ def format_table(r: dict) -> str:
         note = "" if p.get("identical_to_ar") is None else f"same tokens as ours: {p['identical_to_ar']}"
         if p.get("decode_tokens_per_s"):
             note += f"; decode {p['decode_tokens_per_s']:.1f} tok/s, prefill {p['prefill_tokens_per_s']:.0f} tok/s"
+        if p.get("acceptance_length"):
+            note += f"; acceptance length {p['acceptance_length']:.2f}"
         rows.append((f"peer: {name}", p["tokens_per_s"], p["speedup_vs_ar"], note))
     head = (
         f"{r['dataset']}: {r['num_prompts']} prompts, {r['max_new_tokens']} new tokens, T={r['temperature']}, "

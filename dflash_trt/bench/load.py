@@ -46,6 +46,7 @@ import torch
 
 from ..atomic import write_json
 from ..checkpoints.engine_dir import kv_capacity
+from ..checkpoints.loader import parse_dtype
 from ..engine_args import EngineArgs
 from ..errors import ConfigError, DFlashError
 from ..models.prefill import first_divergence, top2_margin
@@ -63,8 +64,8 @@ MODES = ("dflash", "ar")
 @dataclass
 class LoadConfig(BenchConfig):
     """Settings of one load benchmark (``dflash-trt bench --concurrency ...`` flags): the
-    engine, prompt and sampling settings of :class:`BenchConfig` (``peers`` unused; the
-    engine's ``adaptive`` on by default here) plus
+    engine, prompt and sampling settings of :class:`BenchConfig` (``peers``: only ``vllm``, run
+    at each concurrency after our modes; the engine's ``adaptive`` on by default here) plus
 
     Attributes:
         concurrency: the ``C`` values (most requests in flight), each >= 1.
@@ -103,6 +104,12 @@ class LoadConfig(BenchConfig):
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
             raise ConfigError("modes", f"must be among {', '.join(MODES)}, got {self.modes!r}")
+        if any(p != "vllm" for p in self.peers):
+            raise DFlashError(f"the load benchmark's only peer is vllm, got {','.join(self.peers)}")
+        if self.peers:
+            from .vllm_peer import check_vllm_peer
+
+            check_vllm_peer(self.engine_args)
         self.engine_args.create_engine_config()  # the engine's own settings
 
     def requests_for(self, c: int) -> int:
@@ -282,6 +289,8 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
         run.engine_for(mode)
     rows = [row for c in cfg.concurrency for row in run.at_concurrency(c)]
     result = run.result(rows, kv_src)
+    if "vllm" in cfg.peers:
+        result["peers"], result["peer_errors"] = run.vllm_rows()
     if run.tp is not None:
         run.tp_engines.close()
         run.tp.shutdown()
@@ -306,6 +315,8 @@ class _LoadRun:
         self.K = cfg.engine_args.block_size or (drafter.cfg.block_size if drafter is not None else 1)
         self.tp_engines = TPEngines(self.models, tp) if tp is not None else None
         self.engines: dict[str, LLMEngine] = {}
+        #: per concurrency: the requests' prompts and plain decoding's outputs (for the peers)
+        self.plain_outputs: dict[int, tuple[list[list[int]], list[list[int]] | None]] = {}
 
     def engine_for(self, mode: str) -> LLMEngine:
         """The mode's engine (its warm-up untimed; on the compiled path a batch and a request
@@ -356,6 +367,7 @@ class _LoadRun:
         divergences = self._divergences(
             {mode: [r.output for r in lane.records] for mode, lane in lanes.items()}, req_prompts
         )
+        self.plain_outputs[c] = (req_prompts, [r.output for r in lanes["ar"].records] if "ar" in lanes else None)
         rows = []
         for mode in cfg.modes:
             lane = lanes[mode]
@@ -368,6 +380,48 @@ class _LoadRun:
             row["divergences"] = divergences
             rows.append(row)
         return rows
+
+    def vllm_rows(self) -> tuple[list[dict], dict]:
+        """vLLM plain and DFlash (:func:`~.vllm_peer.run_vllm`) on each concurrency's requests,
+        after our modes: one row per (C, peer), and ``{"vllm": error}`` when it failed."""
+        from .vllm_peer import run_vllm
+
+        cfg, target = self.cfg, self.models.target
+        if self.tp is not None:
+            return [], {"vllm": "peer vllm runs without tensor parallelism: bench it without mpiexec"}
+        try:
+            got = run_vllm(
+                target.path,
+                self.models.drafter,
+                target.model.lm_head.weight,
+                self.prompts,
+                cfg.max_new_tokens,
+                parse_dtype(self.models.dtype),
+                target.stop_token_ids,
+                self.K,
+                {c: ps for c, (ps, _) in self.plain_outputs.items()},
+                torch.get_num_threads(),
+                self.progress,
+            )
+        except DFlashError as e:  # the peer fails alone: what was measured is kept
+            self.progress(f"peer vllm failed: {e}")
+            return [], {"vllm": str(e)}
+        rows = []
+        for name, by_c in got.items():
+            for c, res in by_c.items():
+                ar = self.plain_outputs[c][1]
+                rows.append(
+                    {
+                        "concurrency": c,
+                        "mode": name,
+                        "requests": len(res.outputs),
+                        "output_tokens": res.new_tokens,
+                        "output_tokens_per_s": res.tokens_per_s,
+                        "tau": res.acceptance_length,
+                        "identical_to_ar": None if ar is None or cfg.temperature else res.outputs == ar,
+                    }
+                )
+        return rows, {}
 
     def _divergences(self, outputs: dict[str, list[list[int]]], req_prompts: list[list[int]]) -> list[dict] | None:
         """Greedy runs of both modes: the requests where DFlash parts from plain decoding, with
@@ -456,4 +510,12 @@ def format_load_table(r: dict) -> str:
             f"{_ms(x['iteration_p50_s']) + '/' + _ms(x['iteration_max_s']):>16} "
             f"{x['mean_draft_tokens']:>11.2f} {x['tau']:>5.2f}  {note}"
         )
+    for x in r.get("peers", []):
+        tau = "-" if x["tau"] is None else f"{x['tau']:.2f}"
+        lines.append(
+            f"{x['concurrency']:>4} {x['mode']:<7} {x['requests']:>5} {x['output_tokens']:>7} "
+            f"{x['output_tokens_per_s']:>8.1f} {'':>10} {'':>16} {'':>16} {'':>16} {'':>11} {tau:>5}  "
+            f"same tokens as plain: {x['identical_to_ar']}"
+        )
+    lines += [f"peer {name} failed: {err}" for name, err in r.get("peer_errors", {}).items()]
     return "\n".join(lines)

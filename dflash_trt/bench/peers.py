@@ -9,6 +9,9 @@
   thread count; prefill (one ``eval`` of the prompt) and decode (one ``eval`` per new token)
   are timed apart. It runs in a child process (:class:`LlamaCppSession`) that ``bench`` keeps up
   and interleaves with our modes prompt by prompt.
+- ``vllm``: vLLM's CPU build in its own environment (``make peers``), plain decoding and its DFlash
+  proposer with our drafter's weights, after our modes (:mod:`.vllm_peer`); rows ``vllm`` and
+  ``vllm-dflash``.
 
 Each peer loads the HF checkpoint once (untimed), runs one short untimed warm-up generate, then
 times every prompt's ``generate`` call with :func:`time.perf_counter` (prefill included; tokenizing,
@@ -27,13 +30,14 @@ import torch
 
 from ..errors import DFlashError
 
-PEERS = ("hf", "prompt-lookup", "zlab", "llama.cpp")
+PEERS = ("hf", "prompt-lookup", "zlab", "llama.cpp", "vllm")
 
 _PEER_KWARGS = {
     "hf": {},
     "prompt-lookup": {"prompt_lookup_num_tokens": 10},
     "zlab": {},
     "llama.cpp": {},
+    "vllm": {},
 }
 
 WARMUP_NEW_TOKENS = 4
@@ -60,6 +64,8 @@ class PeerResult:
     prefill_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    #: a speculative peer's acceptance length (tokens per target verify), as the peer counts it
+    acceptance_length: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -78,7 +84,8 @@ class PeerResult:
         return steps / self.decode_s if self.decode_s > 0 and steps > 0 else None
 
 
-def _cut_at_stop(ids: list[int], stops: set[int]) -> list[int]:
+def cut_at_stop(ids: list[int], stops: set[int]) -> list[int]:
+    """``ids`` up to and including the first stop token (all of them without one)."""
     for i, t in enumerate(ids):
         if t in stops:
             return ids[: i + 1]
@@ -414,5 +421,5 @@ def run_peer(
             if on_cuda:
                 torch.cuda.synchronize()
             wall += time.perf_counter() - t0
-            outputs.append(_cut_at_stop(out[0, len(p) :].tolist(), stop_set))
+            outputs.append(cut_at_stop(out[0, len(p) :].tolist(), stop_set))
     return PeerResult(name, outputs, sum(map(len, outputs)), wall)

@@ -236,6 +236,7 @@ def save_drafter(
     dtype: torch.dtype | None = None,
     replace: bool = False,
     extra: dict[str, Callable[[Path], None]] | None = None,
+    lm_head: torch.Tensor | None = None,
 ) -> Path:
     """Write ``model`` as a z-lab drafter directory, atomically (:func:`~dflash_trt.atomic.atomic_dir`).
 
@@ -245,6 +246,11 @@ def save_drafter(
         replace: replace an existing ``out`` (else that is an error).
         extra: more files for the same directory, ``{name: write(path)}`` (a training
             checkpoint's optimizer state), written before it appears.
+        lm_head: the target's LM head weight ``[vocab, hidden]``: with a draft vocabulary
+            (``d2t``) its rows ``i + d2t[i]`` are written as ``lm_head.weight``
+            ``[draft_vocab_size, hidden]``, which vLLM's DFlash model (``qwen3_dflash.py``) needs
+            (without it vLLM shares the target's head and keeps its first rows: wrong drafts,
+            no error); our loader ignores it (the drafter uses the target's head).
 
     Raises:
         DFlashError: ``out`` already exists and ``replace`` is false.
@@ -259,6 +265,9 @@ def save_drafter(
             k: (v.to(dtype) if dtype and v.is_floating_point() else v).contiguous()
             for k, v in model.state_dict().items()
         }
+        if lm_head is not None and model.d2t is not None:
+            rows = lm_head.detach()[model.draft_token_ids().to(lm_head.device)].cpu()
+            sd["lm_head.weight"] = rows.to(dtype or rows.dtype).contiguous()
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_json(tmp / "config.json", drafter_config_to_json(model.cfg))
         for name, write in (extra or {}).items():

@@ -22,7 +22,8 @@ def register(sub) -> None:
         "--peers",
         default="",
         help="comma list of peers: hf, prompt-lookup, zlab (z-lab reference loop, same drafter), "
-        "llama.cpp (the same GGUF through llama-cpp-python: `make peers`)",
+        "llama.cpp (the same GGUF through llama-cpp-python: `make peers`), vllm (vLLM's CPU build, plain "
+        "and its DFlash with the same drafter: `make peers`; also with --concurrency)",
     )
     b.add_argument(
         "--plot",
@@ -104,8 +105,6 @@ def run(args) -> None:
 def _run_load(args) -> None:
     from ..bench.load import LoadConfig, format_load_table, run_load_bench
 
-    if args.peers:
-        raise DFlashError("--peers runs the batch-1 comparison; drop --peers with --concurrency")
     conc = flags.int_list(args.concurrency, "--concurrency")
     if not conc:
         raise DFlashError(f"--concurrency takes comma-separated integers >= 1, got {args.concurrency!r}")
@@ -116,6 +115,7 @@ def _run_load(args) -> None:
         concurrency=conc,
         request_rate=_rate(args.request_rate),
         num_requests=args.num_requests,
+        peers=tuple(p for p in args.peers.split(",") if p),
         **_settings(args),
     )
     cfg.validate()

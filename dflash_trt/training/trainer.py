@@ -394,7 +394,13 @@ class Trainer:
     def export(self) -> Path:
         """Write the drafter to ``out_dir/drafter`` (z-lab format, ``cfg.export_dtype``) and
         return that path."""
-        return save_drafter(self.drafter.eval(), self.out / "drafter", parse_dtype(self.cfg.export_dtype), replace=True)
+        return save_drafter(
+            self.drafter.eval(),
+            self.out / "drafter",
+            parse_dtype(self.cfg.export_dtype),
+            replace=True,
+            lm_head=self.target.model.lm_head.weight,
+        )
 
     def run(self) -> Path:
         """Train until ``cfg.steps`` (or ``cfg.stop_after``, or the time box) are done,
