@@ -85,6 +85,11 @@ class EngineArgs:
     # --- KV cache and scheduler ---
     tokens_per_block: int = arg("KV-cache block size in positions", default=32)
     kv_capacity: int | None = arg("KV positions (default: the engine's memory plan, else 65536)")
+    enable_prefix_caching: bool = arg(
+        "reuse the KV blocks of earlier requests whose tokens a new prompt starts with (vLLM's automatic "
+        "prefix caching)",
+        default=True,
+    )
     max_batch_size: int = arg("most running sequences", default=64)
     max_num_tokens: int = arg("most target tokens per iteration (verify blocks + prompt chunks)", default=2048)
     max_prefill_tokens: int | None = arg(
@@ -125,7 +130,7 @@ class EngineArgs:
                 cuda_graphs=self.cuda_graphs,
                 batch_invariant=self.batch_invariant,
             ),
-            cache=CacheConfig(self.tokens_per_block, self.kv_capacity),
+            cache=CacheConfig(self.tokens_per_block, self.kv_capacity, self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_batch_size, self.max_num_tokens, self.max_prefill_tokens),
             speculative=SpeculativeConfig(
                 method="dflash" if self.block_size != 1 else "none",

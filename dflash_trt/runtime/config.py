@@ -89,10 +89,13 @@ class CacheConfig:
         tokens_per_block: positions per KV-cache block (TensorRT-LLM's ``tokens_per_block``).
         kv_capacity: KV positions in the pools; None: an engine directory's memory plan
             (capped at :data:`DEFAULT_KV_CAPACITY`), else :data:`DEFAULT_KV_CAPACITY`.
+        enable_prefix_caching: keep ended requests' full KV blocks for later prompts that start
+            alike (vLLM's automatic prefix caching, ``block_manager.py``).
     """
 
     tokens_per_block: int = 32
     kv_capacity: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _check(self.tokens_per_block >= 1, "tokens_per_block", f"must be >= 1, got {self.tokens_per_block}")

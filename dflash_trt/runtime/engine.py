@@ -106,11 +106,17 @@ class LLMEngine:
         self.config = cfg
         self.lookup = PromptLookup(*spec.prompt_lookup) if spec.prompt_lookup is not None else None
         self.stop_token_ids = tuple(stop_token_ids)
-        self.blocks = BlockManager(num_blocks, tpb)
-        self.scheduler = Scheduler(
-            self.blocks, sched.max_batch_size, sched.max_num_tokens, K, max_prefill_tokens=sched.max_prefill_tokens
-        )
+        self.blocks = BlockManager(num_blocks, tpb, cfg.cache.enable_prefix_caching)
         self.runner = runner or ModelRunner(target, drafter if K > 1 else None, cfg, tp=tp)
+        proposer = self.runner.proposer
+        self.scheduler = Scheduler(
+            self.blocks,
+            sched.max_batch_size,
+            sched.max_num_tokens,
+            K,
+            max_prefill_tokens=sched.max_prefill_tokens,
+            drafter_window=(proposer.window or 0) if proposer is not None else None,
+        )
         self.tp = tp
         #: the loaded models this engine was built from (``engine_factory.LoadedModels``), when
         #: built by :meth:`from_engine_args`
@@ -260,6 +266,10 @@ class LLMEngine:
 
     # ---- the iteration ----
     def _finish(self, seq: Sequence, done: list[Sequence]) -> None:
+        if seq.finish_reason != "error":  # its K/V may serve later prompts (prefix cache)
+            proposer = self.runner.proposer
+            drafted = proposer.drafted(seq.seq_id) if proposer is not None else None
+            self.blocks.cache_prefix(seq.seq_id, seq.tokens, seq.num_cached, drafted)
         self.scheduler.remove(seq)
         if self.lookup is not None:
             self.lookup.release(seq.seq_id)

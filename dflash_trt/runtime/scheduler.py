@@ -46,6 +46,8 @@ class Scheduler:
             a whole block past the last committed token).
         max_prefill_tokens: most prompt tokens per iteration (None: ``max_num_tokens``); bounds
             how long an iteration that prefills holds back the decoding sequences.
+        drafter_window: None: no drafter; 0: a drafter that sees the whole context; W: a drafter
+            with a sliding window of W (which prompt blocks need its K/V in the prefix cache).
 
     Raises:
         DFlashError: ``max_prefill_tokens`` < 1.
@@ -58,6 +60,7 @@ class Scheduler:
         max_num_tokens: int,
         reserve_extra: int,
         max_prefill_tokens: int | None = None,
+        drafter_window: int | None = None,
     ):
         if max_prefill_tokens is not None and max_prefill_tokens < 1:
             raise DFlashError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
@@ -66,6 +69,7 @@ class Scheduler:
         self.max_num_tokens = max_num_tokens
         self.max_prefill_tokens = max_num_tokens if max_prefill_tokens is None else max_prefill_tokens
         self.reserve_extra = reserve_extra
+        self.drafter_window = drafter_window
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -85,6 +89,13 @@ class Scheduler:
                 f"request needs {self.need(req)} KV positions ({n} blocks of {self.blocks.tokens_per_block}); "
                 f"the cache holds {self.blocks.num_blocks} blocks"
             )
+
+    def _drafter_from(self, s: Sequence) -> int | None:
+        """The first position whose drafter K/V ``s``'s drafts can see (None: no drafter): with a
+        sliding window W, a block anchored at ``q`` sees positions after ``q - W``
+        (:func:`~dflash_trt.models.drafter.sliding_visible`), and the first anchor is ``prompt_len``."""
+        w = self.drafter_window
+        return None if w is None else (0 if w == 0 else max(0, s.prompt_len - w + 1))
 
     def add(self, seq: Sequence) -> None:
         self.check(seq.request)
@@ -142,7 +153,8 @@ class Scheduler:
             self.waiting.popleft()
             self.blocks.reserve(s.seq_id, self.need(s.request))
             self.running.append(s)
-            n = min(s.prompt_len, budget)
+            s.num_cached = self.blocks.share_prefix(s.seq_id, s.tokens, s.prompt_len - 1, self._drafter_from(s))
+            n = min(s.prompt_len - s.num_cached, budget)
             prefill.append((s, n))
             budget -= n
         return Schedule(decode, prefill)

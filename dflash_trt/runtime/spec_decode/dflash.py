@@ -72,6 +72,9 @@ class DFlashProposer:
         # per sequence: (first position, chunks of target features [n_i, F], end position) not yet in
         # the drafter's cache
         self._features: dict[int, tuple[int, list[torch.Tensor], int]] = {}
+        # per sequence: the positions [lo, hi) whose drafter K/V its drafting steps wrote (the prefix cache
+        # may keep those blocks for later requests)
+        self._drafted: dict[int, tuple[int, int]] = {}
         # the drafter kernels (dflash_trt.kernels) on CUDA, or when forced by DFLASH_TRT_KERNELS=triton
         # (interpreted on the CPU); else the torch modules
         self.kernels = kernels_wanted(self.device)
@@ -113,16 +116,24 @@ class DFlashProposer:
         n = upto - first
         self._features[seq_id] = (upto, [f[n:]], end)
         lo = 0 if self.window is None else max(0, n - self.window + 1)
+        old = self._drafted.get(seq_id)
+        self._drafted[seq_id] = (old[0] if old and old[1] == first + lo else first + lo, upto)
         return first + lo, f[lo:n]
+
+    def drafted(self, seq_id: int) -> tuple[int, int] | None:
+        """Positions ``[lo, hi)`` of ``seq_id`` whose drafter K/V are in the pool (None: none yet)."""
+        return self._drafted.get(seq_id)
 
     def release(self, seq_ids: list[int]) -> None:
         """Drop these sequences' features (they ended, or are recomputed)."""
         for s in seq_ids:
             self._features.pop(s, None)
+            self._drafted.pop(s, None)
 
     def release_all(self) -> None:
         """Drop every sequence's stored features."""
         self._features.clear()
+        self._drafted.clear()
 
     # ---- drafting ----
     def propose(self, items: list, block: int) -> torch.Tensor:

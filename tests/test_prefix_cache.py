@@ -1,0 +1,97 @@
+"""Automatic prefix caching (``runtime/block_manager.py``): ended requests' full KV blocks serve
+later prompts that start with the same tokens. The block manager's bookkeeping on its own, then
+the engine on the real target: requests that reuse cached blocks (plain, DFlash with a drafter
+that sees the whole context, DFlash with a sliding-window drafter) give plain decoding's tokens,
+and the cache saves prefill."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import make_engine, plain_outputs
+
+from dflash_trt.checkpoints.zlab import init_drafter
+from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
+from dflash_trt.runtime.block_manager import BlockManager
+from dflash_trt.runtime.request import Request
+
+
+def _run(bm: BlockManager, sid: int, tokens: list[int], drafted=None, drafter_from=None) -> int:
+    """Admit ``sid``, share what the cache has, fill its blocks, end it into the cache; returns
+    the positions shared."""
+    bm.reserve(sid, len(tokens) + 4)
+    shared = bm.share_prefix(sid, tokens, len(tokens) - 1, drafter_from)
+    bm.ensure(sid, len(tokens))
+    bm.cache_prefix(sid, tokens, len(tokens), drafted)
+    bm.release(sid)
+    return shared
+
+
+def test_block_manager_shares_counts_and_evicts():
+    bm = BlockManager(6, 4, prefix_caching=True)
+    a = list(range(100, 110))  # 2 full blocks + 2
+    assert _run(bm, 0, a) == 0
+    assert bm.num_cached_blocks == 2 and bm.num_free_blocks == 6
+    # the same prompt: both full blocks, never the block of the last prompt token
+    assert _run(bm, 1, a) == 8 and _run(bm, 2, a[:8] + [7]) == 8 and _run(bm, 3, a[:8]) == 4
+    # a different first block: nothing, although the second block's tokens are equal
+    assert _run(bm, 4, [1, 2, 3, 4] + a[4:]) == 0
+    # held blocks are shared, not copied: two holders, one block each
+    bm.reserve(5, 12)
+    bm.reserve(6, 12)
+    assert bm.share_prefix(5, a, 9, None) == 8 and bm.share_prefix(6, a, 9, None) == 8
+    assert bm.table(5) == bm.table(6)
+    bm.release(5)
+    bm.release(6)
+    # a drafter that sees everything needs its K/V in every shared block; a windowed one only
+    # from where its first block looks
+    bm2 = BlockManager(8, 4, prefix_caching=True)
+    _run(bm2, 0, a, drafted=(4, 10))
+    assert _run(bm2, 1, a, drafter_from=0) == 0
+    assert _run(bm2, 2, a, drafter_from=6) == 8
+    # a full pool takes the least recently used cached block nobody holds
+    bm3 = BlockManager(4, 4, prefix_caching=True)
+    _run(bm3, 0, a[:9])  # caches 2 blocks
+    bm3.reserve(1, 16)
+    bm3.ensure(1, 16)  # 4 new blocks: both cached ones are taken
+    assert bm3.num_cached_blocks == 0
+    bm3.release(1)
+    assert _run(bm3, 2, a[:9]) == 0
+    assert bm3.num_free_blocks == bm3.num_blocks and bm3.num_unreserved_blocks == bm3.num_blocks
+    # off: nothing cached
+    off = BlockManager(6, 4)
+    _run(off, 0, a)
+    assert _run(off, 1, a) == 0 and off.num_cached_blocks == 0
+
+
+@pytest.mark.parametrize("drafter_kind", ["plain", "full", "window"])
+def test_engine_reuses_prompt_blocks_and_stays_lossless(smollm2, random_drafter, drafter_kind):
+    """Two waves of the same chat prompts (the second after the first has ended, plus longer
+    prompts that start with the first wave's): the second wave prefills only what the cache
+    lacks and every output equals plain decoding's without a cache."""
+    tok = smollm2.tokenizer
+    prompts = [chat_prompt_ids(tok, p) for p in mixed_prompts(4)]
+    longer = [p + tok.encode(" And once more, in short.") for p in prompts[:2]]
+    first = [Request(p, 12) for p in prompts]
+    second = [Request(p, 12) for p in prompts + longer]
+    refs = plain_outputs(smollm2, [r.prompt_ids for r in second], 12, enable_prefix_caching=False)
+    drafter = {
+        "plain": None,
+        "full": random_drafter,
+        "window": init_drafter(smollm2.model.cfg, 1, 4, random_drafter.cfg.mask_token_id, seed=1, sliding_window=16),
+    }[drafter_kind]
+    engine = make_engine(smollm2, drafter, 1 if drafter is None else 4, second, kv_capacity=8192)
+    got1 = [o.output_ids for o in engine.generate(first)]
+    assert got1 == refs[:4]
+    hits = engine.blocks.prefix_hits
+    assert hits == 0
+    got2 = [o.output_ids for o in engine.generate(second)]
+    assert got2 == refs
+    tpb = engine.blocks.tokens_per_block
+    saved = engine.blocks.prefix_hits
+    if drafter_kind == "full":  # cached only where the drafter drafted: from its first anchor back to 0
+        assert saved >= tpb * len(second)
+    else:
+        assert saved >= sum((len(p) - 1) // tpb * tpb for p in prompts) // 2
+    bm = engine.blocks
+    assert bm.num_free_blocks == bm.num_blocks and not bm.holders()
+    print(f"\n{drafter_kind}: {saved} of {sum(len(r.prompt_ids) for r in second)} prompt positions from the cache")
