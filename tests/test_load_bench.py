@@ -243,6 +243,7 @@ def test_kv_capacity_default(tmp_path):
         (["--concurrency", "1,4", "--request-rate", "-2"], "--request-rate must be > 0"),
         (["--concurrency", "1", "--request-rate", "fast"], "--request-rate takes a number"),
         (["--concurrency", "1", "--peers", "hf"], "only peer is vllm"),
+        (["--concurrency", "1", "--peers", "vllm", "--weights", "int4"], "peer vllm runs the dense checkpoint"),
         (["--concurrency", "1", "--max-batch-size", "0"], "--max-batch-size must be >= 1"),
         (["--concurrency", "1", "--num-requests", "0"], "--num-requests must be >= 1"),
         (["--kv-capacity", "4096"], "add --concurrency"),
@@ -250,6 +251,14 @@ def test_kv_capacity_default(tmp_path):
 )
 def test_load_bench_bad_input_one_line(args, expect, capsys):
     assert expect in main_error(capsys, "bench", *args)
+
+
+def test_vllm_peer_without_its_environment_one_line(capsys, monkeypatch, tmp_path):
+    """``--peers vllm`` names ``make peers`` when vLLM's environment is not there, before any model loads."""
+    monkeypatch.setenv("DFLASH_TRT_VLLM_PYTHON", str(tmp_path / "no-python"))
+    for argv in (["--peers", "vllm"], ["--concurrency", "1", "--peers", "vllm"]):
+        line = main_error(capsys, "bench", *argv)
+        assert "make peers" in line and "no-python" in line
 
 
 def test_engine_settings_rejected_before_running(capsys):

@@ -272,6 +272,10 @@ def test_metrics_equal_engine_counts(server):
     assert value("vllm:num_requests_running") == 0 and value("vllm:kv_cache_usage_perc") == 0
     assert value("vllm:generation_tokens_total") >= st.committed > 0
     assert "vllm:time_to_first_token_seconds_bucket" in text
+    # the earlier tests sent the same prompts many times: most of their blocks came from the prefix cache
+    bm = service.engine.blocks
+    assert value("vllm:prefix_cache_queries_total") == bm.prefix_queries > 0
+    assert value("vllm:prefix_cache_hits_total") == bm.prefix_hits > 0
 
 
 def test_stop_string_ends_as_stop(server, smollm2, prompts, reference):

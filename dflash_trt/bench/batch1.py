@@ -143,15 +143,17 @@ class _InterleavedLlamaCpp:
     call it with each prompt, then :meth:`result`. A failure (no GGUF target, a crash) is kept in
     ``error`` and ends the peer, not the benchmark."""
 
-    def __init__(self, cfg: BenchConfig, prompts: list[list[int]], stop_token_ids: tuple[int, ...]):
+    def __init__(self, cfg: BenchConfig, prompts: list[list[int]], stop_token_ids: tuple[int, ...], repack: bool):
         from .peers import open_llama_cpp
 
+        self.name = "llama.cpp-repack" if repack else "llama.cpp"
         self.prompts, self.max_new = prompts, cfg.max_new_tokens
         self.runs: list[tuple[list[int], float, float]] = []
         self.session, self.error = None, None
         try:
             gguf = _gguf_of(cfg.engine_args.model)
-            self.session = open_llama_cpp(gguf, prompts, cfg.max_new_tokens, stop_token_ids, torch.get_num_threads())
+            threads = torch.get_num_threads()
+            self.session = open_llama_cpp(gguf, prompts, cfg.max_new_tokens, stop_token_ids, threads, repack)
         except DFlashError as e:
             self.error = str(e)
 
@@ -171,7 +173,7 @@ class _InterleavedLlamaCpp:
         if self.session is None:
             return None
         self.session.close()
-        return llama_cpp_result(self.prompts, self.runs)
+        return llama_cpp_result(self.prompts, self.runs, self.name)
 
 
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
@@ -196,13 +198,13 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         if a.compile:
             progress(f"block size {engine.block_size}: compiled in {warm_s:.0f} s (warm-up, untimed)")
     stops = models.target.stop_token_ids
-    llama = _InterleavedLlamaCpp(cfg, prompts, stops) if "llama.cpp" in cfg.peers else None
+    llama = [_InterleavedLlamaCpp(cfg, prompts, stops, r) for r in (False, True)] if "llama.cpp" in cfg.peers else []
     names = f"plain decoding, DFlash (block size {modes[1].block_size})"
     if len(modes) > 2:
         names += f", DFlash + prompt lookup (n-grams {a.prompt_lookup_min}-{a.prompt_lookup_max})"
-    names += " and llama.cpp" if llama and llama.session else ""
+    names += "".join(f" and {x.name}" for x in llama if x.session)
     progress(f"{names}, interleaved, on {len(prompts)} {cfg.prompt_set} prompts ...")
-    runs = _run_modes(modes, prompts, cfg, sampling, llama)
+    runs = _run_modes(modes, prompts, cfg, sampling, (lambda ids: [x(ids) for x in llama]) if llama else None)
     ar_out, ar_wall, _ = runs[0]
     ar_tps = sum(map(len, ar_out)) / ar_wall
     peers, peer_errors = _peers(cfg, models, prompts, modes[1].block_size, llama, ar_out, ar_tps, progress)
@@ -253,11 +255,11 @@ def _peers(cfg, models, prompts, K, llama, ar_out, ar_tps, progress) -> tuple[di
             "acceptance_length": res.acceptance_length,
         }
 
-    if llama is not None:
-        res = llama.result()
+    for x in llama:
+        res = x.result()
         if res is None:
-            progress(f"peer llama.cpp failed: {llama.error}")
-            peer_errors["llama.cpp"] = llama.error
+            progress(f"peer {x.name} failed: {x.error}")
+            peer_errors[x.name] = x.error
         else:
             record(res)
     target = models.target

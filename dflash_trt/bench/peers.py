@@ -8,7 +8,9 @@
   GGUF file, the same prompt token ids, greedy (argmax of its logits), ``n_threads`` = torch's
   thread count; prefill (one ``eval`` of the prompt) and decode (one ``eval`` per new token)
   are timed apart. It runs in a child process (:class:`LlamaCppSession`) that ``bench`` keeps up
-  and interleaves with our modes prompt by prompt.
+  and interleaves with our modes prompt by prompt. Two rows: ``llama.cpp`` keeps the file's
+  block layout, ``llama.cpp-repack`` lets ggml repack the weights for its GEMMs (its default;
+  a crash in it, seen on an AMX Xeon, ends that row only).
 - ``vllm``: vLLM's CPU build in its own environment (``make peers``), plain decoding and its DFlash
   proposer with our drafter's weights, after our modes (:mod:`.vllm_peer`); rows ``vllm`` and
   ``vllm-dflash``.
@@ -143,7 +145,7 @@ def require_llama_cpp() -> None:
 
 
 def _llama_cpp_generator(
-    gguf: Path, n_ctx: int, stop_token_ids: tuple[int, ...], threads: int
+    gguf: Path, n_ctx: int, stop_token_ids: tuple[int, ...], threads: int, repack: bool = False
 ) -> Callable[[list[int], int], tuple[list[int], float, float]]:
     """Load ``gguf`` into llama.cpp (llama-cpp-python) and return ``one(prompt_ids, max_new_tokens)``:
     greedy decoding of one prompt, ``(new token ids, prefill seconds, decode seconds)``.
@@ -158,9 +160,10 @@ def _llama_cpp_generator(
     require_llama_cpp()
     import llama_cpp
 
-    # ggml's extra weight buffers (repacked layouts) off: on an AMX Xeon here the first eval on
-    # its AMX buffer of this file segfaulted (general protection fault in libggml-cpu); without
-    # it the weights stay in the file's Q4_1 / Q8_0 layout and ggml's AVX-512 dot products run
+    # ggml's extra weight buffers (repacked layouts: AMX tiles, or interleaved Q4 blocks for its
+    # AVX2 / AVX-512 GEMMs) only with ``repack``: on an AMX Xeon the first eval on its AMX buffer
+    # of this file segfaulted (general protection fault in libggml-cpu), so the ``llama.cpp`` peer
+    # keeps the file's Q4_1 / Q8_0 layout and ``llama.cpp-repack`` runs llama.cpp's default
     import llama_cpp.llama_cpp as capi
     import numpy as np
 
@@ -168,7 +171,7 @@ def _llama_cpp_generator(
 
     def model_params():
         params = defaults()
-        params.use_extra_bufts = False
+        params.use_extra_bufts = repack
         return params
 
     capi.llama_model_default_params = model_params  # what Llama() builds its params from
@@ -234,20 +237,21 @@ class LlamaCppSession:
         gguf: the model file; n_ctx: llama.cpp's context length (longest prompt + new tokens);
         stop_token_ids: a new token among these ends the prompt's generation (it is kept);
         threads: llama.cpp's ``n_threads`` and ``n_threads_batch``.
+        repack: ggml's repacked weight buffers (``use_extra_bufts``) on.
 
     Raises:
         DFlashError: llama-cpp-python not installed (``make peers``), a file it cannot load,
             or the child died (its exit code); also from :meth:`generate`.
     """
 
-    def __init__(self, gguf: Path, n_ctx: int, stop_token_ids: tuple[int, ...], threads: int):
+    def __init__(self, gguf: Path, n_ctx: int, stop_token_ids: tuple[int, ...], threads: int, repack: bool = False):
         import multiprocessing
 
         require_llama_cpp()
         self.gguf = Path(gguf)
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_end = ctx.Pipe()
-        args = (child_end, self.gguf, n_ctx, tuple(int(t) for t in stop_token_ids), threads)
+        args = (child_end, self.gguf, n_ctx, tuple(int(t) for t in stop_token_ids), threads, repack)
         self._child = ctx.Process(target=_llama_cpp_serve, args=args, daemon=True)
         self._child.start()
         child_end.close()  # the child's copy stays open: its death is our EOF
@@ -291,18 +295,26 @@ class LlamaCppSession:
         self.close()
 
 
-def llama_cpp_result(prompts: list[list[int]], runs: list[tuple[list[int], float, float]]) -> PeerResult:
+def llama_cpp_result(
+    prompts: list[list[int]], runs: list[tuple[list[int], float, float]], name: str = "llama.cpp"
+) -> PeerResult:
     """The :class:`PeerResult` of :meth:`LlamaCppSession.generate` results, one per prompt."""
     outputs = [r[0] for r in runs]
     pre, dec = sum(r[1] for r in runs), sum(r[2] for r in runs)
-    return PeerResult("llama.cpp", outputs, sum(map(len, outputs)), pre + dec, sum(map(len, prompts)), pre, dec)
+    return PeerResult(name, outputs, sum(map(len, outputs)), pre + dec, sum(map(len, prompts)), pre, dec)
 
 
 def open_llama_cpp(
-    gguf: Path | None, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple[int, ...], threads: int
+    gguf: Path | None,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stop_token_ids: tuple[int, ...],
+    threads: int,
+    repack: bool = False,
 ) -> LlamaCppSession:
     """A :class:`LlamaCppSession` sized for ``prompts`` (context: the longest prompt plus
-    ``max_new_tokens``), after one short untimed warm-up generate on ``prompts[0]``.
+    ``max_new_tokens``), after one short untimed warm-up generate on ``prompts[0]``; ``repack``:
+    ggml's repacked weight buffers on (llama.cpp's default; off: the file's own block layout).
 
     Raises:
         DFlashError: ``gguf`` is not a GGUF file (llama.cpp runs the target's own file), or as
@@ -311,7 +323,7 @@ def open_llama_cpp(
     if gguf is None or Path(gguf).suffix != ".gguf":
         raise DFlashError("peer llama.cpp runs a GGUF target: use the default target or --target FILE.gguf")
     n_ctx = max(map(len, prompts)) + max_new_tokens + 8
-    llm = LlamaCppSession(Path(gguf), n_ctx, stop_token_ids, threads)
+    llm = LlamaCppSession(Path(gguf), n_ctx, stop_token_ids, threads, repack)
     try:
         llm.generate(prompts[0], min(WARMUP_NEW_TOKENS, max_new_tokens))  # warm-up, untimed
     except DFlashError:

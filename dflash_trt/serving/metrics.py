@@ -9,6 +9,7 @@ label ``model_name``.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from ..runtime.request import RequestResult
 
@@ -38,6 +39,23 @@ _LATENCY_BUCKETS = (
 disable_created_metrics()  # no ``*_created`` series (vLLM's exposition has none)
 
 
+class _PrefixCacheCounters:
+    """``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (prompt tokens looked up in the
+    prefix cache, and those found), read from the block manager when scraped."""
+
+    def __init__(self, blocks, model_name: str):
+        self.blocks, self.model_name = blocks, model_name
+
+    def collect(self):
+        for name, doc, value in (
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", self.blocks.prefix_queries),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", self.blocks.prefix_hits),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], value)
+            yield c
+
+
 class ServingMetrics:
     """The metrics of one served model.
 
@@ -64,6 +82,8 @@ class ServingMetrics:
             "Share of KV-cache blocks in use (1 = full).",
             lambda: 1.0 - blocks.num_free_blocks / blocks.num_blocks,
         )
+
+        self.registry.register(_PrefixCacheCounters(blocks, model_name))
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()):
             return Counter(name, doc, ["model_name", *labels], registry=self.registry)
