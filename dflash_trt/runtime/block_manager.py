@@ -29,7 +29,6 @@ class BlockManager:
     Args:
         num_blocks: blocks in the pool (``>= 1``).
         tokens_per_block: positions per block (``>= 1``).
-
         prefix_caching: keep ended sequences' full blocks for later prompts that start alike.
 
     Raises:
