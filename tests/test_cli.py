@@ -45,7 +45,7 @@ def mismatched_drafter(tmp_path_factory, smollm2, random_drafter):
         (["generate", "--prompt", "hi", "--block-size", "32"], "above the drafter's block_size 8"),  # shipped
         (["generate", "--prompt", "hi", "--temperature", "-0.5"], "temperature must be a finite number >= 0"),
         (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-        (["bench", "--peers", "vllm"], "unknown peer 'vllm'"),
+        (["bench", "--peers", "tgi"], "unknown peer 'tgi'"),
         (["generate", "--prompt", "hi", "--dtype", "int3"], "--dtype 'int3' is unknown"),
         (["generate"], "--prompt"),
         (["generate", "--prompt", "hi", "--cuda-graphs", "--device", "cpu"], "--cuda-graphs needs a CUDA device"),

@@ -92,7 +92,9 @@ def test_stops_after_stop_token(smollm2, prompts, hf_result):
 
 def test_bad_peer_args(smollm2, prompts):
     assert PEERS == ("hf", "prompt-lookup", "zlab", "llama.cpp", "vllm")
-    with pytest.raises(DFlashError, match="unknown peer 'vllm'; choose from hf, prompt-lookup, zlab"):
+    with pytest.raises(DFlashError, match="unknown peer 'tgi'; choose from hf, prompt-lookup, zlab, llama.cpp"):
+        run_peer("tgi", smollm2.path, prompts, MAX_NEW, torch.float32, smollm2.stop_token_ids)
+    with pytest.raises(DFlashError, match="unknown peer 'vllm'"):  # vLLM runs through vllm_peer.run_vllm
         run_peer("vllm", smollm2.path, prompts, MAX_NEW, torch.float32, smollm2.stop_token_ids)
     with pytest.raises(DFlashError, match="max_new_tokens"):
         run_peer("hf", smollm2.path, prompts, 0, torch.float32, smollm2.stop_token_ids)

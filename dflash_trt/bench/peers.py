@@ -39,7 +39,6 @@ _PEER_KWARGS = {
     "prompt-lookup": {"prompt_lookup_num_tokens": 10},
     "zlab": {},
     "llama.cpp": {},
-    "vllm": {},
 }
 
 WARMUP_NEW_TOKENS = 4
@@ -360,7 +359,8 @@ def run_peer(
     """Run peer ``name`` greedily on ``prompts``, one at a time, and time it.
 
     Args:
-        name: one of :data:`PEERS` (``"hf"``, ``"prompt-lookup"``, ``"zlab"``).
+        name: ``"hf"``, ``"prompt-lookup"``, ``"zlab"`` or ``"llama.cpp"`` (``"vllm"`` runs
+            through :func:`~.vllm_peer.run_vllm`).
         hf_dir: HF checkpoint directory (``config.json`` + safetensors) that transformers loads.
         prompts: token ids per prompt (chat template already applied).
         max_new_tokens: cap on new tokens per prompt.
@@ -384,7 +384,7 @@ def run_peer(
             a checkpoint transformers cannot load, or llama.cpp failing or crashing.
     """
     if name not in _PEER_KWARGS:
-        raise DFlashError(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
+        raise DFlashError(f"unknown peer {name!r}; choose from {', '.join(_PEER_KWARGS)}")
     if max_new_tokens < 1:
         raise DFlashError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not prompts:
