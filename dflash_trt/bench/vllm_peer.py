@@ -210,6 +210,7 @@ def run_vllm(
     runs = concurrency or {1: prompts}
     max_len = max(len(p) for ps in runs.values() for p in ps) + max_new_tokens + block_size + 16
     results: dict[str, dict[int, PeerResult]] = {}
+    stops = set(stop_token_ids)
     with tempfile.TemporaryDirectory(prefix="dflash-vllm-") as tmp:
         drafter_dir = export_drafter(drafter, lm_head_weight, Path(tmp) / "drafter")
         for d in (None, drafter_dir):
@@ -221,8 +222,9 @@ def run_vllm(
                 results[s.name] = {}
                 for c, ps in runs.items():
                     r = s.generate(ps, max_new_tokens, stop_token_ids, c)
-                    outputs = [cut_at_stop(o, set(stop_token_ids)) for o in r["outputs"]]
-                    res = PeerResult(s.name, outputs, sum(map(len, outputs)), r["wall_s"])
-                    res.acceptance_length = 1 + r["accepted"] / r["drafts"] if r["drafts"] else None
-                    results[s.name][c] = res
+                    outputs = [cut_at_stop(o, stops) for o in r["outputs"]]
+                    tau = 1 + r["accepted"] / r["drafts"] if r["drafts"] else None
+                    results[s.name][c] = PeerResult(
+                        s.name, outputs, sum(map(len, outputs)), r["wall_s"], acceptance_length=tau
+                    )
     return results
