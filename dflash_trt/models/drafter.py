@@ -181,21 +181,41 @@ class DFlashDrafter(nn.Module):
         Returns:
             ``[S * B, hidden]`` final normed hidden states.
         """
-        from ..kernels import ops
 
         # first: it moves RoPE's tables and inv_freq to the device once (no copy per draft)
         cos, sin = self.rope(block_positions.view(1, -1), block_embeds.dtype, max_position)
-        if ctx_features.shape[0]:  # context K/V of ALL layers: one GEMM, one kernel launch
-            w, b, knorm = self._stacked_kv()
-            h = self.hidden_norm(self.fc(ctx_features))
-            kv = w(h) if isinstance(w, PackedLinear) else F.linear(h, w, b)
-            inv_freq = self.rope.inv_freq  # fp32 [D / 2]
-            ops.context_kv(kv, knorm, self.cfg.rms_norm_eps, inv_freq, ctx_positions, ctx_slots, k_pools, v_pools)
+        if ctx_features.shape[0]:
+            self.write_context_kv(ctx_features, ctx_positions, ctx_slots, k_pools, v_pools)
         x = block_embeds
         window = self.cfg.sliding_window or 0
         for i, layer in enumerate(self.layers):
             x = layer.forward_paged(x, cos, sin, k_pools[i], v_pools[i], paged, window)
         return self.norm(x)
+
+    def write_context_kv(
+        self,
+        ctx_features: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        k_pools: torch.Tensor,
+        v_pools: torch.Tensor,
+    ) -> None:
+        """KV injection alone: the context K/V of every layer from target features, written into
+        the pools (one GEMM for all layers, then ``dflash::context_kv``: k_norm, RoPE, the writes;
+        the Triton kernel on CUDA, its torch reference on the CPU).
+
+        Args:
+            ctx_features: ``[N, len(target_layer_ids) * hidden]`` target features (N >= 1).
+            positions, slots: int64 ``[N]`` their positions and pool slots.
+            k_pools, v_pools: ``[L, P, Hkv, D]`` every drafter layer's pool (written in place).
+        """
+        from ..kernels import ops
+
+        w, b, knorm = self._stacked_kv()
+        h = self.hidden_norm(self.fc(ctx_features))
+        kv = w(h) if isinstance(w, PackedLinear) else F.linear(h, w, b)
+        inv_freq = self.rope.inv_freq.to(h.device)  # fp32 [D / 2]
+        ops.context_kv(kv, knorm, self.cfg.rms_norm_eps, inv_freq, positions, slots, k_pools, v_pools)
 
     def _stacked_kv(self) -> tuple[torch.Tensor | PackedLinear, torch.Tensor | None, torch.Tensor]:
         """Every layer's ``[k_proj; v_proj]`` weights stacked (one GEMM for all layers' context

@@ -128,6 +128,9 @@ class LLMEngine:
         self._inbox: list[Sequence] = []  # added since the last iteration began
         self._aborts: dict[int, str] = {}  # seq id -> the finish reason it ends with
         self._release: list[int] = []
+        # (seq_id, table, upto) of ended sequences whose drafter context goes into the pool with
+        # the next plan, before the runner drops their features (StepPlan.ingest)
+        self._ingest: list[tuple[int, list[int], int]] = []
         # step() holds _lock for a whole iteration. add_request and abort come from other threads
         # (an HTTP server's event loop) and must never wait for an iteration: they take _admit,
         # held for a few dict operations, and the next iteration picks up what they left
@@ -267,9 +270,7 @@ class LLMEngine:
     # ---- the iteration ----
     def _finish(self, seq: Sequence, done: list[Sequence]) -> None:
         if seq.finish_reason != "error":  # its K/V may serve later prompts (prefix cache)
-            proposer = self.runner.proposer
-            drafted = proposer.drafted(seq.seq_id) if proposer is not None else None
-            self.blocks.cache_prefix(seq.seq_id, seq.tokens, seq.num_cached, drafted)
+            self.blocks.cache_prefix(seq.seq_id, seq.tokens, seq.num_cached, self._drafter_context(seq))
         self.scheduler.remove(seq)
         if self.lookup is not None:
             self.lookup.release(seq.seq_id)
@@ -281,6 +282,19 @@ class LLMEngine:
                 callback(fn, out, seq.prompt_len)
         if seq.on_finish is not None:  # streamed: the callback gets the result, nobody collects it
             callback(seq.on_finish, seq.seq_id, self.result(seq.seq_id))
+
+    def _drafter_context(self, seq: Sequence) -> tuple[int, int] | None:
+        """The positions of ending ``seq`` whose drafter K/V its blocks will hold: those its
+        drafting steps wrote, and, with the prefix cache on, the full blocks' waiting target
+        features, queued for the runner to write (:attr:`StepPlan.ingest`) before it drops them."""
+        proposer = self.runner.proposer
+        if proposer is None:
+            return None
+        upto = seq.num_cached // self.blocks.tokens_per_block * self.blocks.tokens_per_block
+        if not self.blocks.prefix_caching or proposer.pending(seq.seq_id, upto) is None:
+            return proposer.drafted(seq.seq_id)
+        self._ingest.append((seq.seq_id, list(self.blocks.table(seq.seq_id)), upto))
+        return proposer.drafted_after_ingest(seq.seq_id, upto)
 
     def fail_all(self) -> int:
         """End every queued and running request with finish reason ``error`` (after an
@@ -342,14 +356,15 @@ class LLMEngine:
         try:
             plan = self._plan(sched, drafts)
             if not plan.items:
-                if plan.release:
+                if plan.release or plan.ingest:
                     self._run(plan)  # let the other ranks drop released state
                 return done
             out = self._run(plan)
         except Exception:
             if not self.isolate_failures or self.tp is not None:
                 raise
-            self._release[:0] = plan.release if plan is not None else []
+            if plan is not None:
+                self._release[:0], self._ingest[:0] = plan.release, plan.ingest
             self._failed(seqs, rng, done)
             return done
         before = {s.seq_id: len(s.output) for s in seqs} if only is not None else {}
@@ -463,7 +478,8 @@ class LLMEngine:
             _sample_on_device(s, item)
             items.append(item)
         release, self._release = self._release, []
-        return StepPlan(items, self.block_size if any_draft else 0, release)
+        ingest, self._ingest = self._ingest, []
+        return StepPlan(items, self.block_size if any_draft else 0, release, ingest)
 
     def _commit(self, sched: Schedule, plan: StepPlan, out, done: list[Sequence]) -> int:
         """Commit and stream the iteration's tokens (the runner chose the target's tokens and
@@ -531,9 +547,10 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
         with self._lock:
-            if self._release:
+            if self._release or self._ingest:
                 release, self._release = self._release, []
-                self._run(StepPlan([], release=release))
+                ingest, self._ingest = self._ingest, []
+                self._run(StepPlan([], release=release, ingest=ingest))
 
     def generate(self, requests: list[Request], on_tokens: TokenCallback | None = None) -> list[RequestResult]:
         """Run ``requests`` to completion with in-flight batching (all queued at once) and

@@ -83,11 +83,15 @@ class StepPlan:
         draft_block: drafter block size used for drafting (positions ``start .. start +
             draft_block - 1`` are written in the drafter's cache); 0 when nothing is drafted.
         release: sequences that ended since the last plan (their features are dropped).
+        ingest: ``(seq_id, block table, upto)`` of ended sequences whose blocks the prefix cache
+            keeps: their waiting target features before ``upto`` go into the drafter's pool
+            first (:meth:`~.spec_decode.dflash.DFlashProposer.ingest`).
     """
 
     items: list[StepItem]
     draft_block: int = 0
     release: list[int] = field(default_factory=list)
+    ingest: list[tuple[int, list[int], int]] = field(default_factory=list)
 
 
 @dataclass
@@ -263,6 +267,8 @@ class ModelRunner:
         )
 
     def _step(self, plan: StepPlan) -> StepOutput:
+        if plan.ingest and self.proposer is not None:
+            self.proposer.ingest(plan.ingest)
         self.release(plan.release)
         items = plan.items
         out = StepOutput(drafts=[[] for _ in items], accepted=[None] * len(items))

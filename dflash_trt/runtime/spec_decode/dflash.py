@@ -124,6 +124,50 @@ class DFlashProposer:
         """Positions ``[lo, hi)`` of ``seq_id`` whose drafter K/V are in the pool (None: none yet)."""
         return self._drafted.get(seq_id)
 
+    def pending(self, seq_id: int, upto: int) -> tuple[int, int] | None:
+        """Positions ``[lo, upto)`` of ``seq_id`` whose target features wait for the drafter and
+        that :meth:`ingest` would write (a sliding-window drafter's ``lo`` as in
+        :meth:`_take_features`), or None when there are none."""
+        stored = self._features.get(seq_id)
+        if stored is None or stored[0] >= upto:
+            return None
+        n = upto - stored[0]
+        lo = stored[0] + (0 if self.window is None else max(0, n - self.window + 1))
+        return (lo, upto) if lo < upto else None
+
+    def drafted_after_ingest(self, seq_id: int, upto: int) -> tuple[int, int] | None:
+        """:meth:`drafted` as it will be once :meth:`ingest` has written ``seq_id``'s features up
+        to ``upto``."""
+        old, new = self._drafted.get(seq_id), self.pending(seq_id, upto)
+        if new is None:
+            return old
+        return (old[0] if old and old[1] == new[0] else new[0], upto)
+
+    def ingest(self, entries: list[tuple[int, list[int], int]]) -> None:
+        """Write the waiting target features of ended sequences into the drafter's pool (KV
+        injection without drafting), so that the prefix cache can hand their blocks to later
+        prompts with the drafter's context in place: a sequence that never drafted (the
+        adaptive controller chose plain decoding) would otherwise leave blocks whose drafter K/V
+        were never written, and a later request with the same prompt would prefill it again.
+
+        Args:
+            entries: ``(seq_id, block table, upto)``: positions before ``upto`` are written (the
+                rest of the stored features are rejected draft positions of the last verify).
+        """
+        firsts, feats, tables = [], [], []
+        for seq_id, table, upto in entries:
+            if self.pending(seq_id, upto) is None:
+                continue
+            first, f = self._take_features(seq_id, upto)
+            firsts.append(first)
+            feats.append(f)
+            tables.append(table)
+        if not feats:
+            return
+        pos, slots = written_slots(tables, firsts, [len(f) for f in feats], self.tpb)
+        pos, slots = upload(self.device, pos, slots)
+        self.drafter.write_context_kv(torch.cat(feats), pos, slots, self.cache.k, self.cache.v)
+
     def release(self, seq_ids: list[int]) -> None:
         """Drop these sequences' features (they ended, or are recomputed)."""
         for s in seq_ids:
