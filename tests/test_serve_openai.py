@@ -95,14 +95,21 @@ def reference(smollm2, prompts):
 
 
 def test_completions_and_chat_equal_plain_decoding(server, smollm2, prompts, reference):
+    """Every prompt as a completion and as a chat, each streamed and not: 32 requests at once
+    (through the official client, one thread each), every answer plain decoding's."""
+    from concurrent.futures import ThreadPoolExecutor
+
     _, url = server
     c = openai.OpenAI(base_url=url + "/v1", api_key="x")
     model = c.models.list().data[0].id
-    for p, (ids, ref) in zip(prompts, reference["raw"]):
+
+    def completion(p, ids, ref):
         r = c.completions.create(model=model, prompt=p, max_tokens=MAX_NEW, temperature=0)
         assert same_text(smollm2, ids, ref, r.choices[0].text)
         assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref)
         assert r.choices[0].finish_reason == ("length" if len(ref) == MAX_NEW and ref[-1] not in (1, 2) else "stop")
+
+    def completion_stream(p, ids, ref):
         stream = c.completions.create(
             model=model,
             prompt=p,
@@ -114,14 +121,17 @@ def test_completions_and_chat_equal_plain_decoding(server, smollm2, prompts, ref
         chunks = list(stream)
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref)
         assert same_text(smollm2, ids, ref, "".join(ch.choices[0].text for ch in chunks if ch.choices))
-    for p, (ids, ref) in zip(prompts, reference["chat"]):
+
+    def chat(p, ids, ref):
         msgs = [{"role": "user", "content": p}]
         r = c.chat.completions.create(model=model, messages=msgs, max_tokens=MAX_NEW, temperature=0)
         assert same_text(smollm2, ids, ref, r.choices[0].message.content)
         assert r.usage.prompt_tokens == len(ids) and r.usage.total_tokens == len(ids) + len(ref)
+
+    def chat_stream(p, ids, ref):
         stream = c.chat.completions.create(
             model=model,
-            messages=msgs,
+            messages=[{"role": "user", "content": p}],
             max_tokens=MAX_NEW,
             temperature=0,
             stream=True,
@@ -132,6 +142,12 @@ def test_completions_and_chat_equal_plain_decoding(server, smollm2, prompts, ref
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         assert same_text(smollm2, ids, ref, text)
         assert chunks[-1].usage.completion_tokens == len(ref) and chunks[1].usage is not None
+
+    jobs = [(f, p, *r) for f in (completion, completion_stream) for p, r in zip(prompts, reference["raw"])]
+    jobs += [(f, p, *r) for f in (chat, chat_stream) for p, r in zip(prompts, reference["chat"])]
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        for fut in [ex.submit(*job) for job in jobs]:
+            fut.result()  # (an assertion of any request fails the test here)
 
 
 def _chat_body(model: str, prompt: str, max_tokens: int, **extra) -> dict:
