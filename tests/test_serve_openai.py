@@ -355,6 +355,7 @@ def test_serve_tp2_equals_tp1(smollm2, random_drafter, prompts, reference, tmp_p
     (port,) = free_ports(1)
     cmd = [mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "dflash_trt.cli", "serve", "--port", str(port)]
     cmd += ["--drafter", str(drafter_dir), "--block-size", "4", "--threads", "1", "--dtype", "fp32"]
+    cmd += ["--max-batch-size", "8"]  # (the adaptive controller's start-up calibration stops there)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
     )

@@ -275,7 +275,8 @@ def test_tp2_model_equals_tp1(random_drafter, tmp_path, smollm2, prompts, refere
     from dflash_trt.serving.service import ServeConfig
     from dflash_trt.serving.triton_repo import start_server, write_repo
 
-    args = serving_args(random_drafter, tmp_path, kv_capacity=8192, tensor_parallel_size=2)
+    # (8 sequences at most: the adaptive controller's start-up calibration stops there)
+    args = serving_args(random_drafter, tmp_path, kv_capacity=8192, tensor_parallel_size=2, max_batch_size=8)
     repo = write_repo(tmp_path / "repo", ServeConfig(args))
     http, grpc, metrics = free_ports(3)
     proc = start_server(repo, http, grpc, metrics, log_path=tmp_path / "server.log")
