@@ -36,12 +36,18 @@ def ties_or_fail(model, reqs, refs, outs) -> int:
 
 
 def drive(
-    engine: LLMEngine, reqs: list[Request], concurrency: int, rng: random.Random, cancel: dict[int, int] | None = None
+    engine: LLMEngine,
+    reqs: list[Request],
+    concurrency: int,
+    rng: random.Random,
+    cancel: dict[int, int] | None = None,
+    spread: int = 3,
 ) -> tuple[dict[int, list[int]], dict[int, list[int]], list[int]]:
-    """Requests arrive at random iterations (at most ``concurrency`` in flight); ``cancel``
-    maps request -> iterations after its arrival at which it is aborted (0: while queued). Returns
-    outputs, streamed tokens and the ids in the order they finished (each must appear once)."""
-    arrivals = sorted(rng.randrange(0, 3 * len(reqs)) for _ in reqs)
+    """Requests arrive at random iterations among the first ``spread * len(reqs)`` (at most
+    ``concurrency`` in flight); ``cancel`` maps request -> iterations after its arrival at which
+    it is aborted (0: while queued). Returns outputs, streamed tokens and the ids in the order
+    they finished (each must appear once)."""
+    arrivals = sorted(rng.randrange(0, spread * len(reqs)) for _ in reqs)
     cancel = cancel or {}
     pending = list(range(len(reqs)))
     streamed: dict[int, list[int]] = {i: [] for i in range(len(reqs))}
@@ -151,7 +157,8 @@ def test_stress_200_requests_cancellations_small_cache(smollm2, random_drafter):
     # capacity for ~3 typical requests at once: most requests wait for KV blocks
     cfg = engine_config(block_size=4, max_batch_size=32, max_num_tokens=64, tokens_per_block=8, kv_capacity=6 * 8)
     engine = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, cfg)
-    outputs, streamed, order = drive(engine, reqs, concurrency=200, rng=rng, cancel=cancel)
+    # arrivals over the first 200 iterations: requests come faster than the cache lets them run
+    outputs, streamed, order = drive(engine, reqs, concurrency=200, rng=rng, cancel=cancel, spread=1)
     assert sorted(order) == list(range(200)), "a request finished twice or never"
     done = [i for i in range(200) if outputs[i] is not None]
     aborted = [i for i in range(200) if outputs[i] is None]
