@@ -539,7 +539,7 @@ def test_streams_arrive_as_the_engine_makes_them(server, prompts, streams):
     async def go():
         limits = httpx.Limits(max_connections=streams)
         async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-            jobs = [_timed_stream(client, service.model_name, prompts[i % 8], 32) for i in range(streams)]
+            jobs = [_timed_stream(client, service.model_name, prompts[i % 8], 20) for i in range(streams)]
             return await asyncio.gather(*jobs)
 
     got = asyncio.run(go())
