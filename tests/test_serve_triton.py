@@ -236,6 +236,14 @@ def test_concurrency_disconnects_and_soak(triton, smollm2, prompts, reference):
         else:
             assert leave
     assert wait_idle(triton["metrics"]), "KV blocks leaked after the soak"
+    # the 8 prompts came back 200 times: most of their KV came from the prefix cache
+    time.sleep(0.3)  # (the model publishes the cache's counts every 0.1 s)
+    queries, hits = (
+        metric(triton["metrics"], "vllm:prefix_cache_queries"),
+        metric(triton["metrics"], "vllm:prefix_cache_hits"),
+    )
+    print(f"\nprefix cache: {hits:.0f} of {queries:.0f} prompt tokens")
+    assert 0 < hits <= queries
 
 
 @pytest.mark.parametrize(

@@ -280,6 +280,11 @@ class TritonPythonModel:
         self.m_drafts = metric("vllm:spec_decode_num_drafts", "Verify steps that checked drafts.", fam.COUNTER)
         self.m_draft_tokens = metric("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", fam.COUNTER)
         self.m_accepted = metric("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", fam.COUNTER)
+        self.m_cache_queries = metric(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", fam.COUNTER
+        )
+        self.m_cache_hits = metric("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", fam.COUNTER)
+        self.cache_counted = (0, 0)  # the block manager's counts already added to the two above
         self.labels = lbl
 
         def labelled(name, doc):  # a counter family whose series (per label value) appear when first counted
@@ -314,6 +319,10 @@ class TritonPythonModel:
             self.m_running.set(len(e.scheduler.running))
             self.m_waiting.set(e.num_waiting())
             self.m_kv.set(1.0 - e.blocks.num_free_blocks / e.blocks.num_blocks)
+            queries, hits = e.blocks.prefix_queries, e.blocks.prefix_hits
+            self.m_cache_queries.increment(queries - self.cache_counted[0])
+            self.m_cache_hits.increment(hits - self.cache_counted[1])
+            self.cache_counted = (queries, hits)
             time.sleep(0.1)
 
     def finalize(self):
