@@ -63,20 +63,28 @@ def test_block_manager_shares_counts_and_evicts():
     assert _run(off, 1, a) == 0 and off.num_cached_blocks == 0
 
 
+@pytest.fixture(scope="module")
+def waves(smollm2):
+    """The chat prompts of two waves (the second adds longer prompts that start with two of the
+    first's) and plain decoding's outputs of the second, without a cache."""
+    tok = smollm2.tokenizer
+    prompts = [chat_prompt_ids(tok, p) for p in mixed_prompts(4)]
+    longer = [p + tok.encode(" And once more, in short.") for p in prompts[:2]]
+    refs = plain_outputs(smollm2, prompts + longer, 12, enable_prefix_caching=False)
+    return prompts, longer, refs
+
+
 @pytest.mark.parametrize("drafter_kind", ["plain", "full", "full-undrafted", "window"])
-def test_engine_reuses_prompt_blocks_and_stays_lossless(smollm2, random_drafter, drafter_kind):
+def test_engine_reuses_prompt_blocks_and_stays_lossless(smollm2, random_drafter, waves, drafter_kind):
     """Two waves of the same chat prompts (the second after the first has ended, plus longer
     prompts that start with the first wave's): the second wave prefills only what the cache
     lacks and every output equals plain decoding's without a cache. ``full-undrafted``: the
     first wave never drafts (``max_draft_tokens=0``, as when the adaptive controller decodes
     plainly), so only the target features written into the drafter's pool as those requests
     end give the second wave the drafter's context of the cached blocks."""
-    tok = smollm2.tokenizer
-    prompts = [chat_prompt_ids(tok, p) for p in mixed_prompts(4)]
-    longer = [p + tok.encode(" And once more, in short.") for p in prompts[:2]]
+    prompts, longer, refs = waves
     first = [Request(p, 12, max_draft_tokens=0 if drafter_kind == "full-undrafted" else None) for p in prompts]
     second = [Request(p, 12) for p in prompts + longer]
-    refs = plain_outputs(smollm2, [r.prompt_ids for r in second], 12, enable_prefix_caching=False)
     drafter = {
         "plain": None,
         "full": random_drafter,
