@@ -181,7 +181,6 @@ class DFlashDrafter(nn.Module):
         Returns:
             ``[S * B, hidden]`` final normed hidden states.
         """
-
         # first: it moves RoPE's tables and inv_freq to the device once (no copy per draft)
         cos, sin = self.rope(block_positions.view(1, -1), block_embeds.dtype, max_position)
         if ctx_features.shape[0]:
