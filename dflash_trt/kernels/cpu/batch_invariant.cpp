@@ -183,10 +183,10 @@ void linear_impl(const float* x, int64_t M, int64_t K, const W* w, const float* 
       const int64_t ne = std::min({N, g1 * NC, nb + NB});
       for (int64_t mb = 0; mb < M; mb += MB) {
         const int64_t me = std::min(M, mb + MB);
-        for (int64_t n = nb; n < ne; n += NC) {
-          const int cols = static_cast<int>(std::min<int64_t>(NC, ne - n));
-          for (int64_t m = mb; m < me; m += MR) {
-            const int rows = static_cast<int>(std::min<int64_t>(MR, me - m));
+        for (int64_t m = mb; m < me; m += MR) {
+          const int rows = static_cast<int>(std::min<int64_t>(MR, me - m));
+          for (int64_t n = nb; n < ne; n += NC) {
+            const int cols = static_cast<int>(std::min<int64_t>(NC, ne - n));
             tile_any(rows, cols, x + m * K, w + n * K, K, t);
             for (int r = 0; r < rows; ++r) {
               O* o = out + (m + r) * N + n;
