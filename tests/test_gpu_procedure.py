@@ -78,20 +78,33 @@ def test_bad_packs_one_line_errors(pack, tmp_path):
     assert "already exists" in error_line(run("pack", "--out", str(pack)))
 
 
-def dry_run(script: str, pack: Path, work: Path, **settings: str) -> None:
-    """``scripts/SCRIPT PACK WORK`` on the CPU in fp32 with these settings; fails on a non-zero exit."""
+@pytest.fixture(scope="module")
+def work_cache(tmp_path_factory):
+    """One cache folder (``DFLASH_TRT_CACHE``: the model converted from the pack's GGUF, the
+    batch-invariant C++ extension) for both dry runs: it starts empty, so the first dry run
+    converts and builds on a bare cache as the GPU machine does, and the second reuses them
+    (each took ~1-2 min of a dry run, more than any stage's own work at these sizes)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def dry_run(script: str, pack: Path, work: Path, cache: Path, **settings: str) -> None:
+    """``scripts/SCRIPT PACK WORK`` on the CPU in fp32 with these settings; fails on a non-zero exit.
+    ``WORK/cache`` (the scripts' cache) is a link to ``cache``."""
+    work.mkdir(parents=True)
+    (work / "cache").symlink_to(cache, target_is_directory=True)
     env = dict(os.environ, DEVICE="cpu", DTYPE="fp32", PYTHON=sys.executable, **settings)
     cmd = ["bash", str(REPO / "scripts" / script), str(pack), str(work)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def test_gpu_procedure_dry_run_on_cpu(pack, tmp_path):
+def test_gpu_procedure_dry_run_on_cpu(pack, work_cache, tmp_path):
     work = tmp_path / "work"
     dry_run(
         "gpu_train.sh",
         pack,
         work,
+        work_cache,
         DISTILL_MINUTES="0.05",
         NUM_PROMPTS="6",
         BATCH="3",
@@ -123,7 +136,7 @@ def test_gpu_procedure_dry_run_on_cpu(pack, tmp_path):
     assert bench["lossless"] or all(x["top2_margin"] < 1e-4 for x in bench["divergences"])
 
 
-def test_gpu_validation_dry_run_on_cpu(pack, tmp_path):
+def test_gpu_validation_dry_run_on_cpu(pack, work_cache, tmp_path):
     """``scripts/gpu_validate.sh`` (README "Validating on a GPU") on the CPU at tiny size, every
     stage but the load benchmark (the same `bench` with --concurrency): pytest on the pack's
     model as the default target, batch-1 bench, the kernel benchmark, the per-op batch
@@ -135,6 +148,7 @@ def test_gpu_validation_dry_run_on_cpu(pack, tmp_path):
         "gpu_validate.sh",
         pack,
         work,
+        work_cache,
         STAGES="tests bench kernels invariance",
         GRAPHS="off",  # (--cuda-graphs needs a CUDA device)
         TESTS="tests/test_models.py::test_prefill_then_decode_equals_full_forward",  # loads the default target
