@@ -79,19 +79,25 @@ def test_bad_packs_one_line_errors(pack, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def work_cache(tmp_path_factory):
-    """One cache folder (``DFLASH_TRT_CACHE``: the model converted from the pack's GGUF, the
-    batch-invariant C++ extension) for both dry runs: it starts empty, so the first dry run
-    converts and builds on a bare cache as the GPU machine does, and the second reuses them
-    (each took ~1-2 min of a dry run, more than any stage's own work at these sizes)."""
-    return tmp_path_factory.mktemp("cache")
+def work_cache(tmp_path_factory) -> tuple[Path, Path]:
+    """``(cache, ext)``: one cache folder (``DFLASH_TRT_CACHE``: the model converted from the
+    pack's GGUF) for both dry runs: it starts empty, so the first dry run converts on a bare cache
+    as the GPU machine does, and the second reuses it (a conversion took ~1 min of a dry run, more
+    than any stage's own work at these sizes). The batch-invariant C++ extension is a CPU-only
+    part of a dry run (a CUDA target never builds it): the dry runs load this process's build
+    (``DFLASH_TRT_EXT_DIR``), made here if no test has yet, instead of compiling it (~1 min)."""
+    from dflash_trt.kernels import cpu_ops
+
+    cpu_ops.load()
+    return tmp_path_factory.mktemp("cache"), cpu_ops.build_dir().parent
 
 
-def dry_run(script: str, pack: Path, work: Path, cache: Path, **settings: str) -> None:
+def dry_run(script: str, pack: Path, work: Path, cache: tuple[Path, Path], **settings: str) -> None:
     """``scripts/SCRIPT PACK WORK`` on the CPU in fp32 with these settings; fails on a non-zero exit.
-    ``WORK/cache`` (the scripts' cache) is a link to ``cache``."""
+    ``WORK/cache`` (the scripts' cache) is a link to ``cache[0]``, the C++ extension ``cache[1]``'s."""
     work.mkdir(parents=True)
-    (work / "cache").symlink_to(cache, target_is_directory=True)
+    (work / "cache").symlink_to(cache[0], target_is_directory=True)
+    settings["DFLASH_TRT_EXT_DIR"] = str(cache[1])
     env = dict(os.environ, DEVICE="cpu", DTYPE="fp32", PYTHON=sys.executable, **settings)
     cmd = ["bash", str(REPO / "scripts" / script), str(pack), str(work)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
