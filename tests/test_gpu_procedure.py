@@ -6,6 +6,7 @@ the packed GSM8K prompts. Bad packs give one-line errors and leave nothing behin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -86,9 +87,11 @@ def work_cache(tmp_path_factory) -> tuple[Path, Path]:
     than any stage's own work at these sizes). The batch-invariant C++ extension is a CPU-only
     part of a dry run (a CUDA target never builds it): the dry runs load this process's build
     (``DFLASH_TRT_EXT_DIR``), made here if no test has yet, instead of compiling it (~1 min)."""
+    from dflash_trt.errors import DFlashError
     from dflash_trt.kernels import cpu_ops
 
-    cpu_ops.load()
+    with contextlib.suppress(DFlashError):  # no C++ compiler: the dry runs run without the mode, as before
+        cpu_ops.load()
     return tmp_path_factory.mktemp("cache"), cpu_ops.build_dir().parent
 
 
