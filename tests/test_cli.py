@@ -178,28 +178,33 @@ def test_generate_streams_and_reports(tmp_path, random_drafter):
     assert "Janet" in proc.stdout  # the prompt is echoed
 
 
-def test_bench_json(tmp_path):
+def test_bench_json(tmp_path, capsys):
+    """In this process (``main``): a subprocess added ~15 s of imports and loading to the run."""
     out = tmp_path / "bench.json"
-    proc = run(
-        "bench",
-        "--dataset",
-        "humaneval",
-        "--num-prompts",
-        "2",
-        "--max-new-tokens",
-        "8",
-        "--block-size",
-        "4",
-        "--peers",
-        "hf",
-        "--prompt-lookup-min",
-        "2",
-        "--json",
-        str(out),
-        "--plot",
-        str(tmp_path / "b.png"),
+    capsys.readouterr()
+    rc = main(
+        [
+            "bench",
+            "--dataset",
+            "humaneval",
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--block-size",
+            "4",
+            "--peers",
+            "hf",
+            "--prompt-lookup-min",
+            "2",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path / "b.png"),
+        ]
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = capsys.readouterr()
+    assert rc == 0, proc.err[-2000:]
     r = json.loads(out.read_text())
     for key in (
         "dataset",
@@ -230,7 +235,7 @@ def test_bench_json(tmp_path):
     lk = r["prompt_lookup"]  # the third mode, DFlash with prompt-lookup tokens merged in (fp32: exact)
     assert lk["tokens_per_s"] > 0 and lk["lossless"] is True and len(lk["acceptance_per_position"]) == 3
     assert (lk["min_n"], lk["max_n"]) == (2, 4) and 0 <= lk["lookup_step_share"] <= 1
-    assert "plain decoding" in proc.stdout and "peer: hf" in proc.stdout and "DFlash + lookup" in proc.stdout
+    assert "plain decoding" in proc.out and "peer: hf" in proc.out and "DFlash + lookup" in proc.out
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -246,42 +251,14 @@ def test_init_drafter_writes_loadable_drafter(tmp_path, capsys):
 
 
 def test_distill_then_train(tmp_path, capsys):
-    """The training path from the command line: self-distilled data, a few steps, a drafter."""
+    """The training path from the command line (``main``, in this process: two subprocesses added
+    ~30 s of imports and loading): self-distilled data, a few steps, a drafter."""
     data, run_dir = tmp_path / "data", tmp_path / "run"
-    proc = run(
-        "distill",
-        "--out",
-        str(data),
-        "--word-problems",
-        "--num-prompts",
-        "3",
-        "--max-new-tokens",
-        "6",
-        "--batch",
-        "3",
-        "--dtype",
-        "fp32",
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    distill = ["distill", "--out", str(data), "--word-problems", "--num-prompts", "3", "--max-new-tokens", "6"]
+    assert main([*distill, "--batch", "3", "--dtype", "fp32"]) == 0, capsys.readouterr().err[-2000:]
     assert json.loads((data / "manifest.json").read_text())["source"] == "synthetic word problems (seed 0)"
-    proc = run(
-        "train",
-        "--data",
-        str(data),
-        "--out",
-        str(run_dir),
-        "--steps",
-        "2",
-        "--block-size",
-        "4",
-        "--anchors",
-        "4",
-        "--batch",
-        "2",
-        "--save-every",
-        "2",
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    train = ["train", "--data", str(data), "--out", str(run_dir), "--steps", "2", "--block-size", "4"]
+    assert main([*train, "--anchors", "4", "--batch", "2", "--save-every", "2"]) == 0, capsys.readouterr().err[-2000:]
     from dflash_trt.checkpoints.zlab import load_drafter
 
     assert load_drafter(run_dir / "drafter").cfg.block_size == 4

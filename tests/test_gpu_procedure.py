@@ -6,6 +6,7 @@ the packed GSM8K prompts. Bad packs give one-line errors and leave nothing behin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -78,20 +79,41 @@ def test_bad_packs_one_line_errors(pack, tmp_path):
     assert "already exists" in error_line(run("pack", "--out", str(pack)))
 
 
-def dry_run(script: str, pack: Path, work: Path, **settings: str) -> None:
-    """``scripts/SCRIPT PACK WORK`` on the CPU in fp32 with these settings; fails on a non-zero exit."""
+@pytest.fixture(scope="module")
+def work_cache(tmp_path_factory) -> tuple[Path, Path]:
+    """``(cache, ext)``: one cache folder (``DFLASH_TRT_CACHE``: the model converted from the
+    pack's GGUF) for both dry runs: it starts empty, so the first dry run converts on a bare cache
+    as the GPU machine does, and the second reuses it (a conversion took ~1 min of a dry run, more
+    than any stage's own work at these sizes). The batch-invariant C++ extension is a CPU-only
+    part of a dry run (a CUDA target never builds it): the dry runs load this process's build
+    (``DFLASH_TRT_EXT_DIR``), made here if no test has yet, instead of compiling it (~1 min)."""
+    from dflash_trt.errors import DFlashError
+    from dflash_trt.kernels import cpu_ops
+
+    with contextlib.suppress(DFlashError):  # no C++ compiler: the dry runs run without the mode, as before
+        cpu_ops.load()
+    return tmp_path_factory.mktemp("cache"), cpu_ops.build_dir().parent
+
+
+def dry_run(script: str, pack: Path, work: Path, cache: tuple[Path, Path], **settings: str) -> None:
+    """``scripts/SCRIPT PACK WORK`` on the CPU in fp32 with these settings; fails on a non-zero exit.
+    ``WORK/cache`` (the scripts' cache) is a link to ``cache[0]``, the C++ extension ``cache[1]``'s."""
+    work.mkdir(parents=True)
+    (work / "cache").symlink_to(cache[0], target_is_directory=True)
+    settings["DFLASH_TRT_EXT_DIR"] = str(cache[1])
     env = dict(os.environ, DEVICE="cpu", DTYPE="fp32", PYTHON=sys.executable, **settings)
     cmd = ["bash", str(REPO / "scripts" / script), str(pack), str(work)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def test_gpu_procedure_dry_run_on_cpu(pack, tmp_path):
+def test_gpu_procedure_dry_run_on_cpu(pack, work_cache, tmp_path):
     work = tmp_path / "work"
     dry_run(
         "gpu_train.sh",
         pack,
         work,
+        work_cache,
         DISTILL_MINUTES="0.05",
         NUM_PROMPTS="6",
         BATCH="3",
@@ -123,7 +145,7 @@ def test_gpu_procedure_dry_run_on_cpu(pack, tmp_path):
     assert bench["lossless"] or all(x["top2_margin"] < 1e-4 for x in bench["divergences"])
 
 
-def test_gpu_validation_dry_run_on_cpu(pack, tmp_path):
+def test_gpu_validation_dry_run_on_cpu(pack, work_cache, tmp_path):
     """``scripts/gpu_validate.sh`` (README "Validating on a GPU") on the CPU at tiny size, every
     stage but the load benchmark (the same `bench` with --concurrency): pytest on the pack's
     model as the default target, batch-1 bench, the kernel benchmark, the per-op batch
@@ -135,6 +157,7 @@ def test_gpu_validation_dry_run_on_cpu(pack, tmp_path):
         "gpu_validate.sh",
         pack,
         work,
+        work_cache,
         STAGES="tests bench kernels invariance",
         GRAPHS="off",  # (--cuda-graphs needs a CUDA device)
         TESTS="tests/test_models.py::test_prefill_then_decode_equals_full_forward",  # loads the default target

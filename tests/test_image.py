@@ -45,6 +45,11 @@ PODMAN_ENV = {
     "CONTAINERS_STORAGE_CONF": str(ROOT / "docker" / "podman" / "storage.conf"),
 }
 STATS = re.compile(r"^\[(\d+) tokens in .*finish: (\w+)\]$")
+#: the test process's OpenMP thread count, given to the containers that run the model: under
+#: pytest-xdist (`make test`) conftest sets OMP_NUM_THREADS=1 for the commands tests start, and a
+#: container does not inherit it; with all cores' threads beside the other worker, the servers'
+#: start-up (the adaptive draft length's calibration) ran ~4x slower on the 2-core machine
+THREADS = ["-e", f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"] if os.environ.get("OMP_NUM_THREADS") else []
 
 
 def podman(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
@@ -146,7 +151,9 @@ def test_labels_and_cpu_torch(image):
 
 
 def test_generate_in_container_matches_host(image, prompt, host_reference):
-    proc = podman("run", "--rm", image, "generate", "--prompt-from", PROMPT_FROM, "--max-new-tokens", str(MAX_NEW))
+    proc = podman(
+        "run", "--rm", *THREADS, image, "generate", "--prompt-from", PROMPT_FROM, "--max-new-tokens", str(MAX_NEW)
+    )
     assert parse_generate(proc.stdout, prompt) == host_reference
     print(f"\ngenerate (host = container): {host_reference[1]} tokens: {host_reference[0]!r}", file=sys.stderr)
 
@@ -155,7 +162,7 @@ def test_openai_server_in_container(image, container, prompt, host_reference):
     from openai import OpenAI
 
     (port,) = free_ports(1)
-    name = container("-p", f"127.0.0.1:{port}:8000", image, "serve", "--host", "0.0.0.0", "--port", "8000")
+    name = container("-p", f"127.0.0.1:{port}:8000", *THREADS, image, "serve", "--host", "0.0.0.0", "--port", "8000")
     wait_ready(f"http://127.0.0.1:{port}/health", name)
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
     model = client.models.list().data[0].id
@@ -178,7 +185,7 @@ def test_triton_server_in_container(image, container, prompt, host_reference):
     assert tok.encode(text) == chat_prompt_ids(tok, prompt)
     http, grpc, metrics = free_ports(3)
     name = container(
-        "--network", "host", image, "triton-serve", "--repo", "/opt/dflash-trt/triton-repo",
+        "--network", "host", *THREADS, image, "triton-serve", "--repo", "/opt/dflash-trt/triton-repo",
         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
     )  # fmt: skip
     url = f"http://127.0.0.1:{http}"

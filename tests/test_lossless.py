@@ -31,13 +31,30 @@ def reference(smollm2, prompts):
     return [generate(smollm2, None, [Request(p, MAX_NEW)], 1)[0].output_ids for p in prompts]
 
 
+@pytest.fixture(scope="module")
+def dflash_runs(smollm2, random_drafter, prompts):
+    """``(block_size, batch)`` -> the outputs and loop statistics of DFlash with the random drafter
+    on the prompts, ``batch`` requests at a time; each setting runs once for the module (the
+    prompt-lookup test compares its tau with block size 4's)."""
+    runs = {}
+
+    def run(block_size: int, batch: int, **kw) -> tuple[list[list[int]], LoopStats]:
+        key = (block_size, batch, tuple(sorted(kw.items())))
+        if key not in runs:
+            stats, outs = LoopStats(block_size), []
+            for i in range(0, len(prompts), batch):
+                chunk = [Request(p, MAX_NEW) for p in prompts[i : i + batch]]
+                outs += [o.output_ids for o in generate(smollm2, random_drafter, chunk, block_size, stats, **kw)]
+            runs[key] = outs, stats
+        return runs[key]
+
+    return run
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_dflash_equals_autoregressive(smollm2, random_drafter, prompts, reference, block_size, batch):
-    outs = []
-    for i in range(0, len(prompts), batch):
-        chunk = [Request(p, MAX_NEW) for p in prompts[i : i + batch]]
-        outs += [o.output_ids for o in generate(smollm2, random_drafter, chunk, block_size)]
+def test_dflash_equals_autoregressive(smollm2, prompts, reference, dflash_runs, block_size, batch):
+    outs, _ = dflash_runs(block_size, batch)
     ties = sum(check_same(smollm2.model, p, r, o) for p, r, o in zip(prompts, reference, outs))
     print(f"block {block_size} batch {batch}: {len(prompts) - ties}/{len(prompts)} identical, {ties} at ties")
     assert all(len(o) >= 1 for o in outs)
@@ -83,17 +100,14 @@ def test_ngram_index_matches_brute_force(prompts, reference):
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-def test_prompt_lookup_is_lossless(smollm2, random_drafter, prompts, reference, batch):
+def test_prompt_lookup_is_lossless(smollm2, prompts, reference, dflash_runs, batch):
     """Prompt-lookup tokens merged into the drafter's blocks (``spec_decode/prompt_lookup.py``) keep the
     output equal to plain decoding, alone and under batching. The drafter is random (its own
     drafts are almost never accepted), so a tau above 1 means lookup tokens were verified and
-    accepted; steps whose lookup covers every draft token skip the drafter's forward."""
-    stats, alone = LoopStats(4), LoopStats(4)
-    outs = []
-    for i in range(0, len(prompts), batch):
-        chunk = [Request(p, MAX_NEW) for p in prompts[i : i + batch]]
-        outs += [o.output_ids for o in generate(smollm2, random_drafter, chunk, 4, stats, prompt_lookup_min=1)]
-        generate(smollm2, random_drafter, chunk, 4, alone)
+    accepted; steps whose lookup covers every draft token skip the drafter's forward. Without
+    lookup: the same runs without it (``test_dflash_equals_autoregressive``'s block size 4)."""
+    outs, stats = dflash_runs(4, batch, prompt_lookup_min=1)
+    _, alone = dflash_runs(4, batch)
     ties = sum(check_same(smollm2.model, p, r, o) for p, r, o in zip(prompts, reference, outs))
     print(
         f"batch {batch}: tau {stats.tau:.2f} with lookup ({stats.lookup_steps} of {stats.verify_steps} steps), "

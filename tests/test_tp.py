@@ -69,6 +69,20 @@ def run_tp1(smollm2, drafter, prompts, block_size, adaptive):
     return [engine.result(s).output_ids for s in sids], engine.stats.tau
 
 
+@pytest.fixture(scope="module")
+def tp1(smollm2, random_drafter, prompts):
+    """The TP=1 outputs of the prompts for an engine setting ``(block_size, adaptive)``, each run
+    once for the module: plain decoding (block size 1) is the reference of three tests."""
+    runs = {}
+
+    def outputs(block_size: int, adaptive: bool) -> list[list[int]]:
+        if (block_size, adaptive) not in runs:
+            runs[block_size, adaptive] = run_tp1(smollm2, random_drafter, prompts, block_size, adaptive)[0]
+        return runs[block_size, adaptive]
+
+    return outputs
+
+
 def test_split_sizes():
     assert split_sizes(3, 2) == [2, 1]
     assert split_sizes(9, 4) == [3, 2, 2, 2]
@@ -106,18 +120,18 @@ def test_shard_split(tp2, smollm2):
 
 
 @pytest.mark.parametrize("name,block_size,adaptive", RUNS)
-def test_tp2_equals_tp1(tp2, smollm2, random_drafter, prompts, name, block_size, adaptive):
-    ref, _ = run_tp1(smollm2, random_drafter, prompts, block_size, adaptive)
+def test_tp2_equals_tp1(tp2, tp1, smollm2, prompts, name, block_size, adaptive):
+    ref = tp1(block_size, adaptive)
     got = tp2["runs"][name]["outputs"]
     ties = sum(check_same(smollm2.model, p, r, o) for p, r, o in zip(prompts, ref, got))
     print(f"TP=2 {name}: {len(prompts) - ties}/{len(prompts)} identical to TP=1, {ties} at ties")
     assert all(len(o) >= 1 for o in got)
 
 
-def test_tp2_high_acceptance(tp2, smollm2, random_drafter, prompts):
+def test_tp2_high_acceptance(tp2, tp1, smollm2, prompts):
     """The oracle proposer (block 8) commits several tokens per step and rolls back rejected
     ones on both ranks' KV shards; the output still equals TP=1 plain decoding."""
-    ref, _ = run_tp1(smollm2, random_drafter, prompts, 1, False)
+    ref = tp1(1, False)
     run = tp2["runs"]["oracle8"]
     ties = sum(check_same(smollm2.model, p, r, o) for p, r, o in zip(prompts, ref, run["outputs"]))
     print(
@@ -128,7 +142,7 @@ def test_tp2_high_acceptance(tp2, smollm2, random_drafter, prompts):
     assert max(max(c) for c in run["commit_lengths"]) > 2
 
 
-def test_tp3_engine_rank_files(tmp_path, smollm2, prompts):
+def test_tp3_engine_rank_files(tmp_path, smollm2, prompts, tp1):
     """A tp_size 3 engine from ``dflash-trt build`` (fp32, no quantization: the rank files hold
     the original weights, split) runs as 3 ranks, each reading only its own target rank file;
     greedy outputs at block size 1 and 8 equal plain decoding at TP=1 (ties excepted)."""
@@ -163,7 +177,7 @@ def test_tp3_engine_rank_files(tmp_path, smollm2, prompts):
     assert p.returncode == 0 and out.exists(), f"TP=3 run failed (rc {p.returncode}):\n{p.stderr[-4000:]}"
     res = json.loads(out.read_text())
     assert res["heads_per_rank"] == [3, 3, 3]
-    ref, _ = run_tp1(smollm2, None, prompts[:3], 1, False)
+    ref = tp1(1, False)[:3]  # (plain decoding of all the prompts in one batch: the same tokens but at ties)
     ties = 0
     for K in ("1", "8"):
         ties += sum(check_same(smollm2.model, pr, r, o) for pr, r, o in zip(prompts, ref, res["outputs"][K]))
