@@ -47,15 +47,15 @@ namespace {
 
 #ifdef __AVX512F__
 constexpr int VL = 16;        // fp32 lanes of one vector register
-constexpr int WIDE_ROWS = 4;  // a tile of up to this many rows takes all NC columns at once
+constexpr int NC = 8;         // columns (weight rows) of one tile group
+constexpr int64_t NB = 64;    // weight rows per cache block (a multiple of NC)
 #else
 constexpr int VL = 8;
-constexpr int WIDE_ROWS = 2;  // 16 registers: 4 rows x 2 columns, or 2 rows x 4 columns
+constexpr int NC = 6;         // 16 registers: 4 rows x 3 columns of accumulators, 3 weight vectors, 1 input
+constexpr int64_t NB = 60;
 #endif
 constexpr int MR = 4;  // rows of one register tile
-constexpr int NC = 8;  // columns (weight rows) of one tile group
 constexpr int64_t MB = 64;   // rows per cache block (their fp32 inputs stay in L2)
-constexpr int64_t NB = 64;   // weight rows per cache block
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef uint16_t vh __attribute__((vector_size(VL * 2)));
@@ -163,13 +163,22 @@ inline void tile_cols(int cols, const float* x, const W* w, int64_t K, float* ou
 // as the registers hold for that many rows (the arithmetic per product is the same)
 template <typename W>
 inline void tile_any(int rows, int cols, const float* x, const W* w, int64_t K, float* out) {
-  static_assert(MR == 4 && NC == 8, "tile_any covers up to 4 rows and 8 columns");
-  switch (rows) {
+  static_assert(MR == 4 && NB % NC == 0, "tile_any covers up to 4 rows; cache blocks hold whole tile groups");
+#ifdef __AVX512F__
+  switch (rows) {  // 32 registers: up to 4 rows x 4 columns
     case 1: return tile_cols<1, 8>(cols, x, w, K, out);
-    case 2: return tile_cols<2, (WIDE_ROWS >= 2 ? 4 : 2)>(cols, x, w, K, out);
-    case 3: return tile_cols<3, (WIDE_ROWS >= 3 ? 4 : 2)>(cols, x, w, K, out);
-    default: return tile_cols<4, (WIDE_ROWS >= 4 ? 4 : 2)>(cols, x, w, K, out);
+    case 2: return tile_cols<2, 4>(cols, x, w, K, out);
+    case 3: return tile_cols<3, 4>(cols, x, w, K, out);
+    default: return tile_cols<4, 4>(cols, x, w, K, out);
   }
+#else
+  switch (rows) {
+    case 1: return tile_cols<1, 6>(cols, x, w, K, out);
+    case 2: return tile_cols<2, 3>(cols, x, w, K, out);
+    case 3: return tile_cols<3, 3>(cols, x, w, K, out);
+    default: return tile_cols<4, 3>(cols, x, w, K, out);
+  }
+#endif
 }
 
 template <typename W, typename O>
