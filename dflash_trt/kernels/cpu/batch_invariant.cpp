@@ -48,14 +48,15 @@ namespace {
 #ifdef __AVX512F__
 constexpr int VL = 16;        // fp32 lanes of one vector register
 constexpr int NC = 8;         // columns (weight rows) of one tile group
-constexpr int64_t NB = 64;    // weight rows per cache block (a multiple of NC)
+constexpr int64_t NB = 64;    // weight rows per cache block (a multiple of NC), kept in L2 while
+                              // every register tile of rows (in L1) sweeps them
 #else
 constexpr int VL = 8;
 constexpr int NC = 6;         // 16 registers: 4 rows x 3 columns of accumulators, 3 weight vectors, 1 input
 constexpr int64_t NB = 60;
 #endif
 constexpr int MR = 4;  // rows of one register tile
-constexpr int64_t MB = 64;   // rows per cache block (their fp32 inputs stay in L2)
+constexpr int64_t MB = 64;   // rows per cache block
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef uint16_t vh __attribute__((vector_size(VL * 2)));

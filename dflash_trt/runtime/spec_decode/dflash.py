@@ -115,10 +115,20 @@ class DFlashProposer:
         f = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         n = upto - first
         self._features[seq_id] = (upto, [f[n:]], end)
-        lo = 0 if self.window is None else max(0, n - self.window + 1)
+        lo = self._ingested_from(first, upto)
+        self._drafted[seq_id] = self._drafted_with(seq_id, lo, upto)
+        return lo, f[lo - first : n]
+
+    def _ingested_from(self, first: int, upto: int) -> int:
+        """The first of stored positions ``[first, upto)`` that a block anchored at ``upto`` can
+        see: ``first``, or with a sliding window ``W`` at least ``upto - W + 1``."""
+        return first if self.window is None else max(first, upto - self.window + 1)
+
+    def _drafted_with(self, seq_id: int, lo: int, upto: int) -> tuple[int, int]:
+        """:meth:`drafted` once positions ``[lo, upto)`` are written: extended when they follow the
+        range already written, else that range alone."""
         old = self._drafted.get(seq_id)
-        self._drafted[seq_id] = (old[0] if old and old[1] == first + lo else first + lo, upto)
-        return first + lo, f[lo:n]
+        return (old[0] if old and old[1] == lo else lo, upto)
 
     def drafted(self, seq_id: int) -> tuple[int, int] | None:
         """Positions ``[lo, hi)`` of ``seq_id`` whose drafter K/V are in the pool (None: none yet)."""
@@ -131,17 +141,14 @@ class DFlashProposer:
         stored = self._features.get(seq_id)
         if stored is None or stored[0] >= upto:
             return None
-        n = upto - stored[0]
-        lo = stored[0] + (0 if self.window is None else max(0, n - self.window + 1))
+        lo = self._ingested_from(stored[0], upto)
         return (lo, upto) if lo < upto else None
 
     def drafted_after_ingest(self, seq_id: int, upto: int) -> tuple[int, int] | None:
         """:meth:`drafted` as it will be once :meth:`ingest` has written ``seq_id``'s features up
         to ``upto``."""
-        old, new = self._drafted.get(seq_id), self.pending(seq_id, upto)
-        if new is None:
-            return old
-        return (old[0] if old and old[1] == new[0] else new[0], upto)
+        new = self.pending(seq_id, upto)
+        return self.drafted(seq_id) if new is None else self._drafted_with(seq_id, new[0], upto)
 
     def ingest(self, entries: list[tuple[int, list[int], int]]) -> None:
         """Write the waiting target features of ended sequences into the drafter's pool (KV
