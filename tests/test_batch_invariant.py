@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import engine_config, generate
+from torch import nn
 
 from dflash_trt.checkpoints.loader import load_pair
 from dflash_trt.errors import DFlashError
@@ -57,6 +58,13 @@ def test_bi_linear_rows_independent(wdt, xdt):
         out = bi_linear(big, w, b)
         for r in (0, 63, 64, 149):
             assert torch.equal(bi_linear(big[r : r + 1], w, b)[0], out[r])
+        # the module packs its weight once: the same products; packed again when the weight changes
+        mod = BatchInvariantLinear(nn.Parameter(w.clone(), requires_grad=False), nn.Parameter(b, requires_grad=False))
+        assert mod.packed.shape == (-(-n // mod.packed.shape[2]), k, mod.packed.shape[2])
+        with torch.no_grad():
+            assert torch.equal(mod(x), full) and torch.equal(mod(x[3:4]), full[3:4])
+            mod.weight.mul_(2)
+            assert torch.equal(mod(x), bi_linear(x, w * 2, b))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

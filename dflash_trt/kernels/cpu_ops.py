@@ -1,5 +1,6 @@
 """The batch-invariant CPU kernels (``cpu/batch_invariant.cpp``) as torch ops
-``dflash_cpu::bi_linear`` and ``dflash_cpu::bi_attention``, built once per machine.
+``dflash_cpu::bi_linear`` (with ``bi_pack`` / ``bi_linear_packed``, the same arithmetic over a
+weight packed once) and ``dflash_cpu::bi_attention``, built once per machine.
 
 The C++ source is compiled with the machine's own compiler on first use
 (``torch.utils.cpp_extension``, ``-O3 -march=native -ffp-contract=off``; ~15-60 s on 2 cores) into
@@ -100,6 +101,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("dflash_cpu::bi_linear")
     def _(x, w, bias):
         return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.register_fake("dflash_cpu::bi_linear_packed")
+    def _(x, wp, n, bias):
+        return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("dflash_cpu::bi_attention")
     def _(q, k, v, mask, scale):

@@ -39,14 +39,22 @@ from .cpu_linear import OneDNNLinear, dense_linear
 INVARIANT_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _identity(w: torch.Tensor) -> tuple[int, int]:
+    """A weight's storage address and in-place version (inference tensors keep no version: 0)."""
+    return w.data_ptr(), 0 if w.is_inference() else w._version
+
+
 class BatchInvariantLinear(nn.Linear):
     """``nn.Linear`` (CPU, fp32 or bf16) whose output rows do not depend on the other rows.
 
     ``forward(x [..., in])`` returns ``[..., out]`` in ``x.dtype``, computed by
-    ``dflash_cpu::bi_linear`` (:func:`~dflash_trt.kernels.cpu_ops.bi_linear`) over the weight as
-    ``nn.Linear`` keeps it: the module shares the ``weight`` and ``bias`` parameters of the linear
-    it was made from (no copy, the same ``state_dict``), so switching the mode on and off costs
-    nothing. Off the CPU it is ``F.linear``.
+    ``dflash_cpu::bi_linear_packed`` (:func:`~dflash_trt.kernels.cpu_ops.bi_linear`'s
+    arithmetic) over :attr:`packed`, the weight laid out in panels of output columns
+    (``dflash_cpu::bi_pack``: ``[ceil(out / lanes), in, lanes]``, the weight's dtype), made here
+    and again whenever the weight changes (its storage or version). The module shares the
+    ``weight`` and ``bias`` parameters of the linear it was made from (the same ``state_dict``;
+    the packed copy is a non-persistent buffer: one more copy of the weight's bytes in memory
+    while the mode is on). Off the CPU it is ``F.linear`` over ``weight``.
     """
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None):
@@ -54,6 +62,15 @@ class BatchInvariantLinear(nn.Linear):
         self.out_features, self.in_features = weight.shape
         self.weight = weight
         self.bias = bias
+        self.register_buffer("packed", None, persistent=False)
+        self._packed_from: tuple[int, int] | None = None
+        if weight.device.type == "cpu":
+            self._pack()
+
+    def _pack(self) -> None:
+        """Lay :attr:`weight` out for the kernel (:attr:`packed`) and remember which weight it was."""
+        self.packed = torch.ops.dflash_cpu.bi_pack(self.weight.detach())
+        self._packed_from = _identity(self.weight)
 
     @classmethod
     def from_module(cls, mod: nn.Module) -> BatchInvariantLinear:
@@ -80,8 +97,11 @@ class BatchInvariantLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
+        if not torch.compiler.is_compiling() and self._packed_from != _identity(self.weight):
+            self._pack()  # the weight was loaded, moved or changed since
         # the op itself (loaded by set_batch_invariant), so that torch.compile sees one opaque call
-        y = torch.ops.dflash_cpu.bi_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
+        x2 = x.reshape(-1, self.in_features)
+        y = torch.ops.dflash_cpu.bi_linear_packed(x2, self.packed, self.out_features, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -9,13 +9,17 @@
 // being exactly plain decoding. These kernels fix the order of every reduction per row:
 //
 // dflash_cpu::bi_linear(x [M, K], w [N, K], bias?) -> [M, N]
-//     y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) over the weight as nn.Linear keeps it
-//     (row-major, fp32 or bf16, widened exactly), accumulated in fp32 in a fixed order per
-//     output: vector lane i sums k = i, i + VL, ... one FMA at a time in increasing k, the lanes
-//     are added in order, then the tail; whatever M and whatever row m sits in. Rows and weight
-//     rows are taken a register tile at a time (the tile's size only sets how many dot products
-//     share each load); threads split the output columns, never K. The output has x's dtype
-//     (fp32 results rounded to nearest even for bf16).
+// dflash_cpu::bi_pack(w [N, K]) -> wp [ceil(N / VL), K, VL]
+// dflash_cpu::bi_linear_packed(x [M, K], wp, N, bias?) -> [M, N]
+//     y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), accumulated in fp32 in a fixed order per
+//     output: one FMA per k in increasing k, starting from 0 (then + bias), whatever M and
+//     whatever row m sits in. The weight (fp32 or bf16, widened exactly) is read packed: panels
+//     of VL output columns, k-major inside a panel (bi_pack; bi_linear packs the [N, K] weight
+//     on every call, a module packs once), so that a register tile of up to 6 rows x C panels
+//     takes one broadcast input and C weight vectors per k (the GEMM micro-kernel of BLIS and
+//     oneDNN, without their split of K). The tile's size only sets how many outputs share each
+//     load; threads split the output columns, never K. The output has x's dtype (fp32 results
+//     rounded to nearest even for bf16).
 //
 // dflash_cpu::bi_attention(q [S, H, T, D], k [S, Hkv, L, D], v, mask [S|1, 1, T, L], scale)
 //     -> [S, H, T, D] fp32: each (sequence, head, query) alone: scores over its visible keys in
@@ -30,10 +34,12 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -46,17 +52,11 @@
 namespace {
 
 #ifdef __AVX512F__
-constexpr int VL = 16;        // fp32 lanes of one vector register
-constexpr int NC = 8;         // columns (weight rows) of one tile group
-constexpr int64_t NB = 64;    // weight rows per cache block (a multiple of NC), kept in L2 while
-                              // every register tile of rows (in L1) sweeps them
+constexpr int VL = 16;  // fp32 lanes of one vector register: the packed weight's panel width
 #else
 constexpr int VL = 8;
-constexpr int NC = 6;         // 16 registers: 4 rows x 3 columns of accumulators, 3 weight vectors, 1 input
-constexpr int64_t NB = 60;
 #endif
-constexpr int MR = 4;  // rows of one register tile
-constexpr int64_t MB = 64;   // rows per cache block
+constexpr int MR = 6;  // rows of one register tile
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef uint16_t vh __attribute__((vector_size(VL * 2)));
@@ -81,6 +81,19 @@ inline vf loadv(const c10::BFloat16* p) {  // bf16 -> fp32 is exact: the bits mo
   vu u = __builtin_convertvector(h, vu) << 16;
   vf v;
   std::memcpy(&v, &u, sizeof(v));
+  return v;
+#endif
+}
+
+// *p in every lane: a broadcast from memory (a load, no arithmetic and no shuffle)
+inline vf bcast(const float* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_set1_ps(*p);
+#elif defined(__AVX2__)
+  return (vf)_mm256_set1_ps(*p);
+#else
+  vf v;
+  for (int i = 0; i < VL; ++i) v[i] = *p;
   return v;
 #endif
 }
@@ -116,109 +129,111 @@ inline float hsum(const vf& v) {
   return s;
 }
 
-// dot products of R input rows (fp32, stride K) with C weight rows (stride K) -> out[r * C + c].
-// Every (row, column) pair: lane i accumulates k = i, i + VL, ... in increasing k (one FMA each),
-// the lanes are summed in order, then the K % VL tail is added one FMA at a time: the same
-// operations whatever R, C and the other rows are.
+// Packed weight: [P, K, VL] (P = ceil(N / VL) panels of VL output columns, k-major inside a
+// panel, the last panel's missing columns zero), so that one vector load gives VL columns of one k.
+// One register tile: R input rows x C panels, y[r][c * VL + j] = fma chain over k = 0, 1, ..., K - 1
+// of x[r, k] * w[k][j] starting from 0 (one FMA per k, in increasing k): the same operations
+// for every output element whatever R, C and the other rows are.
 template <int R, int C, typename W>
-inline void tile(const float* x, const W* w, int64_t K, float* out, int ldo) {
+inline void tile(const float* x, int64_t K, const W* wp, float* out, int64_t ldo) {
   vf acc[R][C] = {};
-  int64_t k = 0;
-  // the next tile's weight rows (contiguous after these) fetched while this one computes: a
-  // many-row weight (the LM head) streams from memory at the bandwidth, not in 8 interleaved rows
-  const char* next = reinterpret_cast<const char*>(w + C * K);
-  const int64_t step = static_cast<int64_t>(C) * VL * sizeof(W);
-  for (; k + VL <= K; k += VL) {
-    const char* pf = next + (k / VL) * step;
-    for (int64_t b = 0; b < step; b += 64) __builtin_prefetch(pf + b, 0, 1);
+  const int64_t ps = K * VL;  // one panel
+  // with 1-2 rows the weight streams from memory (a decode step): the next tile's C panels
+  // (contiguous after these) are fetched at the rate these are read
+  const char* next = reinterpret_cast<const char*>(wp + C * ps);
+  constexpr int64_t step = static_cast<int64_t>(C) * VL * sizeof(W);
+  for (int64_t k = 0; k < K; ++k) {
+    if constexpr (R <= 2) {
+      for (int64_t b = 0; b < step; b += 64) __builtin_prefetch(next + k * step + b, 0, 1);
+    }
     vf wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = loadv(w + c * K + k);
+    for (int c = 0; c < C; ++c) wv[c] = loadv(wp + c * ps + k * VL);
     for (int r = 0; r < R; ++r) {
-      const vf xv = loadv(x + r * K + k);
-      for (int c = 0; c < C; ++c) acc[r][c] = fmav(xv, wv[c], acc[r][c]);
+      const vf xb = bcast(x + r * K + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = fmav(xb, wv[c], acc[r][c]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) {
-      float s = hsum(acc[r][c]);
-      for (int64_t j = k; j < K; ++j) s = std::fma(x[r * K + j], to_float(w[c * K + j]), s);
-      out[r * ldo + c] = s;
-    }
-  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) std::memcpy(out + r * ldo + c * VL, &acc[r][c], sizeof(vf));
 }
 
-template <int R, int STEP, typename W>
-inline void tile_cols(int cols, const float* x, const W* w, int64_t K, float* out) {
-  for (int c = 0; c < cols; c += STEP) {
-    const int n = std::min(STEP, cols - c);
-    const W* wc = w + c * K;
-    if (n == STEP) {
-      tile<R, STEP>(x, wc, K, out + c, cols);
-    } else {
-      for (int j = 0; j < n; ++j) tile<R, 1>(x, wc + j * K, K, out + c + j, cols);
-    }
-  }
+// R rows x `panels` panels, C panels at a time (the remainder one at a time)
+template <int R, int C, typename W>
+inline void tile_panels(int panels, const float* x, int64_t K, const W* wp, float* out, int64_t ldo) {
+  int p = 0;
+  for (; p + C <= panels; p += C) tile<R, C>(x, K, wp + p * K * VL, out + p * VL, ldo);
+  for (; p < panels; ++p) tile<R, 1>(x, K, wp + p * K * VL, out + p * VL, ldo);
 }
 
-// rows x cols (<= MR x NC) dot products -> out [rows][cols], the columns taken as many at a time
-// as the registers hold for that many rows (the arithmetic per product is the same)
+// rows (<= MR) x panels, as many panels at a time as the registers hold for that many rows
 template <typename W>
-inline void tile_any(int rows, int cols, const float* x, const W* w, int64_t K, float* out) {
-  static_assert(MR == 4 && NB % NC == 0, "tile_any covers up to 4 rows; cache blocks hold whole tile groups");
+inline void tile_any(int rows, int panels, const float* x, int64_t K, const W* wp, float* out, int64_t ldo) {
 #ifdef __AVX512F__
-  switch (rows) {  // 32 registers: up to 4 rows x 4 columns
-    case 1: return tile_cols<1, 8>(cols, x, w, K, out);
-    case 2: return tile_cols<2, 4>(cols, x, w, K, out);
-    case 3: return tile_cols<3, 4>(cols, x, w, K, out);
-    default: return tile_cols<4, 4>(cols, x, w, K, out);
+  switch (rows) {  // 32 registers: rows x C accumulators + C weight vectors + 1 broadcast
+    case 1: return tile_panels<1, 8>(panels, x, K, wp, out, ldo);
+    case 2: return tile_panels<2, 8>(panels, x, K, wp, out, ldo);
+    case 3: return tile_panels<3, 6>(panels, x, K, wp, out, ldo);
+    case 4: return tile_panels<4, 4>(panels, x, K, wp, out, ldo);
+    case 5: return tile_panels<5, 4>(panels, x, K, wp, out, ldo);
+    default: return tile_panels<6, 4>(panels, x, K, wp, out, ldo);
   }
 #else
-  switch (rows) {
-    case 1: return tile_cols<1, 6>(cols, x, w, K, out);
-    case 2: return tile_cols<2, 3>(cols, x, w, K, out);
-    case 3: return tile_cols<3, 3>(cols, x, w, K, out);
-    default: return tile_cols<4, 3>(cols, x, w, K, out);
+  switch (rows) {  // 16 registers
+    case 1: return tile_panels<1, 6>(panels, x, K, wp, out, ldo);
+    case 2: return tile_panels<2, 4>(panels, x, K, wp, out, ldo);
+    case 3: return tile_panels<3, 3>(panels, x, K, wp, out, ldo);
+    case 4: return tile_panels<4, 2>(panels, x, K, wp, out, ldo);
+    case 5: return tile_panels<5, 2>(panels, x, K, wp, out, ldo);
+    default: return tile_panels<6, 2>(panels, x, K, wp, out, ldo);
   }
 #endif
 }
 
 template <typename W, typename O>
-void linear_impl(const float* x, int64_t M, int64_t K, const W* w, const float* bias, int64_t N, O* out) {
-  // threads take whole blocks of weight rows (output columns); never a split of K
-  const int64_t groups = (N + NC - 1) / NC;
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, M * K));  // >= ~64K MACs a task
+void linear_impl(const float* x, int64_t M, int64_t K, const W* wp, const float* bias, int64_t N, O* out) {
+  // threads take whole groups of panels (output columns); never a split of K. A group (~256 KiB:
+  // in L2, a multiple of 6 panels) is swept by every register tile of rows in turn.
+  const int64_t P = (N + VL - 1) / VL;
+  const int64_t fit = (int64_t{256} << 10) / std::max<int64_t>(1, K * VL * static_cast<int64_t>(sizeof(W)));
+  const int64_t pb = std::clamp<int64_t>(fit / 6 * 6, 6, 48);
+  const int64_t groups = (P + pb - 1) / pb;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * VL * pb));  // >= ~64K MACs a task
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    float t[MR * NC];
-    for (int64_t nb = g0 * NC; nb < std::min(N, g1 * NC); nb += NB) {
-      const int64_t ne = std::min({N, g1 * NC, nb + NB});
-      for (int64_t mb = 0; mb < M; mb += MB) {
-        const int64_t me = std::min(M, mb + MB);
-        for (int64_t m = mb; m < me; m += MR) {
-          const int rows = static_cast<int>(std::min<int64_t>(MR, me - m));
-          for (int64_t n = nb; n < ne; n += NC) {
-            const int cols = static_cast<int>(std::min<int64_t>(NC, ne - n));
-            tile_any(rows, cols, x + m * K, w + n * K, K, t);
-            for (int r = 0; r < rows; ++r) {
-              O* o = out + (m + r) * N + n;
-              for (int c = 0; c < cols; ++c) {
-                const float y = t[r * cols + c];
-                store(o + c, bias ? y + bias[n + c] : y);
-              }
-            }
-          }
+    const int64_t ldt = pb * VL;
+    std::vector<float> t(MR * ldt);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p0 = g * pb, np = std::min<int64_t>(pb, P - p0);
+      const int64_t n0 = p0 * VL, nc = std::min<int64_t>(np * VL, N - n0);
+      for (int64_t m = 0; m < M; m += MR) {
+        const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
+        tile_any(rows, static_cast<int>(np), x + m * K, K, wp + p0 * K * VL, t.data(), ldt);
+        for (int r = 0; r < rows; ++r) {
+          O* o = out + (m + r) * N + n0;
+          const float* tr = t.data() + r * ldt;
+          for (int64_t c = 0; c < nc; ++c) store(o + c, bias ? tr[c] + bias[n0 + c] : tr[c]);
         }
       }
     }
   });
 }
 
-at::Tensor bi_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "bi_linear: x [M, K] and w [N, K] expected");
-  TORCH_CHECK(x.size(1) == w.size(1), "bi_linear: x has ", x.size(1), " inputs, the weight ", w.size(1));
+// [N, K] -> [ceil(N / VL), K, VL] in the weight's dtype, missing columns zero
+at::Tensor bi_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2, "bi_pack: w [N, K] expected");
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "bi_pack: w must be fp32 or bf16");
+  const int64_t N = w.size(0), K = w.size(1), P = (N + VL - 1) / VL;
+  at::Tensor padded = at::constant_pad_nd(w, {0, 0, 0, P * VL - N}, 0);
+  return padded.view({P, VL, K}).transpose(1, 2).contiguous();
+}
+
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp, int64_t N, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && wp.dim() == 3 && wp.size(2) == VL, "bi_linear: x [M, K] and a packed weight [P, K, ", VL, "] expected");
+  TORCH_CHECK(x.size(1) == wp.size(1), "bi_linear: x has ", x.size(1), " inputs, the weight ", wp.size(1));
+  TORCH_CHECK(N > (wp.size(0) - 1) * VL && N <= wp.size(0) * VL, "bi_linear: ", N, " outputs do not fit ", wp.size(0), " panels");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "bi_linear: x must be fp32 or bf16");
-  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "bi_linear: w must be fp32 or bf16");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const at::Tensor wc = w.contiguous();
+  TORCH_CHECK(wp.scalar_type() == at::kFloat || wp.scalar_type() == at::kBFloat16, "bi_linear: w must be fp32 or bf16");
+  TORCH_CHECK(wp.is_contiguous(), "bi_linear: the packed weight must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1);
   const at::Tensor xf = x.to(at::kFloat).contiguous();  // exact for bf16
   at::Tensor bf;
   if (bias.has_value() && bias->defined()) {
@@ -229,17 +244,23 @@ at::Tensor bi_linear(const at::Tensor& x, const at::Tensor& w, const std::option
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const float* xp = xf.data_ptr<float>();
-  const bool wb = w.scalar_type() == at::kBFloat16, ob = x.scalar_type() == at::kBFloat16;
+  const bool wb = wp.scalar_type() == at::kBFloat16, ob = x.scalar_type() == at::kBFloat16;
   if (wb && ob) {
-    linear_impl(xp, M, K, wc.data_ptr<c10::BFloat16>(), b, N, out.data_ptr<c10::BFloat16>());
+    linear_impl(xp, M, K, wp.data_ptr<c10::BFloat16>(), b, N, out.data_ptr<c10::BFloat16>());
   } else if (wb) {
-    linear_impl(xp, M, K, wc.data_ptr<c10::BFloat16>(), b, N, out.data_ptr<float>());
+    linear_impl(xp, M, K, wp.data_ptr<c10::BFloat16>(), b, N, out.data_ptr<float>());
   } else if (ob) {
-    linear_impl(xp, M, K, wc.data_ptr<float>(), b, N, out.data_ptr<c10::BFloat16>());
+    linear_impl(xp, M, K, wp.data_ptr<float>(), b, N, out.data_ptr<c10::BFloat16>());
   } else {
-    linear_impl(xp, M, K, wc.data_ptr<float>(), b, N, out.data_ptr<float>());
+    linear_impl(xp, M, K, wp.data_ptr<float>(), b, N, out.data_ptr<float>());
   }
   return out;
+}
+
+at::Tensor bi_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "bi_linear: x [M, K] and w [N, K] expected");
+  TORCH_CHECK(x.size(1) == w.size(1), "bi_linear: x has ", x.size(1), " inputs, the weight ", w.size(1));
+  return linear_packed(x, bi_pack(w), w.size(0), bias);
 }
 
 // q . k over D, fixed order: VL-lane FMA chunks in order, lanes summed 0..VL-1, then a scalar tail
@@ -338,10 +359,14 @@ at::Tensor bi_attention(const at::Tensor& q, const at::Tensor& k, const at::Tens
 
 TORCH_LIBRARY(dflash_cpu, m) {
   m.def("bi_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("bi_pack(Tensor w) -> Tensor");
+  m.def("bi_linear_packed(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor");
   m.def("bi_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) {
   m.impl("bi_linear", &bi_linear);
+  m.impl("bi_pack", &bi_pack);
+  m.impl("bi_linear_packed", &linear_packed);
   m.impl("bi_attention", &bi_attention);
 }
