@@ -81,18 +81,25 @@ def test_bad_packs_one_line_errors(pack, tmp_path):
 
 @pytest.fixture(scope="module")
 def work_cache(tmp_path_factory) -> tuple[Path, Path]:
-    """``(cache, ext)``: one cache folder (``DFLASH_TRT_CACHE``: the model converted from the
-    pack's GGUF) for both dry runs: it starts empty, so the first dry run converts on a bare cache
-    as the GPU machine does, and the second reuses it (a conversion took ~1 min of a dry run, more
-    than any stage's own work at these sizes). The batch-invariant C++ extension is a CPU-only
-    part of a dry run (a CUDA target never builds it): the dry runs load this process's build
-    (``DFLASH_TRT_EXT_DIR``), made here if no test has yet, instead of compiling it (~1 min)."""
+    """``(cache, ext)``: one cache folder (``DFLASH_TRT_CACHE``) for both dry runs, holding the
+    model the scripts convert from the pack's GGUF: a link to this process's conversion of the
+    default target (the joined file has its name and sha256, so the scripts find it as they
+    find their own; converting it again took ~30 s of each dry run, and ``convert_gguf`` on a
+    bare cache is what every first load of the default target runs). The batch-invariant C++
+    extension is a CPU-only part of a dry run (a CUDA target never builds it): the dry runs load
+    this process's build (``DFLASH_TRT_EXT_DIR``), made here if no test has yet, instead of
+    compiling it (~1 min)."""
+    from dflash_trt.checkpoints.sources import convert_gguf
     from dflash_trt.errors import DFlashError
     from dflash_trt.kernels import cpu_ops
 
     with contextlib.suppress(DFlashError):  # no C++ compiler: the dry runs run without the mode, as before
         cpu_ops.load()
-    return tmp_path_factory.mktemp("cache"), cpu_ops.build_dir().parent
+    cache = tmp_path_factory.mktemp("cache")
+    converted = convert_gguf(default_target_gguf())
+    (cache / "gguf").mkdir()
+    (cache / "gguf" / converted.name).symlink_to(converted, target_is_directory=True)
+    return cache, cpu_ops.build_dir().parent
 
 
 def dry_run(script: str, pack: Path, work: Path, cache: tuple[Path, Path], **settings: str) -> None:
