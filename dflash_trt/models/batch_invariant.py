@@ -39,7 +39,7 @@ from .cpu_linear import OneDNNLinear, dense_linear
 INVARIANT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _identity(w: torch.Tensor) -> tuple[int, int]:
+def weight_identity(w: torch.Tensor) -> tuple[int, int]:
     """A weight's storage address and in-place version (inference tensors keep no version: 0)."""
     return w.data_ptr(), 0 if w.is_inference() else w._version
 
@@ -70,7 +70,7 @@ class BatchInvariantLinear(nn.Linear):
     def _pack(self) -> None:
         """Lay :attr:`weight` out for the kernel (:attr:`packed`) and remember which weight it was."""
         self.packed = torch.ops.dflash_cpu.bi_pack(self.weight.detach())
-        self._packed_from = _identity(self.weight)
+        self._packed_from = weight_identity(self.weight)
 
     @classmethod
     def from_module(cls, mod: nn.Module) -> BatchInvariantLinear:
@@ -97,7 +97,7 @@ class BatchInvariantLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
-        if not torch.compiler.is_compiling() and self._packed_from != _identity(self.weight):
+        if not torch.compiler.is_compiling() and self._packed_from != weight_identity(self.weight):
             self._pack()  # the weight was loaded, moved or changed since
         # the op itself (loaded by set_batch_invariant), so that torch.compile sees one opaque call
         x2 = x.reshape(-1, self.in_features)

@@ -15,16 +15,21 @@ the host: CUDA graphs and torch.compile do not cover this layer yet, nor does te
 parallelism.
 
 Batch-invariant mode (``models/batch_invariant.py``): the router is a linear like any other, and
-the expert GEMMs run through ``dflash_cpu::bi_linear``, whose per-row arithmetic does not depend
+the expert GEMMs run through ``dflash_cpu::bi_linear_packed`` (each expert's weights packed on
+its first use), whose per-row arithmetic does not depend
 on the other rows; the routing is row-wise and a token's expert outputs are added in expert-id
 order whatever else is in the batch, so a token's output does not depend on the batch either.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .batch_invariant import weight_identity
 
 
 class MoEBlock(nn.Module):
@@ -49,6 +54,10 @@ class MoEBlock(nn.Module):
         nn.init.normal_(self.gate_up, std=0.02)
         nn.init.normal_(self.down, std=0.02)
         self.batch_invariant = False  # set by models/batch_invariant.set_batch_invariant
+        # the experts' packed weights in that mode: expert id -> (gate_up, down), and which
+        # parameters (storage, version) they were packed from
+        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._packed_of: tuple | None = None
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing of ``h [N, hidden]``: ``(weights [N, top_k] in h.dtype, expert ids [N, top_k]
@@ -59,16 +68,31 @@ class MoEBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(h.dtype), ids
 
+    def expert_linears(self, e: int, invariant: bool) -> tuple[Callable, Callable]:
+        """Expert ``e``'s two GEMMs as functions of their input rows: ``F.linear`` over its
+        slices of :attr:`gate_up` / :attr:`down`, or (``invariant``) ``dflash_cpu::bi_linear_packed``
+        over those slices packed once (``dflash_cpu::bi_pack``) and again when the parameters change."""
+        if not invariant:
+            return (lambda t: F.linear(t, self.gate_up[e])), (lambda t: F.linear(t, self.down[e]))
+        key = (weight_identity(self.gate_up), weight_identity(self.down))
+        if self._packed_of != key:
+            self._packed, self._packed_of = {}, key
+        if e not in self._packed:
+            pack = torch.ops.dflash_cpu.bi_pack
+            self._packed[e] = (pack(self.gate_up[e].detach()), pack(self.down[e].detach()))
+        gu, dn = self._packed[e]
+        op = torch.ops.dflash_cpu.bi_linear_packed
+        return (lambda t: op(t, gu, 2 * self.intermediate, None)), (lambda t: op(t, dn, self.down.shape[1], None))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])
         weights, ids = self.route(h)
-        linear = F.linear
-        if self.batch_invariant and h.device.type == "cpu":
-            from ..kernels.cpu_ops import bi_linear as linear
+        invariant = self.batch_invariant and h.device.type == "cpu"
         out = torch.zeros_like(h)
         for e in torch.unique(ids).tolist():
             rows, slot = (ids == e).nonzero(as_tuple=True)
-            gate, up = linear(h[rows], self.gate_up[e]).split(self.intermediate, dim=-1)
-            y = linear(F.silu(gate) * up, self.down[e]) * weights[rows, slot, None]
+            gate_up, down = self.expert_linears(e, invariant)
+            gate, up = gate_up(h[rows]).split(self.intermediate, dim=-1)
+            y = down(F.silu(gate) * up) * weights[rows, slot, None]
             out.index_add_(0, rows, y)
         return out.view(x.shape)
