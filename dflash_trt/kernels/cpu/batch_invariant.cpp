@@ -165,28 +165,26 @@ inline void tile_panels(int panels, const float* x, int64_t K, const W* wp, floa
   for (; p < panels; ++p) tile<R, 1>(x, K, wp + p * K * VL, out + p * VL, ldo);
 }
 
-// rows (<= MR) x panels, as many panels at a time as the registers hold for that many rows
+// panels taken at a time by a tile of 1..MR rows: as many as the registers hold next to the
+// rows x C accumulators, the C weight vectors and the broadcast input
+#ifdef __AVX512F__
+constexpr int PANELS[MR] = {8, 8, 6, 4, 4, 4};  // 32 registers
+#else
+constexpr int PANELS[MR] = {6, 4, 3, 2, 2, 2};  // 16 registers
+#endif
+
+// rows (<= MR) x panels
 template <typename W>
 inline void tile_any(int rows, int panels, const float* x, int64_t K, const W* wp, float* out, int64_t ldo) {
-#ifdef __AVX512F__
-  switch (rows) {  // 32 registers: rows x C accumulators + C weight vectors + 1 broadcast
-    case 1: return tile_panels<1, 8>(panels, x, K, wp, out, ldo);
-    case 2: return tile_panels<2, 8>(panels, x, K, wp, out, ldo);
-    case 3: return tile_panels<3, 6>(panels, x, K, wp, out, ldo);
-    case 4: return tile_panels<4, 4>(panels, x, K, wp, out, ldo);
-    case 5: return tile_panels<5, 4>(panels, x, K, wp, out, ldo);
-    default: return tile_panels<6, 4>(panels, x, K, wp, out, ldo);
+  static_assert(MR == 6, "tile_any covers up to 6 rows");
+  switch (rows) {
+    case 1: return tile_panels<1, PANELS[0]>(panels, x, K, wp, out, ldo);
+    case 2: return tile_panels<2, PANELS[1]>(panels, x, K, wp, out, ldo);
+    case 3: return tile_panels<3, PANELS[2]>(panels, x, K, wp, out, ldo);
+    case 4: return tile_panels<4, PANELS[3]>(panels, x, K, wp, out, ldo);
+    case 5: return tile_panels<5, PANELS[4]>(panels, x, K, wp, out, ldo);
+    default: return tile_panels<6, PANELS[5]>(panels, x, K, wp, out, ldo);
   }
-#else
-  switch (rows) {  // 16 registers
-    case 1: return tile_panels<1, 6>(panels, x, K, wp, out, ldo);
-    case 2: return tile_panels<2, 4>(panels, x, K, wp, out, ldo);
-    case 3: return tile_panels<3, 3>(panels, x, K, wp, out, ldo);
-    case 4: return tile_panels<4, 2>(panels, x, K, wp, out, ldo);
-    case 5: return tile_panels<5, 2>(panels, x, K, wp, out, ldo);
-    default: return tile_panels<6, 2>(panels, x, K, wp, out, ldo);
-  }
-#endif
 }
 
 template <typename W, typename O>
