@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import ssl
 import subprocess
 import sys
 
@@ -18,6 +19,10 @@ from dflash_trt.runtime.request import LoopStats, Request, RequestResult
 from dflash_trt.runtime.spec_decode.dflash import DFlashProposer
 
 CLI = [sys.executable, "-m", "dflash_trt.cli"]
+#: one TLS context for the httpx clients that tests create by the hundred (a stream per client,
+#: polling loops): httpx builds a context and loads certifi's CA bundle for every client it
+#: creates unless given one (~50 ms each; the servers here speak plain HTTP)
+TLS = ssl.create_default_context()
 #: fp32 top-2 logit margin below which two decoding runs may differ (a numerical tie)
 TIE = 1e-4
 

@@ -165,17 +165,19 @@ def test_drafter_target_mismatch(mismatched_drafter, capsys):
     assert "drafter does not match target" in line and "24-layer" in line
 
 
-def test_generate_streams_and_reports(tmp_path, random_drafter):
+def test_generate_streams_and_reports(tmp_path, random_drafter, capsys):
+    """In this process (``main``); the subprocess test above holds the process's exit status."""
     from dflash_trt.checkpoints.zlab import save_drafter
 
     d = save_drafter(random_drafter, tmp_path / "drafter")
-    proc = run(
-        "generate", "--prompt-from", "gsm8k:0", "--max-new-tokens", "12", "--block-size", "4", "--drafter", str(d)
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    last = proc.stdout.strip().splitlines()[-1]
+    capsys.readouterr()
+    args = ["generate", "--prompt-from", "gsm8k:0", "--max-new-tokens", "12", "--block-size", "4", "--drafter", str(d)]
+    rc = main(args)
+    out, err = capsys.readouterr()
+    assert rc == 0, err[-2000:]
+    last = out.strip().splitlines()[-1]
     assert "tau" in last and "tok/s" in last and "12 tokens" in last
-    assert "Janet" in proc.stdout  # the prompt is echoed
+    assert "Janet" in out  # the prompt is echoed
 
 
 def test_bench_json(tmp_path, capsys):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import check_same, error_line, generate, run
+from helpers import check_same, generate, main_error
 
 from dflash_trt.checkpoints.loader import LoadedTarget, default_mask_token_id
 from dflash_trt.checkpoints.zlab import init_drafter, load_drafter, save_drafter
@@ -171,7 +171,7 @@ def d2t_drafter(smollm2):
     return init_drafter(cfg, 1, 8, mask, seed=1, draft_token_ids=ids), ids
 
 
-def test_d2t_format_roundtrip_and_zlab_reference(smollm2, d2t_drafter, tmp_path):
+def test_d2t_format_roundtrip_and_zlab_reference(smollm2, d2t_drafter, tmp_path, capsys):
     d, ids = d2t_drafter
     path = save_drafter(d, tmp_path / "d")
     cfg = json.loads((path / "config.json").read_text())
@@ -190,13 +190,13 @@ def test_d2t_format_roundtrip_and_zlab_reference(smollm2, d2t_drafter, tmp_path)
     # a float d2t in a file is refused, not cast (cast, it would still look sorted and distinct)
     half["d2t"] = half["d2t"].to(torch.bfloat16)
     save_file(half, str(tmp_path / "bf16" / "model.safetensors"))
-    assert "d2t must be a 1-D int64 tensor, got torch.bfloat16" in error_line(
-        run("generate", "--prompt", "hi", "--drafter", str(tmp_path / "bf16"))
+    assert "d2t must be a 1-D int64 tensor, got torch.bfloat16" in main_error(
+        capsys, "generate", "--prompt", "hi", "--drafter", str(tmp_path / "bf16")
     )
     # a corrupt d2t (not sorted distinct ids) is a one-line error
     sd["d2t"][5] = -10
     save_file(sd, str(path / "model.safetensors"))
-    assert "d2t does not map" in error_line(run("generate", "--prompt", "hi", "--drafter", str(path)))
+    assert "d2t does not map" in main_error(capsys, "generate", "--prompt", "hi", "--drafter", str(path))
     # the z-lab reference (which drafts over the full vocabulary) still loads our drafter
     dflash_model = pytest.importorskip("dflash.model", reason="needs the z-lab reference: pip install dflash==0.1.0")
     from transformers import Qwen3Config

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import CLI, error_line, run
+from helpers import CLI, error_line, main_error, run
 
 from dflash_trt.checkpoints.sources import default_target_gguf, sha256_file
 from dflash_trt.checkpoints.zlab import load_drafter
@@ -63,20 +63,21 @@ def test_pack_parts_join_to_the_model(pack, tmp_path):
     assert "DFLASH_TRT_DEFAULT_TARGET" in error_line(bad) and "no such file" in error_line(bad)
 
 
-def test_bad_packs_one_line_errors(pack, tmp_path):
+def test_bad_packs_one_line_errors(pack, tmp_path, capsys):
+    """In this process (``main``): the exit-status contract of a real process is tests/test_cli.py's."""
     broken = tmp_path / "broken"
     shutil.copytree(pack, broken)
     shutil.rmtree(broken / "model-01")
-    assert "model part(s) missing" in error_line(run("unpack", "--pack", str(broken), "--dest", str(tmp_path / "d")))
+    assert "model part(s) missing" in main_error(capsys, "unpack", "--pack", str(broken), "--dest", str(tmp_path / "d"))
     shutil.copytree(pack / "model-01", broken / "model-01")
     part = next((broken / "model-02").iterdir())
     data = bytearray(part.read_bytes())
     data[100] ^= 0xFF
     part.write_bytes(bytes(data))
-    assert "corrupt" in error_line(run("unpack", "--pack", str(broken), "--dest", str(tmp_path / "d")))
+    assert "corrupt" in main_error(capsys, "unpack", "--pack", str(broken), "--dest", str(tmp_path / "d"))
     assert not any((tmp_path / "d").iterdir()), "nothing half-written is left"
-    assert "not an offline pack" in error_line(run("unpack", "--pack", str(tmp_path), "--dest", str(tmp_path / "d")))
-    assert "already exists" in error_line(run("pack", "--out", str(pack)))
+    assert "not an offline pack" in main_error(capsys, "unpack", "--pack", str(tmp_path), "--dest", str(tmp_path / "d"))
+    assert "already exists" in main_error(capsys, "pack", "--out", str(pack))
 
 
 @pytest.fixture(scope="module")

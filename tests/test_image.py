@@ -33,7 +33,7 @@ import httpx
 import numpy as np
 import pytest
 from conftest import wait_for_image_build
-from helpers import free_ports
+from helpers import TLS, free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = os.environ.get("DFLASH_TRT_TEST_IMAGE", "localhost/dflash-trt:cpu")
@@ -131,7 +131,7 @@ def wait_ready(url: str, name: str, timeout_s: float = 600) -> None:
     end = time.time() + timeout_s
     while time.time() < end:
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2, verify=TLS).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

@@ -273,14 +273,20 @@ def test_builder_engine_round_trip(tmp_path, smollm2, fmt):
     assert same_or_tie(target.model, prompt, plain[0], got, ROWS_TIE) == 0 or fmt == "int8"
 
 
-def test_cli_weights_flag():
-    """``generate --weights int4`` runs the packed path; a GPU device with it is a one-line error."""
-    from helpers import error_line, run
+def test_cli_weights_flag(capsys):
+    """``generate --weights int4`` runs the packed path; a GPU device with it is a one-line error
+    (both through ``main`` in this process; tests/test_cli.py holds the exit-status contract of
+    the process itself)."""
+    from helpers import main_error
 
-    proc = run("generate", "--prompt", "Hi", "--max-new-tokens", "4", "--block-size", "1", "--weights", "int4")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "bf16 + int4 weights" in proc.stdout
-    line = error_line(run("generate", "--prompt", "Hi", "--weights", "int4", "--device", "cuda"))
+    from dflash_trt.cli import main
+
+    capsys.readouterr()
+    rc = main(["generate", "--prompt", "Hi", "--max-new-tokens", "4", "--block-size", "1", "--weights", "int4"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err[-2000:]
+    assert "bf16 + int4 weights" in out
+    line = main_error(capsys, "generate", "--prompt", "Hi", "--weights", "int4", "--device", "cuda")
     assert "cuda" in line or "--device cpu" in line
 
 

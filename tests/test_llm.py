@@ -17,9 +17,9 @@ import subprocess
 import sys
 
 import pytest
-from helpers import run
 
 from dflash_trt import LLM, EngineArgs, SamplingParams
+from dflash_trt.cli import main
 from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.prompts import load_prompts
 
@@ -33,7 +33,9 @@ def llm():
     return LLM(dtype="fp32", kv_capacity=KV, speculative_config={"method": "dflash", "num_speculative_tokens": 3})
 
 
-def test_llm_equals_cli_generate_token_for_token(tmp_path):
+def test_llm_equals_cli_generate_token_for_token(tmp_path, capsys):
+    """The front door in a fresh ``python -c`` process; ``dflash-trt generate`` through ``main``
+    in this process (tests/test_cli.py runs the command as a process)."""
     script = (
         "import json, sys\n"
         "from dflash_trt import LLM, SamplingParams\n"
@@ -53,11 +55,11 @@ def test_llm_equals_cli_generate_token_for_token(tmp_path):
     assert len(outs) == 3
     for i, o in enumerate(outs):
         out = tmp_path / f"g{i}.json"
-        cli = run(
+        rc = main([
             "generate", "--prompt-from", f"gsm8k:{i}", "--dtype", "fp32", "--block-size", "4",
             "--max-new-tokens", str(MAX_NEW), "--json", str(out),
-        )  # fmt: skip
-        assert cli.returncode == 0, cli.stderr[-3000:]
+        ])  # fmt: skip
+        assert rc == 0, capsys.readouterr().err[-3000:]
         ref = json.loads(out.read_text())
         assert ref["prompt_ids"] == o["prompt"]
         assert ref["output_ids"] == o["ids"], f"prompt {i}: LLM and dflash-trt generate differ"

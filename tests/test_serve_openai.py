@@ -31,7 +31,18 @@ import time
 
 import httpx
 import pytest
-from helpers import CLI, burst_share, error_line, free_ports, plain_outputs, run, same_text, saved_drafter, serving_args
+from helpers import (
+    CLI,
+    TLS,
+    burst_share,
+    error_line,
+    free_ports,
+    plain_outputs,
+    run,
+    same_text,
+    saved_drafter,
+    serving_args,
+)
 
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
 
@@ -43,7 +54,7 @@ def wait_health(port: int, proc: subprocess.Popen, tries: int = 600) -> None:
     """Until ``GET /health`` answers 200 (fails early if the server process died)."""
     for _ in range(tries):
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1, verify=TLS).status_code == 200:
                 return
         except httpx.HTTPError:
             assert proc.poll() is None, proc.stdout.read()[-3000:]
@@ -162,7 +173,7 @@ async def _stream_chat(url: str, model: str, prompt: str, max_tokens: int, stop_
     body = _chat_body(model, prompt, max_tokens, stream=True)
     parts, n = [], 0
     async with (
-        httpx.AsyncClient(timeout=600) as client,
+        httpx.AsyncClient(timeout=600, verify=TLS) as client,
         client.stream("POST", url + "/v1/chat/completions", json=body) as resp,
     ):
         assert resp.status_code == 200

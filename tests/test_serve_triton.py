@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-from helpers import burst_share, free_ports, plain_outputs, same_text, serving_args
+from helpers import TLS, burst_share, free_ports, plain_outputs, same_text, serving_args
 
 from dflash_trt.prompts import mixed_prompts
 
@@ -99,7 +99,7 @@ def reference(smollm2, prompts):
 
 
 def generate(url: str, body: dict) -> dict:
-    r = httpx.post(url + "/v2/models/dflash/generate", json=body, timeout=600)
+    r = httpx.post(url + "/v2/models/dflash/generate", json=body, timeout=600, verify=TLS)
     return r.json() | {"_status": r.status_code}
 
 
@@ -107,7 +107,7 @@ async def stream_http(url: str, body: dict, stop_after: int | None = None) -> tu
     """``generate_stream``: the concatenated text and the final event (None if we left early)."""
     parts, n = [], 0
     async with (
-        httpx.AsyncClient(timeout=600) as client,
+        httpx.AsyncClient(timeout=600, verify=TLS) as client,
         client.stream("POST", url + "/v2/models/dflash/generate_stream", json=body) as resp,
     ):
         async for line in resp.aiter_lines():

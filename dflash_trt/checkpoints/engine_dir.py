@@ -19,6 +19,7 @@ from ..errors import DFlashError
 from ..models.config import TargetConfig
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
+from ..models.uninitialized import skip_random_init
 from ..quantization.common import replace_module, stored_format
 from . import trtllm
 from .loader import LoadedTarget, parse_dtype, with_tokenizer
@@ -234,7 +235,8 @@ def _load_target(d: Path, tp: int, rank: int, dtype: torch.dtype, formats: tuple
     tt = load_safetensors_file(d / "target" / f"rank{rank if tp > 1 else 0}.safetensors", "engine target")
     specs = trtllm.target_specs(tcfg)
     if tp == 1:
-        model = TargetModel(tcfg)
+        with skip_random_init():  # every weight is loaded below
+            model = TargetModel(tcfg)
         sd = state_dict_from_rank(specs, tt, model.state_dict(), dtype)
         if tcfg.tie_word_embeddings:
             sd["lm_head.weight"] = sd["embed.weight"]
@@ -245,9 +247,10 @@ def _load_target(d: Path, tp: int, rank: int, dtype: torch.dtype, formats: tuple
             num_kv_heads=tcfg.num_kv_heads // tp,
             intermediate_size=tcfg.intermediate_size // tp,
         )
-        model = TargetModel(local)
         head = dequantized(tt, "lm_head.weight", dtype)
-        model.lm_head = torch.nn.Linear(tcfg.hidden_size, head.shape[0], bias=False)  # unties a tied head
+        with skip_random_init():  # every weight is loaded below
+            model = TargetModel(local)
+            model.lm_head = torch.nn.Linear(tcfg.hidden_size, head.shape[0], bias=False)  # unties a tied head
         sd = state_dict_from_rank([sp for sp in specs if sp.split != trtllm.VOCAB], tt, model.state_dict(), dtype)
         sd["lm_head.weight"] = head
         sd["embed.weight"] = torch.zeros_like(model.embed.weight, dtype=dtype)  # gathered by the runtime
@@ -271,7 +274,8 @@ def _load_drafter(d: Path, tp: int, dtype: torch.dtype, formats: tuple[str, ...]
         if tp == 1
         else unshard_rank_files(dspecs, dt, trtllm.qkv_sizes(dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim))
     )
-    drafter = DFlashDrafter(dcfg)
+    with skip_random_init():
+        drafter = DFlashDrafter(dcfg)
     dsd = state_dict_from_rank(dspecs, dt, drafter.state_dict(), dtype)
     if dcfg.draft_vocab_size is not None:  # the draft vocabulary, int64, beside the weights
         if d2t is None:

@@ -16,6 +16,7 @@ model config and tokenizer come from the cached HF conversion of the same file
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -55,20 +56,33 @@ def _qk_inverse_rows(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(n_rows).reshape(n_head, dim, 2).transpose(1, 2).reshape(-1)
 
 
+@functools.lru_cache(maxsize=2)
+def _tensor_table(path: str, size: int, mtime_ns: int) -> dict:
+    """The ``gguf.ReaderTensor`` s of the GGUF file ``path`` by name (views of the file, mapped
+    read-only), read once per process while the file is unchanged: ``gguf.GGUFReader`` parses
+    every metadata field, the tokenizer's ~100k strings one by one (~4 s for the default target).
+
+    Raises:
+        DFlashError: not a readable GGUF file.
+    """
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError / struct errors on a bad file
+        raise DFlashError(f"cannot read GGUF {path}: {type(e).__name__}: {e}") from None
+    return {t.name: t for t in reader.tensors}
+
+
 class _GgufFile:
     """The tensors of one GGUF file, read into dense tensors or packed linears of one format
     (one stderr line per GGUF type that is requantized instead of loaded as it is)."""
 
     def __init__(self, path: Path, fmt: str, dtype: torch.dtype) -> None:
-        import gguf
-
-        try:
-            reader = gguf.GGUFReader(str(path))
-        except Exception as e:  # gguf raises ValueError / struct errors on a bad file
-            raise DFlashError(f"cannot read GGUF {path}: {type(e).__name__}: {e}") from None
+        st = Path(path).resolve().stat()
         self.path, self.dtype = path, dtype
         self.linear_class = packed_class(fmt)
-        self.byname = {t.name: t for t in reader.tensors}
+        self.byname = _tensor_table(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
         self.seen: set[tuple[str, str]] = set()
 
     def get(self, name: str):

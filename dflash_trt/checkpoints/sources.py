@@ -11,6 +11,7 @@ offline GPU machine that received the GGUF in a pack: ``scripts/gpu_validate.sh`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -56,6 +57,11 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=16)
+def _cache_key_sha256(path: str, size: int, mtime_ns: int) -> str:
+    return sha256_file(Path(path))
+
+
 def convert_gguf(path: Path) -> Path:
     """Convert a GGUF file to a cached HF directory (config, safetensors, tokenizer); reuse it
     when it exists. Quantized GGUF tensors are dequantized to fp32.
@@ -66,7 +72,9 @@ def convert_gguf(path: Path) -> Path:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise DFlashError(f"{path} is not a GGUF file (bad magic bytes)")
-    out = cache_root() / "gguf" / f"{path.stem}-{sha256_file(path)[:16]}"
+    st = Path(path).resolve().stat()  # hashed once per process while the file is unchanged
+    digest = _cache_key_sha256(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+    out = cache_root() / "gguf" / f"{path.stem}-{digest[:16]}"
     if (out / "config.json").is_file():
         _name_architecture(out / "config.json")  # (conversions written before it was named)
         return out

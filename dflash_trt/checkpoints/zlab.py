@@ -24,6 +24,7 @@ from ..atomic import atomic_dir, write_json
 from ..errors import DFlashError
 from ..models.config import DrafterConfig, TargetConfig, default_target_layer_ids
 from ..models.drafter import DFlashDrafter
+from ..models.uninitialized import skip_random_init
 from .sources import load_safetensors_dir, read_json
 
 #: config keys that become DrafterConfig fields (the rest is kept in ``extra`` and written back)
@@ -199,7 +200,8 @@ def load_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32) ->
         raise DFlashError(f"drafter not found: {path}")
     cfg = drafter_config_from_json(read_json(path / "config.json", "drafter"))
     sd = load_safetensors_dir(path, "drafter")
-    model = DFlashDrafter(cfg)
+    with skip_random_init():  # every weight is loaded below
+        model = DFlashDrafter(cfg)
     own = model.state_dict()
     missing = sorted(set(own) - set(sd))
     if missing:
