@@ -48,6 +48,9 @@ from .spec_decode.prompt_lookup import PromptLookup
 
 log = logging.getLogger("dflash_trt.runtime")
 
+#: the most sequences the start-up calibration measures the drafter at (``LLMEngine.calibrate``)
+CALIBRATION_MAX_SEQS = 16
+
 
 def check_block_size(drafter: DFlashDrafter | None, block_size: int) -> None:
     """Raises :class:`ConfigError` (``block_size``) for a block size the drafter cannot serve."""
@@ -616,7 +619,11 @@ class LLMEngine:
         kept): only a path's first call carries one-time costs (the drafter's: 0.78 s against
         0.09 s warm, SmolLM2 fp32, one thread), later sizes measured twice differed by ~5 %, and
         the controller goes on measuring every iteration. (SmolLM2 fp32, 32 sequences, block size 4,
-        one thread: the sweep's forwards took 17.4 s run twice per size; those it keeps now, 10.6 s.)"""
+        one thread: the sweep's forwards took 17.4 s run twice per size; those it keeps now, 10.6 s.)
+        The drafter sweep stops at :data:`CALIBRATION_MAX_SEQS` sequences: its 32- and 64-sequence
+        points were ~3/4 of its cost (each a prefill of 7 tokens per sequence and a verify block
+        per sequence), and the cost model extends its last points linearly until the batches the
+        engine really runs measure those sizes."""
         ctl, K, bm = self.controller, self.block_size, self.blocks
         sched = self.config.scheduler
         sizes = [n for n in (2**i for i in range(12)) if n <= min(max_tokens, sched.max_num_tokens)]
@@ -641,7 +648,9 @@ class LLMEngine:
             out = measure(StepPlan([StepItem(scratch[-1], [0] * n, 0, tables[0])]), n == sizes[0])
             ctl.target_cost.observe(n, out.target_s)
             bm.release(scratch[-1])  # the next size reuses the blocks
-        for j, s in enumerate([s for s in sizes if s <= sched.max_batch_size and s * K <= sched.max_num_tokens][:7]):
+        most = min(sched.max_batch_size, CALIBRATION_MAX_SEQS)
+        draft_sizes = [s for s in sizes if s <= most and s * K <= sched.max_num_tokens]
+        for j, s in enumerate(draft_sizes):
             sids = [-1 - len(scratch) - i for i in range(s)]  # drafter: s sequences with 7 tokens of context
             tables = reserve(sids, 8 + K)
             if tables is None:
