@@ -13,7 +13,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch._inductor.config
 from helpers import (
     ROWS_TIE,
     OracleProposer,
@@ -56,9 +55,6 @@ def int4_pair():
     the function eagerly."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(compiled_module, "OPTIONS", {})
-        # inductor's kernels compiled in this process, one after another: a pool of compile
-        # workers (each importing torch) gains nothing where the other test worker has the other core
-        mp.setattr(torch._inductor.config, "compile_threads", 1)
         mp.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
         target, shipped = load_pair(None, None, torch.bfloat16, weights="int4")
         model = target.model
