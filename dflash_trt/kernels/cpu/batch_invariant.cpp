@@ -261,37 +261,65 @@ at::Tensor bi_linear(const at::Tensor& x, const at::Tensor& w, const std::option
   return linear_packed(x, bi_pack(w), w.size(0), bias);
 }
 
-// q . k over D, fixed order: VL-lane FMA chunks in order, lanes summed 0..VL-1, then a scalar tail
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t D) {
-  int64_t d = 0;
-  float s = 0.f;
-  if (D >= VL) {
-    vf acc = vf{};
-    for (; d + VL <= D; d += VL) acc = fmav(loadv(q + d), loadv(k + d), acc);
-    s = hsum(acc);
-  }
-  for (; d < D; ++d) s = std::fma(q[d], to_float(k[d]), s);
-  return s;
-}
-
-// out[D] += p * v[D], per element one FMA
-template <typename T>
-inline void axpy(float p, const T* v, float* out, int64_t D) {
+// scores[b] = q . k_b over D for KB keys at once (rows kr[b]), per key in a fixed order: VL-lane
+// FMA chunks in order from zero, lanes summed 0..VL-1, then a scalar tail; the KB chains are
+// interleaved so that they overlap instead of each waiting on its own latency
+template <int KB, typename T>
+inline void dots(const float* q, const T* const* kr, int64_t D, float* scores) {
+  vf acc[KB] = {};
   int64_t d = 0;
   for (; d + VL <= D; d += VL) {
-    const vf pv = vf{} + p;
-    vf o = fmav(pv, loadv(v + d), loadv(out + d));
-    std::memcpy(out + d, &o, sizeof(o));
+    const vf qv = loadv(q + d);
+    for (int b = 0; b < KB; ++b) acc[b] = fmav(qv, loadv(kr[b] + d), acc[b]);
   }
-  for (; d < D; ++d) out[d] = std::fma(p, to_float(v[d]), out[d]);
+  for (int b = 0; b < KB; ++b) {
+    float s = D >= VL ? hsum(acc[b]) : 0.f;
+    for (int64_t e = d; e < D; ++e) s = std::fma(q[e], to_float(kr[b][e]), s);
+    scores[b] = s;
+  }
 }
 
+// out[d0 .. d0 + NB * VL) += sum over the n keys j, in key order, of p[j] * v_j (one FMA per key
+// per element onto what out holds), v_j = vr[j] + d0: NB vectors of the output held in registers
+// over the n keys
+template <int NB, typename T>
+inline void weighted_sum(const float* p, const T* const* vr, int64_t n, int64_t d0, float* out) {
+  vf acc[NB];
+  std::memcpy(acc, out + d0, sizeof(acc));
+  for (int64_t j = 0; j < n; ++j) {
+    const vf pv = bcast(p + j);
+    const T* row = vr[j] + d0;
+    for (int b = 0; b < NB; ++b) acc[b] = fmav(pv, loadv(row + b * VL), acc[b]);
+  }
+  std::memcpy(out + d0, acc, sizeof(acc));
+}
+
+// out[D] += sum over the n keys j of p[j] * v_j, key by key in order
+template <typename T>
+inline void weighted_sums(const float* p, const T* const* vr, int64_t n, int64_t D, float* out) {
+  int64_t d = 0;
+  for (; d + 8 * VL <= D; d += 8 * VL) weighted_sum<8>(p, vr, n, d, out);
+  for (; d + 4 * VL <= D; d += 4 * VL) weighted_sum<4>(p, vr, n, d, out);
+  for (; d + VL <= D; d += VL) weighted_sum<1>(p, vr, n, d, out);
+  for (; d < D; ++d) {
+    float a = out[d];
+    for (int64_t j = 0; j < n; ++j) a = std::fma(p[j], to_float(vr[j][d]), a);
+    out[d] = a;
+  }
+}
+
+// One task per (sequence, KV head, query position): the `group` query heads that share the KV
+// head see the same keys (one mask row), so each tile of TK keys is read into L1 once and used by
+// all of them, first for the scores (4 keys at a time per head), then, after each head's max, exp
+// and sum in key order, for the weighted sums of the values (blocks of up to 8 vectors of a
+// head's output held in registers across the tile). Every output element is the same arithmetic
+// as one head and one key at a time: score = (q . k) * scale; acc[d] = fma(e_j, v_j[d], acc[d])
+// in key order from 0; out = acc * (1 / sum).
 template <typename T>
 void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                     double scale, at::Tensor& out) {
   const int64_t S = q.size(0), H = q.size(1), T_ = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), L = k.size(2), group = H / Hkv;
+  const int64_t Hkv = k.size(1), L = k.size(2), G = H / Hkv;
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
@@ -299,35 +327,53 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   float* op = out.data_ptr<float>();
   const auto qs = q.strides(), ks = k.strides(), vs = v.strides(), ms = mask.strides();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, S * H * T_, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> score(L), qf(D), acc(D);
-    std::vector<int64_t> seen(L);
+  constexpr int KB = 4;
+  constexpr int64_t TK = 32;  // keys per tile: 8 KiB of K (or V) rows at D = 64, fp32
+  at::parallel_for(0, S * Hkv * T_, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> score(G * L), qf(G * D), acc(G * D), sum(G);
+    std::vector<const T*> krow(L), vrow(L);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t s = i / (H * T_), h = (i / T_) % H, t = i % T_, hk = h / group;
-      const T* qrow = qp + s * qs[0] + h * qs[1] + t * qs[2];
-      for (int64_t d = 0; d < D; ++d) qf[d] = to_float(qrow[d]);
+      const int64_t s = i / (Hkv * T_), hk = (i / T_) % Hkv, t = i % T_;
+      for (int64_t g = 0; g < G; ++g) {
+        const T* qrow = qp + s * qs[0] + (hk * G + g) * qs[1] + t * qs[2];
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qrow[d]);
+      }
       const bool* mrow = mp + s * ms[0] + t * ms[2];
       const T* kb = kp + s * ks[0] + hk * ks[1];
       const T* vb = vp + s * vs[0] + hk * vs[1];
       int64_t n = 0;
-      float mx = -std::numeric_limits<float>::infinity();
       for (int64_t l = 0; l < L; ++l) {
         if (!mrow[l * ms[3]]) continue;
-        const float sl = dot(qf.data(), kb + l * ks[2], D) * sc;
-        score[n] = sl;
-        seen[n++] = l;
-        mx = std::max(mx, sl);
+        krow[n] = kb + l * ks[2];
+        vrow[n++] = vb + l * vs[2];
+      }
+      for (int64_t j0 = 0; j0 < n; j0 += TK) {
+        const int64_t j1 = std::min(n, j0 + TK);
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = score.data() + g * L;
+          int64_t j = j0;
+          for (; j + KB <= j1; j += KB) dots<KB>(qf.data() + g * D, krow.data() + j, D, sg + j);
+          for (; j < j1; ++j) dots<1>(qf.data() + g * D, krow.data() + j, D, sg + j);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = score.data() + g * L;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j] *= sc);
+        float total = 0.f;
+        for (int64_t j = 0; j < n; ++j) total += (sg[j] = std::exp(sg[j] - mx));  // sg[] now holds e_j
+        sum[g] = total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        const float e = std::exp(score[j] - mx);
-        sum += e;
-        axpy(e, vb + seen[j] * vs[2], acc.data(), D);
+      for (int64_t j0 = 0; j0 < n; j0 += TK) {
+        const int64_t m = std::min(n, j0 + TK) - j0;
+        for (int64_t g = 0; g < G; ++g) weighted_sums(score.data() + g * L + j0, vrow.data() + j0, m, D, acc.data() + g * D);
       }
-      float* o = op + ((s * H + h) * T_ + t) * D;
-      const float inv = n ? 1.f / sum : 0.f;
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+      for (int64_t g = 0; g < G; ++g) {
+        float* o = op + ((s * H + hk * G + g) * T_ + t) * D;
+        const float inv = n ? 1.f / sum[g] : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+      }
     }
   });
 }
