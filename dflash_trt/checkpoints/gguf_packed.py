@@ -79,10 +79,10 @@ class _GgufFile:
     (one stderr line per GGUF type that is requantized instead of loaded as it is)."""
 
     def __init__(self, path: Path, fmt: str, dtype: torch.dtype) -> None:
-        st = Path(path).resolve().stat()
+        file = Path(path).resolve()
         self.path, self.dtype = path, dtype
         self.linear_class = packed_class(fmt)
-        self.byname = _tensor_table(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+        self.byname = _tensor_table(str(file), file.stat().st_size, file.stat().st_mtime_ns)
         self.seen: set[tuple[str, str]] = set()
 
     def get(self, name: str):

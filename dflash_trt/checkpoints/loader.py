@@ -244,9 +244,9 @@ def with_tokenizer(model: TargetModel, path: Path) -> LoadedTarget:
 @functools.lru_cache(maxsize=8)
 def _tokenizer(path: str, files: tuple):
     """``AutoTokenizer.from_pretrained(path)``, once per process for the same files (``files``:
-    the names, sizes and modification times of the directory's files but the weights, so a changed directory
-    loads again): every engine of a process over one target shares it (never mutated; it took
-    ~0.3 s of each load of the default target)."""
+    names, sizes and modification times of the directory's files but the weights, so a changed
+    directory loads again): the engines of a process over one target share it (never mutated;
+    it took ~0.3 s of each load of the default target)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

@@ -59,6 +59,7 @@ def sha256_file(path: Path) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _cache_key_sha256(path: str, size: int, mtime_ns: int) -> str:
+    """:func:`sha256_file` of ``path`` once per process per (size, modification time)."""
     return sha256_file(Path(path))
 
 
@@ -72,8 +73,8 @@ def convert_gguf(path: Path) -> Path:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise DFlashError(f"{path} is not a GGUF file (bad magic bytes)")
-    st = Path(path).resolve().stat()  # hashed once per process while the file is unchanged
-    digest = _cache_key_sha256(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+    file = Path(path).resolve()  # hashed once per process while the file is unchanged
+    digest = _cache_key_sha256(str(file), file.stat().st_size, file.stat().st_mtime_ns)
     out = cache_root() / "gguf" / f"{path.stem}-{digest[:16]}"
     if (out / "config.json").is_file():
         _name_architecture(out / "config.json")  # (conversions written before it was named)
