@@ -35,7 +35,7 @@ class PagedKVCache:
     block count and share one block table per sequence (both hold exactly the same positions).
 
     Memory: ``2 * num_layers * (num_blocks * tokens_per_block + 1) * num_kv_heads * head_dim``
-    elements of ``dtype``.
+    elements of ``dtype`` reserved; on the CPU resident only as slots are written (:func:`zeroed`).
     """
 
     def __init__(
