@@ -103,6 +103,18 @@ class EngineArgs:
         "--tensor-parallel-size",
         default=1,
     )
+    moe_tensor_parallel_size: int | None = arg(
+        "mixture-of-experts target: ranks that split every expert's intermediate dimension (MoE TP; "
+        "TensorRT-LLM's moe_tp_size); times --moe-ep must equal the TP ranks (default: all of them)",
+        "--moe-tp",
+        "--moe-tensor-parallel-size",
+    )
+    moe_expert_parallel_size: int | None = arg(
+        "mixture-of-experts target: ranks over which whole experts are split, E / N each (expert "
+        "parallelism, EP; TensorRT-LLM's moe_ep_size) (default: the TP ranks / --moe-tp)",
+        "--moe-ep",
+        "--moe-expert-parallel-size",
+    )
 
     # ---- the configuration tree ----
     def create_engine_config(self) -> EngineConfig:
@@ -139,7 +151,9 @@ class EngineArgs:
                 adaptive=self.adaptive,
                 prompt_lookup=lookup,
             ),
-            parallel=ParallelConfig(self.tensor_parallel_size),
+            parallel=ParallelConfig(
+                self.tensor_parallel_size, self.moe_tensor_parallel_size, self.moe_expert_parallel_size
+            ),
         )
 
     def replace(self, **changes) -> EngineArgs:

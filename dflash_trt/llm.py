@@ -38,7 +38,8 @@ class LLM:
         device: ``cpu``, ``cuda``, ``cuda:N``; None: cuda when visible.
         tensor_parallel_size: TP ranks (under ``mpiexec`` the job's; else started here).
         **kwargs: any other :class:`~dflash_trt.engine_args.EngineArgs` field (``weights``,
-            ``kv_capacity``, ``max_batch_size``, ``batch_invariant``, ...).
+            ``kv_capacity``, ``max_batch_size``, ``batch_invariant``, a mixture-of-experts target's
+            ``moe_tensor_parallel_size`` / ``moe_expert_parallel_size``, ...).
 
     Raises:
         ConfigError: an impossible setting, named by its field.

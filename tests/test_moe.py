@@ -4,8 +4,9 @@ builds and saves (routed experts in some layers, a dense MLP in the others, ``ml
 our loader from the checkpoint's per-expert tensors and gives transformers' logits and hidden
 states; in the engine, DFlash (an oracle proposer: long acceptances and mid-block rejections;
 and a random drafter) equals plain decoding token for token at batch 1 and in flight (the
-batch-invariant mode, on by default in fp32, covers the expert GEMMs); tensor parallelism over
-it, and building an engine of it, are refused in one line."""
+batch-invariant mode, on by default in fp32, covers the expert GEMMs); tensor parallelism
+splits its experts (the 2-rank runs: test_moe_parallel.py); building an engine of it is refused
+in one line."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from test_models import PROMPTS, full_forward, save_tiny
 
 from dflash_trt.checkpoints.loader import load_target
 from dflash_trt.checkpoints.zlab import init_drafter
-from dflash_trt.errors import DFlashError
 from dflash_trt.models.moe import MoEBlock
 from dflash_trt.runtime.request import LoopStats, Request
 
@@ -119,14 +119,25 @@ def test_dflash_equals_plain_decoding(moe_pair, smollm2):
     assert in_flight == ref and drafted == ref
 
 
-def test_tensor_parallel_is_refused(moe_pair):
+def test_tensor_parallel_splits_the_experts(moe_pair):
+    """By default (TensorRT-LLM's: MoE TP over all ranks, EP 1) rank 1 of 2 holds every
+    expert's second half of the intermediate dimension: those rows of the gate and of the up
+    half of ``gate_up``, those input columns of ``down``; the router stays whole."""
+    import copy
+
     from dflash_trt.runtime.distributed import shard_target
 
     class Group:
-        size, rank = 2, 0
+        size, rank = 2, 1
 
-    with pytest.raises(DFlashError, match="not supported yet"):
-        shard_target(moe_pair[1].model, Group())
+    full = moe_pair[1].model
+    model = shard_target(copy.deepcopy(full), Group())
+    m, f = model.layers[1].mlp, full.layers[1].mlp
+    n = f.intermediate // 2
+    assert (m.intermediate, m.expert_offset, model.cfg.moe_intermediate_size) == (n, 0, n)
+    assert torch.equal(m.gate_up, torch.cat([f.gate_up[:, n : 2 * n], f.gate_up[:, 3 * n :]], dim=1))
+    assert torch.equal(m.down, f.down[:, :, n:])
+    assert torch.equal(m.gate.weight, f.gate.weight)
 
 
 def test_build_is_refused(moe_pair, capsys, tmp_path):

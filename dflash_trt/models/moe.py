@@ -11,8 +11,9 @@ probability-weighted sum of its experts' outputs. The experts live in two stacke
 The forward groups the tokens by expert and runs one pair of GEMMs per expert that any token
 picked, in increasing expert id, adding into the output in that order (transformers' order, so
 fp32 outputs agree with its eager path to rounding). Picking the experts reads the routing on
-the host: CUDA graphs and torch.compile do not cover this layer yet, nor does tensor or expert
-parallelism.
+the host: CUDA graphs and torch.compile do not cover this layer yet. Under tensor or expert
+parallelism (``runtime/distributed.shard_target``) a rank holds a slice of each expert, or the
+experts ``[expert_offset, expert_offset + len(gate_up))`` only, and skips the others.
 
 Batch-invariant mode (``models/batch_invariant.py``): the router is a linear like any other, and
 the expert GEMMs run through ``dflash_cpu::bi_linear_packed`` (each expert's weights packed on
@@ -54,6 +55,7 @@ class MoEBlock(nn.Module):
         nn.init.normal_(self.gate_up, std=0.02)
         nn.init.normal_(self.down, std=0.02)
         self.batch_invariant = False  # set by models/batch_invariant.set_batch_invariant
+        self.expert_offset = 0  # id of gate_up[0] / down[0]: > 0 on an expert-parallel rank
         # the experts' packed weights in that mode: expert id -> (gate_up, down), and which
         # parameters (storage, version) they were packed from
         self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -89,9 +91,12 @@ class MoEBlock(nn.Module):
         weights, ids = self.route(h)
         invariant = self.batch_invariant and h.device.type == "cpu"
         out = torch.zeros_like(h)
+        first, local = self.expert_offset, self.gate_up.shape[0]
         for e in torch.unique(ids).tolist():
+            if not first <= e < first + local:
+                continue  # another rank's expert (expert parallelism)
             rows, slot = (ids == e).nonzero(as_tuple=True)
-            gate_up, down = self.expert_linears(e, invariant)
+            gate_up, down = self.expert_linears(e - first, invariant)
             gate, up = gate_up(h[rows]).split(self.intermediate, dim=-1)
             y = down(F.silu(gate) * up) * weights[rows, slot, None]
             out.index_add_(0, rows, y)

@@ -193,17 +193,58 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism.
+    """Tensor parallelism, and how a mixture-of-experts target's experts are split over the
+    TP ranks (TensorRT-LLM's ``moe_tensor_parallel_size`` / ``moe_expert_parallel_size``, its
+    ``Mapping.moe_tp_size`` / ``moe_ep_size``; :func:`moe_parallel_sizes`).
 
     Attributes:
         tensor_parallel_size: TP ranks; under ``mpiexec -n N`` the job's N ranks, else the
             serving front ends start the other ranks themselves (``runtime/distributed.py``).
+        moe_tensor_parallel_size: MoE TP: every rank holds a slice of every expert's
+            intermediate dimension; None: what the TP size and the expert parallel size leave.
+        moe_expert_parallel_size: expert parallelism (EP): each rank holds ``E / N`` whole
+            experts; None: what the TP size and the MoE TP size leave. Both None: MoE TP over
+            all ranks, EP 1 (TensorRT-LLM's default). Ignored for a dense target.
     """
 
     tensor_parallel_size: int = 1
+    moe_tensor_parallel_size: int | None = None
+    moe_expert_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+        for name in ("moe_tensor_parallel_size", "moe_expert_parallel_size"):
+            n = getattr(self, name)
+            _check(n is None or n >= 1, name, f"must be >= 1, got {n}")
+
+    def moe_sizes(self, tp_size: int) -> tuple[int, int]:
+        """``(moe_tp_size, moe_ep_size)`` on a group of ``tp_size`` ranks (the job's size: under
+        ``mpiexec`` ``tensor_parallel_size`` may be left at 1); see :func:`moe_parallel_sizes`."""
+        return moe_parallel_sizes(tp_size, self.moe_tensor_parallel_size, self.moe_expert_parallel_size)
+
+
+def moe_parallel_sizes(tp_size: int, moe_tp_size: int | None, moe_ep_size: int | None) -> tuple[int, int]:
+    """``(moe_tp_size, moe_ep_size)`` with the one left None filled in, as TensorRT-LLM's
+    ``Mapping`` does (``tensorrt_llm/mapping.py``): both None -> ``(tp_size, 1)``; one None ->
+    ``tp_size`` divided by the other.
+
+    Raises:
+        ConfigError: the two do not multiply to ``tp_size`` (one line, naming
+            ``moe_expert_parallel_size``).
+    """
+    if moe_tp_size is None and moe_ep_size is None:
+        return tp_size, 1
+    if moe_tp_size is None:
+        moe_tp_size = max(1, tp_size // moe_ep_size)
+    elif moe_ep_size is None:
+        moe_ep_size = max(1, tp_size // moe_tp_size)
+    _check(
+        moe_tp_size * moe_ep_size == tp_size,
+        "moe_expert_parallel_size",
+        f"{moe_ep_size} x moe_tensor_parallel_size {moe_tp_size} = {moe_ep_size * moe_tp_size}, not the {tp_size} "
+        f"tensor-parallel rank(s)",
+    )
+    return moe_tp_size, moe_ep_size
 
 
 @dataclass(frozen=True)

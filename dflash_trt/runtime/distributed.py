@@ -24,6 +24,7 @@ module          this rank holds                                      after it
 ``attn.o``      input columns of its q heads                         all-reduce (row-parallel)
 ``mlp.gate_up`` its rows of gate AND its rows of up                  (column-parallel, local)
 ``mlp.down``    its input columns                                    all-reduce (row-parallel)
+MoE ``mlp``     router replicated; its experts' slices (see below)   all-reduce (as ``down``)
 ``lm_head``     its vocabulary rows                                  all-gather of the logits
 ``embed``       everything (replicated)                              --
 norms           everything (replicated; q_norm / k_norm are per-head
@@ -42,6 +43,19 @@ it would put two all-reduces per layer on the drafting critical path for little 
 its input (the target features: full hidden states, identical on every rank after the
 all-reduces) is already present everywhere. Rank 0's draft tokens are broadcast
 (``ModelRunner.draft``) so every rank verifies exactly the same tokens.
+
+Mixture-of-experts layers (``models/moe.py``; TensorRT-LLM's ``moe_tp_size`` x ``moe_ep_size``
+= ``tp_size``, rank r being MoE-TP rank ``r // moe_ep_size`` and EP rank ``r % moe_ep_size`` as in
+its ``Mapping``). After attention's all-reduce every rank holds every token's hidden state, so
+neither mode exchanges tokens: each rank runs the (replicated) router on all tokens, computes
+its part of the routed experts' outputs, and the all-reduce after the MLP sums the parts.
+
+- MoE TP: every expert, but only its intermediate slice ``[i0, i0 + I/moe_tp)``: those rows
+  of the gate half and of the up half of ``gate_up`` (the ``[gate; up]`` layout, as the dense
+  ``mlp_rows``) and those input columns of ``down`` (Megatron-LM's split of each expert).
+- EP: experts ``[p * E/moe_ep, (p + 1) * E/moe_ep)`` whole (TensorRT-LLM
+  ``Mapping.ep_experts``); a rank evaluates only the (token, slot) pairs routed to its own
+  experts (``MoEBlock.expert_offset``), a token routed to none of them contributes zeros.
 
 Weights: from a tp 1 checkpoint or engine each rank loads everything and slices it
 (:func:`shard_target`; uneven splits allowed). An engine directory built with
@@ -67,10 +81,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import DFlashError
+from ..errors import ConfigError, DFlashError
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
-from .config import EngineConfig
+from .config import EngineConfig, moe_parallel_sizes
 from .engine import LLMEngine, check_block_size
 from .model_runner import ModelRunner, StepPlan
 from .spec_decode.dflash import DFlashProposer
@@ -323,7 +337,9 @@ def _param(t: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
 
 
 @torch.no_grad()
-def shard_target(model: TargetModel, tp: TPGroup) -> TargetModel:
+def shard_target(
+    model: TargetModel, tp: TPGroup, moe_tp_size: int | None = None, moe_ep_size: int | None = None
+) -> TargetModel:
     """Turn a full (tp 1) target into rank ``tp.rank``'s shard, in place (see the module
     docstring for the split). Returns ``model``.
 
@@ -340,17 +356,24 @@ def shard_target(model: TargetModel, tp: TPGroup) -> TargetModel:
     ``1 - 1/N`` of the embedding per rank (SmolLM2 fp32, TP=2: 57 MB).
     A tied head becomes a separate parameter (the local rows of the embedding).
 
+    A mixture-of-experts target's sparse layers are split by ``moe_tp_size`` x ``moe_ep_size``
+    (None: filled in as :func:`~.config.moe_parallel_sizes` does; default MoE TP over all
+    ranks); ``model.cfg.moe_intermediate_size`` becomes the local slice, ``num_experts`` stays
+    global (the router scores all experts). Dense layers, dense targets: as above (the MoE
+    sizes are ignored).
+
     Raises:
+        ConfigError: MoE sizes whose product is not ``tp.size``, a ``moe_ep_size`` that does not
+            divide the number of experts, a ``moe_tp_size`` that does not divide each expert's
+            intermediate size (one line each, raised before anything is changed).
         DFlashError: ``tp.size`` exceeds the target's KV heads ("tp_size 4 exceeds the
-            target's 3 KV heads"), the model is already sharded, or it is a mixture-of-experts
-            target (its experts are not split yet).
+            target's 3 KV heads"), or the model is already sharded.
     """
     cfg = model.cfg
     n, r = tp.size, tp.rank
     if getattr(model, "tp", None) is not None:
         raise DFlashError("the target is already sharded")
-    if cfg.num_experts:
-        raise DFlashError(f"tensor parallelism over a {cfg.family} target (mixture of experts) is not supported yet")
+    moe = _moe_shard(cfg, n, r, moe_tp_size, moe_ep_size) if cfg.num_experts else None
     if n > cfg.num_kv_heads:
         raise DFlashError(
             f"tp_size {n} exceeds the target's {cfg.num_kv_heads} KV heads "
@@ -373,7 +396,7 @@ def shard_target(model: TargetModel, tp: TPGroup) -> TargetModel:
         ]
     )
     mlp_rows = torch.cat([torch.arange(i0, i0 + ni), inter + torch.arange(i0, i0 + ni)])
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         a, m = layer.attn, layer.mlp
         rows = qkv_rows.to(a.qkv.weight.device)
         a.qkv.weight = _param(a.qkv.weight[rows], a.qkv.weight)
@@ -383,6 +406,9 @@ def shard_target(model: TargetModel, tp: TPGroup) -> TargetModel:
         a.o.weight = _param(a.o.weight[:, q0 * d : (q0 + nq) * d], a.o.weight)
         a.o.in_features = nq * d
         a.h, a.hkv = nq, nkv
+        if cfg.is_moe_layer(i):
+            _shard_experts(m, *moe)
+            continue
         m.gate_up.weight = _param(m.gate_up.weight[mlp_rows.to(m.gate_up.weight.device)], m.gate_up.weight)
         m.gate_up.out_features = 2 * ni
         m.down.weight = _param(m.down.weight[:, i0 : i0 + ni], m.down.weight)
@@ -391,8 +417,42 @@ def shard_target(model: TargetModel, tp: TPGroup) -> TargetModel:
     head = model.lm_head
     head.weight = _param(head.weight[v0 : v0 + nv], head.weight)  # unties a tied head
     head.out_features = nv
-    model.cfg = dataclasses.replace(cfg, num_heads=nq, num_kv_heads=nkv, intermediate_size=ni)
+    local = dict(num_heads=nq, num_kv_heads=nkv, intermediate_size=ni)
+    if cfg.num_experts:
+        local["moe_intermediate_size"] = moe[3]
+    model.cfg = dataclasses.replace(cfg, **local)
     return _wire(model, tp, v_sizes)
+
+
+def _moe_shard(cfg, n: int, r: int, moe_tp: int | None, moe_ep: int | None) -> tuple[int, int, int, int]:
+    """Rank ``r``'s part of every sparse layer of ``cfg`` on ``n`` ranks: ``(first expert,
+    experts, first intermediate column, intermediate columns)`` (module docstring).
+
+    Raises:
+        ConfigError: see :func:`shard_target`.
+    """
+    moe_tp, moe_ep = moe_parallel_sizes(n, moe_tp, moe_ep)
+    E, inter = cfg.num_experts, cfg.moe_intermediate_size
+    if E % moe_ep:
+        raise ConfigError("moe_expert_parallel_size", f"{moe_ep} does not divide the {cfg.family} target's {E} experts")
+    if inter % moe_tp:
+        raise ConfigError(
+            "moe_tensor_parallel_size",
+            f"{moe_tp} does not divide the {cfg.family} target's expert intermediate size {inter}",
+        )
+    ne, ni = E // moe_ep, inter // moe_tp
+    return (r % moe_ep) * ne, ne, (r // moe_ep) * ni, ni
+
+
+def _shard_experts(m, e0: int, ne: int, i0: int, ni: int) -> None:
+    """Keep experts ``[e0, e0 + ne)`` of the MoE block ``m`` (a ``models.moe.MoEBlock``), and of
+    each its intermediate slice ``[i0, i0 + ni)``: rows of the gate and the up half of
+    ``gate_up [E, 2 * I, hidden]``, input columns of ``down [E, hidden, I]``."""
+    inter = m.intermediate
+    rows = torch.cat([torch.arange(i0, i0 + ni), inter + torch.arange(i0, i0 + ni)]).to(m.gate_up.device)
+    m.gate_up = _param(m.gate_up[e0 : e0 + ne, rows], m.gate_up)
+    m.down = _param(m.down[e0 : e0 + ne, :, i0 : i0 + ni], m.down)
+    m.intermediate, m.expert_offset = ni, e0
 
 
 def _wire(model: TargetModel, tp: TPGroup, vocab_sizes: list[int]) -> TargetModel:
@@ -438,11 +498,13 @@ def tp_runner(
     Args:
         target: the full target (sharded here unless ``target.tp`` is already set); it is moved
             to ``tp.device``, as is the drafter.
-        config: the engine's settings (block size defaults to the drafter's).
+        config: the engine's settings (block size defaults to the drafter's; a
+            mixture-of-experts target is split by its ``parallel`` MoE sizes).
         proposer_cls: the draft proposer (a test may substitute its own; it must propose the
             same drafts on every rank).
 
     Raises:
+        ConfigError: MoE sizes that do not fit the target or the group (:func:`shard_target`).
         DFlashError: a bad block size (on every rank), tp_size above the KV heads. An error on
             one rank in the middle of a step leaves the others waiting in a collective: run
             under ``python -m mpi4py`` so that an uncaught exception aborts the whole job.
@@ -452,8 +514,9 @@ def tp_runner(
     check_block_size(drafter, K)
     if getattr(target, "engine_shard", None) is not None:
         attach_engine_shard(target, tp)  # a tp_size N engine: this rank read its own file
-    elif getattr(target, "tp", None) is None:
-        shard_target(target, tp)  # a tp_size 1 checkpoint: split it here
+    elif getattr(target, "tp", None) is None:  # a tp_size 1 checkpoint: split it here
+        par = config.parallel
+        shard_target(target, tp, par.moe_tensor_parallel_size, par.moe_expert_parallel_size)
     if drafter is not None:
         drafter.to(tp.device)
     target.to(tp.device)

@@ -144,6 +144,7 @@ def create_engine(args, models: LoadedModels | None = None, tp=None):
         tp = init_tp()
         if tp is not None and size not in (1, tp.size):
             raise ConfigError("tensor_parallel_size", f"is {size} but this mpiexec job has {tp.size} ranks")
+        config.parallel.moe_sizes(tp.size if tp is not None else size)  # before any worker starts
         if tp is None and size > 1:
             tp = _spawn_workers(args, size, spawn_tp)
     try:
