@@ -36,7 +36,7 @@ from test_tp import _mpiexec
 
 from dflash_trt.checkpoints.loader import load_target
 from dflash_trt.checkpoints.zlab import init_drafter
-from dflash_trt.errors import ConfigError
+from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.runtime.config import ParallelConfig, moe_parallel_sizes
 from dflash_trt.runtime.distributed import shard_target
 from dflash_trt.runtime.request import Request
@@ -210,6 +210,11 @@ def test_sizes_that_do_not_fit_give_one_line(moe_target, capsys):
             shard_target(model, Rank(0, size), moe_tp, moe_ep)
         assert str(e.value) == line and "\n" not in str(e.value)
     assert model.tp is None and model.cfg is cfg and model.layers[1].mlp.gate_up.shape[0] == cfg.num_experts
+    # expert biases (gpt-oss) are not split yet: refused, not summed twice
+    biased = copy.deepcopy(model)
+    biased.layers[5].mlp.register_parameter("down_bias", torch.nn.Parameter(torch.zeros(cfg.num_experts, 64)))
+    with pytest.raises(DFlashError, match="^tensor parallelism over the experts' down_bias of a qwen3_moe target"):
+        shard_target(biased, Rank(0, 2))
     # one process, TP size 1: EP 2 cannot be
     err = main_error(capsys, "generate", "--target", str(moe_target[1]), "--moe-ep", "2", "--prompt", "hi")
     assert err.endswith("--moe-ep 2 x moe_tensor_parallel_size 1 = 2, not the 1 tensor-parallel rank(s)"), err

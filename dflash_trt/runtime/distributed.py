@@ -373,7 +373,7 @@ def shard_target(
     n, r = tp.size, tp.rank
     if getattr(model, "tp", None) is not None:
         raise DFlashError("the target is already sharded")
-    moe = _moe_shard(cfg, n, r, moe_tp_size, moe_ep_size) if cfg.num_experts else None
+    moe = _moe_shard(model, n, r, moe_tp_size, moe_ep_size) if cfg.num_experts else None
     if n > cfg.num_kv_heads:
         raise DFlashError(
             f"tp_size {n} exceeds the target's {cfg.num_kv_heads} KV heads "
@@ -424,14 +424,28 @@ def shard_target(
     return _wire(model, tp, v_sizes)
 
 
-def _moe_shard(cfg, n: int, r: int, moe_tp: int | None, moe_ep: int | None) -> tuple[int, int, int, int]:
-    """Rank ``r``'s part of every sparse layer of ``cfg`` on ``n`` ranks: ``(first expert,
+#: what :func:`_shard_experts` knows how to split (or keep whole: the router) in a MoE block
+_EXPERT_PARAMS = {"gate.weight", "gate.bias", "gate_up", "down"}
+
+
+def _moe_shard(model: TargetModel, n: int, r: int, moe_tp: int | None, moe_ep: int | None) -> tuple[int, int, int, int]:
+    """Rank ``r``'s part of every sparse layer of ``model`` on ``n`` ranks: ``(first expert,
     experts, first intermediate column, intermediate columns)`` (module docstring).
 
     Raises:
         ConfigError: see :func:`shard_target`.
+        DFlashError: a MoE block with parameters this split does not cover (expert biases,
+            whose down-projection part must be added on one MoE-TP rank only).
     """
+    cfg = model.cfg
     moe_tp, moe_ep = moe_parallel_sizes(n, moe_tp, moe_ep)
+    for i, layer in enumerate(model.layers):
+        extra = {name for name, _ in layer.mlp.named_parameters()} - _EXPERT_PARAMS if cfg.is_moe_layer(i) else ()
+        if extra:
+            raise DFlashError(
+                f"tensor parallelism over the experts' {', '.join(sorted(extra))} of a {cfg.family} target "
+                f"is not supported yet"
+            )
     E, inter = cfg.num_experts, cfg.moe_intermediate_size
     if E % moe_ep:
         raise ConfigError("moe_expert_parallel_size", f"{moe_ep} does not divide the {cfg.family} target's {E} experts")
