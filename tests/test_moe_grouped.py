@@ -73,13 +73,15 @@ def ragged(sizes, k_in, out, dtype, seed, bias=False):
 
 # groups: empty first / middle / last experts, one row, 17 rows (two 16-row tiles), a big group
 SIZES = [0, 3, 0, 1, 17, 5, 0]
+SIZES_FULL_ENDS = [2, 0, 0, 9, 4]  # the first and the last expert non-empty, E not a power of 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("act", ["none", "swiglu", "clamped_swiglu_oai"])
-def test_triton_grouped_gemm_matches_definition(dtype, act, record_property):
+@pytest.mark.parametrize("sizes", [SIZES, SIZES_FULL_ENDS], ids=["empty-ends", "full-ends"])
+def test_triton_grouped_gemm_matches_definition(sizes, dtype, act, record_property):
     bias = act == "clamped_swiglu_oai"
-    x, ends, w, b = ragged(SIZES, 72, 80, dtype, seed=len(act), bias=bias)  # K: 2 tiles of 64, out: 2 of 64
+    x, ends, w, b = ragged(sizes, 72, 80, dtype, seed=len(act), bias=bias)  # K: 2 tiles of 64, out: 2 of 64
     want = definition_rows(x, ends, w, b, act)
     tri = mg.grouped_gemm_triton(x, ends, w, b, act, ALPHA, LIMIT)
     ref = mg.grouped_gemm_reference(x, ends, w, b, act, ALPHA, LIMIT)

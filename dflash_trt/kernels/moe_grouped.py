@@ -477,3 +477,139 @@ def grouped_experts(
     x_sorted = x[order // k]
     y = expert_mlp(x_sorted, ends, gate_up, down, gate_up_bias, down_bias, act, alpha, limit, impl)
     return combine_slots(y, order, weights).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------- timing
+def time_grouped_experts(
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    hidden: int = 2880,
+    intermediate: int = 2880,
+    experts: int = 32,
+    top_k: int = 4,
+    tokens: tuple[int, ...] = (1, 4, 8, 16),
+    seqs: tuple[int, ...] = (1, 4, 16),
+    repeats: int = 30,
+    warmup: int = 5,
+    seed: int = 0,
+) -> dict:
+    """Time :func:`grouped_experts` per implementation on random weights at the given expert
+    shapes (defaults: gpt-oss-20b's, ``H = I = 2880``, 32 experts, top-4, bf16) for ``seqs``
+    sequences of ``tokens`` tokens each (a decode step is 1 token, a verify block 4-16), routing
+    drawn uniformly (each token's ``top_k`` distinct experts at random) and the routing weights
+    a softmax of random logits.
+
+    Each figure is the median over ``repeats`` calls after ``warmup`` of one eager call,
+    routing sort and combine included; on CUDA timed with CUDA events after a synchronisation,
+    weights not flushed from L2 (they exceed it at these shapes); on the CPU with
+    ``time.perf_counter``. Implementations: ``torch`` (one GEMM pair per touched expert, as
+    ``MoEBlock``), ``triton`` (on CUDA, or the CPU with ``TRITON_INTERPRET=1``: its figures then
+    say nothing about speed) and ``grouped_mm`` (where ``F.grouped_mm`` exists, on CUDA bf16
+    only). Each row also gives the experts touched, the expert weight bytes they read
+    (``touched * 3 * H * I * itemsize``), the bandwidth that implies and each
+    implementation's max difference from ``torch`` relative to its largest output.
+
+    Returns:
+        ``{"device", "dtype", "shapes", "rows": [...]}`` (JSON-ready).
+    """
+    import statistics
+    import time
+    from functools import partial
+
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(experts, 2 * intermediate, hidden, generator=g) * hidden**-0.5).to(dev, dtype)
+    down = (torch.randn(experts, hidden, intermediate, generator=g) * intermediate**-0.5).to(dev, dtype)
+    impls = ["torch"]
+    if dev.type == "cuda" or (triton is not None and triton.knobs.runtime.interpret):
+        impls.append("triton")
+    if hasattr(F, "grouped_mm") and (dev.type != "cuda" or dtype == torch.bfloat16):
+        impls.append("grouped_mm")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def once(fn) -> float:
+        if dev.type != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e6
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        sync()
+        start.record()
+        fn()
+        end.record()
+        sync()
+        return start.elapsed_time(end) * 1e3
+
+    rows = []
+    for s in seqs:
+        for t in tokens:
+            n = s * t
+            x = torch.randn(n, hidden, generator=g).to(dev, dtype)
+            ids = torch.rand(n, experts, generator=g).topk(top_k, dim=-1).indices.to(dev)
+            weights = torch.softmax(torch.randn(n, top_k, generator=g), -1).to(dev)
+            touched = len(torch.unique(ids))
+            nbytes = touched * 3 * hidden * intermediate * gate_up.element_size()
+            row = {"seqs": s, "tokens_per_seq": t, "tokens": n, "experts_touched": touched, "weight_bytes": nbytes}
+            ref = None
+            for impl in impls:
+                fn = partial(grouped_experts, x, ids, weights, gate_up, down, impl=impl)
+                for _ in range(warmup):
+                    out = fn()
+                us = statistics.median(once(fn) for _ in range(repeats))
+                ref = out.float() if ref is None else ref
+                row[impl] = {
+                    "us": round(us, 1),
+                    "GB_per_s": round(nbytes / us / 1e3, 1),
+                    "rel_diff_vs_torch": float((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30)),
+                }
+            rows.append(row)
+    return {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "shapes": {"hidden": hidden, "intermediate": intermediate, "experts": experts, "top_k": top_k},
+        "routing": "uniform: top_k distinct experts per token at random",
+        "timing": f"median of {repeats} after {warmup} warm-up calls, microseconds",
+        "impls": impls,
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m dflash_trt.kernels.moe_grouped --json OUT``: :func:`time_grouped_experts`
+    (flags for its arguments), a table on stdout, the results to ``OUT``."""
+    import argparse
+    import json
+
+    ints = lambda v: tuple(int(a) for a in v.split(","))  # noqa: E731
+    p = argparse.ArgumentParser(description=time_grouped_experts.__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--hidden", type=int, default=2880)
+    p.add_argument("--intermediate", type=int, default=2880)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--tokens", type=ints, default=(1, 4, 8, 16), help="tokens per sequence, comma-separated")
+    p.add_argument("--seqs", type=ints, default=(1, 4, 16), help="sequences, comma-separated")
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but torch sees no CUDA device")
+    res = time_grouped_experts(
+        a.device, dtype, a.hidden, a.intermediate, a.experts, a.top_k, a.tokens, a.seqs, a.repeats, a.warmup
+    )
+    print(f"{res['device']} {res['dtype']} {res['shapes']}: {res['timing']}")
+    print("seqs x tokens  experts  MB    " + "  ".join(f"{i:>18}" for i in res["impls"]))
+    for r in res["rows"]:
+        cells = "  ".join(f"{r[i]['us']:>9.1f} us {r[i]['rel_diff_vs_torch']:.0e}" for i in res["impls"])
+        mb = r["weight_bytes"] / 1e6
+        print(f"{r['seqs']:>4} x {r['tokens_per_seq']:<6} {r['experts_touched']:>7}  {mb:>5.0f}  {cells}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
