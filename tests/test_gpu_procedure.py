@@ -157,7 +157,7 @@ def test_gpu_validation_dry_run_on_cpu(pack, work_cache, tmp_path):
     """``scripts/gpu_validate.sh`` (README "Validating on a GPU") on the CPU at tiny size, every
     stage but the load benchmark (the same `bench` with --concurrency): pytest on the pack's
     model as the default target, batch-1 bench, the kernel benchmark, the per-op batch
-    invariance; the results bundled."""
+    invariance, the MoE grouped-GEMM test and timing; the results bundled."""
     import tarfile
 
     work = tmp_path / "work"
@@ -166,7 +166,7 @@ def test_gpu_validation_dry_run_on_cpu(pack, work_cache, tmp_path):
         pack,
         work,
         work_cache,
-        STAGES="tests bench kernels invariance",
+        STAGES="tests bench kernels invariance moe",
         GRAPHS="off",  # (--cuda-graphs needs a CUDA device)
         TESTS="tests/test_models.py::test_prefill_then_decode_equals_full_forward",  # loads the default target
         BENCH_PROMPTS="2",
@@ -174,6 +174,8 @@ def test_gpu_validation_dry_run_on_cpu(pack, work_cache, tmp_path):
         PEERS="",
         KERNEL_ARGS="--batch 1 --context 32 --block-sizes 4 --context-tokens 16 --windows 0 --repeats 1",
         INVARIANCE_ARGS="--rows 2 --windows 1",
+        MOE_TESTS="tests/test_moe_grouped.py::test_grouped_experts_equal_moe_block",
+        MOE_ARGS="--hidden 64 --intermediate 32 --experts 8 --top-k 2 --tokens 1,4 --seqs 1 --repeats 1 --warmup 1",
     )
     assert "== all done" in (work / "steps.log").read_text()
     assert " passed" in (work / "tests.log").read_text()
@@ -184,6 +186,11 @@ def test_gpu_validation_dry_run_on_cpu(pack, work_cache, tmp_path):
     assert kernels["device_type"] == "cpu" and kernels["block_attention"] and kernels["context_kv"]
     invariance = json.loads((work / "bench" / "invariance.json").read_text())
     assert set(invariance["tables"]["off"]) >= {"qkv", "lm_head", "attn verify", "forward (logits)"}
+    assert " passed" in (work / "moe-tests.log").read_text()
+    moe = json.loads((work / "bench" / "moe.json").read_text())
+    assert moe["shapes"]["hidden"] == 64 and [r["tokens"] for r in moe["rows"]] == [1, 4]
+    assert {"torch", "triton"} <= set(moe["impls"])  # the Triton kernel interpreted on the CPU
+    assert all(r[i]["rel_diff_vs_torch"] < 1e-5 for r in moe["rows"] for i in moe["impls"])
     with tarfile.open(work / "results.tgz") as tar:
         names = set(tar.getnames())
     assert {
@@ -192,4 +199,6 @@ def test_gpu_validation_dry_run_on_cpu(pack, work_cache, tmp_path):
         "bench/batch1-graphs-off.json",
         "bench/kernels.json",
         "bench/invariance.json",
+        "bench/moe.json",
+        "moe-tests.log",
     } <= names
