@@ -13,6 +13,9 @@ Expert formats: see :data:`dflash_trt.bench.moe_layer.FORMATS` (``int4`` is the 
 int4 CPU linear, group 32, 5.0 bits/weight; not MXFP4). Then the speedup model of
 :mod:`dflash_trt.bench.moe_speedup` (roofline on ``--gpu``, ``--num-gpus``), its verify-cost table,
 predicted speedup against tau for each K>1, and a PNG of both. Bad input: one line, exit status 2.
+
+One torch thread by default: on a CPU shared with other work, two OpenMP threads wait on each
+other and a layer's time varies tenfold; ``--threads 0`` keeps torch's default.
 """
 
 from __future__ import annotations
@@ -56,19 +59,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--routing", choices=ROUTINGS, default="uniform")
     ap.add_argument("--rho", type=float, default=0.5, help="sticky routing: probability a previous expert is kept")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (default 1: stable on a shared machine; 0: torch's)"
+    )
     ap.add_argument("--gpu", choices=tuple(GPUS), default="h100", help="GPU of the speedup model's plot")
     ap.add_argument("--num-gpus", type=int, default=1, help="GPUs the model splits the weights over (ideal)")
     ap.add_argument("--model-batch", type=int, default=32, help="the larger batch of the model's plot")
     ap.add_argument("--json", default=None, help="write the result here")
     ap.add_argument("--png", default=None, help="write the figure here")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return args
 
 
 def run(args: argparse.Namespace) -> dict:
     """Measure, then model; returns the JSON result."""
     from tqdm import tqdm
 
+    if args.threads < 0:
+        raise DFlashError(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     target = PRESETS[args.preset]
@@ -81,7 +90,7 @@ def run(args: argparse.Namespace) -> dict:
         res = run_layer_bench(
             target, formats, blocks, batches, args.repeats, args.routing, args.rho, args.seed, progress=bar.update
         )
-    res["command"] = " ".join([Path(sys.argv[0]).name if sys.argv else "bench/moe_layer.py", *sys.argv[1:]])
+    res["command"] = " ".join(["bench/moe_layer.py", *args.argv])
     res["num_gpus"], res["model_batch"] = args.num_gpus, args.model_batch
     ks = [k for k in res["blocks"] if k > 1]
     model = {}

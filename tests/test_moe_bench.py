@@ -172,12 +172,17 @@ def test_cli_json_png_and_bad_input(tmp_path, capsys):
     cli = _bench_cli()
     js, png = tmp_path / "moe.json", tmp_path / "moe.png"
     argv = ["--preset", "tiny", "--formats", "bf16,int4", "--blocks", "4,8,16", "--repeats", "1"]
-    assert cli.main([*argv, "--json", str(js), "--png", str(png)]) == 0
+    threads = torch.get_num_threads()
+    try:
+        assert cli.main([*argv, "--json", str(js), "--png", str(png)]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the command's default is 1 thread
     res = json.loads(js.read_text())
     for f in res["formats"].values():
         assert sorted(r["tokens_per_block"] for r in f["rows"]) == [1, 4, 8, 16]
     assert [r["tokens_per_block"] for r in res["speedup_model"]["h100"]["batch_1"]] == [1, 4, 8, 16]
-    assert "uniform" in res["routing"] and res["machine"]["cpu"]
+    assert "uniform" in res["routing"] and res["machine"]["cpu"] and res["machine"]["torch_threads"] == 1
+    assert res["command"] == " ".join(["bench/moe_layer.py", *argv, "--json", str(js), "--png", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     capsys.readouterr()
     assert cli.main(["--preset", "tiny", "--blocks", "0,4"]) == 2
