@@ -67,6 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model-batch", type=int, default=32, help="the larger batch of the model's plot")
     ap.add_argument("--json", default=None, help="write the result here")
     ap.add_argument("--png", default=None, help="write the figure here")
+    ap.add_argument("--replot", default=None, metavar="JSON", help="only draw --png from this earlier result")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args
@@ -134,6 +135,15 @@ def report(res: dict) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        if args.replot:
+            if not args.png:
+                raise DFlashError("--replot needs --png")
+            try:
+                res = json.loads(Path(args.replot).read_text())
+            except (OSError, ValueError) as e:
+                raise DFlashError(f"cannot read {args.replot}: {e}") from None
+            plot_moe(res, args.png, GPUS[args.gpu])
+            return 0
         res = run(args)
         if args.png:
             plot_moe(res, args.png, GPUS[args.gpu])

@@ -403,7 +403,8 @@ def plot_moe(result: dict, out: str | Path, gpu: GPU, taus_per_block: int = 25) 
     and the GPU roofline model's (whole step, and experts only = touched(K) / k). Middle: predicted
     speedup against tau at batch 1 for each block size, from the GPU model (solid, drafter
     included) and from the CPU-measured layer ratio (dashed, drafter cost taken from the GPU
-    model's ratio). Right: the GPU model at batch ``result["model_batch"]``. Returns the path.
+    model's ratio; the ``int4`` format when measured, else the first). Right: the GPU model at
+    batch ``result["model_batch"]``. Returns the path.
     """
     import matplotlib
 
@@ -431,13 +432,15 @@ def plot_moe(result: dict, out: str | Path, gpu: GPU, taus_per_block: int = 25) 
     a.set_ylabel("verify-cost ratio t(K) / t(1)")
     a.set_title(f"{target.name}: one MoE layer (CPU) vs the model; uniform routing", fontsize=9)
     a.legend(fontsize=7)
-    cpu_fmt = next(iter(result["formats"]), None)
+    fmts = list(result["formats"])
+    cpu_fmt = "int4" if "int4" in fmts else (fmts[0] if fmts else None)  # the 4-bit one: closest to MXFP4
     for ax, batch in ((b, 1), (c, result.get("model_batch", 32))):
         mt = {r["tokens_per_block"]: r for r in model_table(target, gpu, tuple(blocks), batch, num_gpus)}
-        for k in blocks:
+        for j, k in enumerate(blocks):
+            lw = 1.2 + 1.6 * (len(blocks) - 1 - j)  # wider first: lines that coincide stay visible
             taus = [1 + (k - 1) * i / (taus_per_block - 1) for i in range(taus_per_block)]
             ys = [model_speedup(target, t, k, gpu, batch, num_gpus) for t in taus]
-            ax.plot(taus, ys, "-", color=colours[k], label=f"K={k} {gpu.name} model")
+            ax.plot(taus, ys, "-", color=colours[k], lw=lw, label=f"K={k} {gpu.name} model")
             if batch == 1 and cpu_fmt is not None:
                 row = next(
                     (r for r in result["formats"][cpu_fmt]["rows"] if r["batch"] == 1 and r["tokens_per_block"] == k),
