@@ -419,7 +419,8 @@ def plot_moe(result: dict, out: str | Path, gpu: GPU, taus_per_block: int = 25) 
     out.parent.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     a, b, c = axes
-    colours = dict(zip(blocks, ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")))
+    palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
+    colours = {k: palette[i % len(palette)] for i, k in enumerate(blocks)}
     ks = sorted(set(result["blocks"]) | {1})
     for fmt, res in result["formats"].items():
         rows = [r for r in res["rows"] if r["batch"] == 1]
