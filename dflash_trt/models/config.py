@@ -14,8 +14,6 @@ from ..errors import DFlashError
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
 #: RoPE scaling types ``layers.rope_inv_freq`` implements
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
-#: RoPE scaling types a drafter may use (its fused context K/V kernel has no YaRN attention factor yet)
-DRAFTER_ROPE_TYPES = ("default", "llama3")
 #: per-layer attention kinds (HF ``layer_types``)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 #: expert routing rules: softmax over all experts then top-k (Qwen3-MoE), or top-k of the logits
@@ -302,7 +300,7 @@ class DrafterConfig:
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        _check_rope_scaling(self.rope_scaling, "drafter", DRAFTER_ROPE_TYPES)
+        _check_rope_scaling(self.rope_scaling, "drafter")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise DFlashError(f"drafter draft_vocab_size {self.draft_vocab_size} outside 1..{self.vocab_size}")
         if self.sliding_window is not None and self.sliding_window < self.block_size:
