@@ -132,6 +132,38 @@ def test_config_and_layers(gpt_oss_pair):
     assert TargetConfig.from_hf(official) == cfg
 
 
+@pytest.mark.parametrize("path", ["sdpa", "matmul", "bi_attention"])
+def test_sink_attention_equals_transformers_eager(path):
+    """Every attention path with sinks (SDPA with the sink as an extra key column, the matmul
+    path torch.compile runs on the CPU, the batch-invariant kernel) against transformers'
+    ``eager_attention_forward`` of gpt-oss, GQA 6:2, a causal sliding-window mask."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from dflash_trt.kernels.cpu_ops import bi_attention
+    from dflash_trt.models.layers import _matmul_attention, _sdpa
+
+    g = torch.Generator().manual_seed(0)
+    s, h, hkv, t, d = 2, 6, 2, 9, 16
+    q, k, v = (torch.randn(s, n, t, d, generator=g) for n in (h, hkv, hkv))
+    sinks = torch.randn(h, generator=g) * 2
+    pos = torch.arange(t)
+    mask = ((pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 3)).expand(s, 1, t, t)
+    module = torch.nn.Module()
+    module.sinks, module.num_key_value_groups = sinks, h // hkv
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    ref = eager_attention_forward(module, q, k, v, additive, d**-0.5)[0].transpose(1, 2)
+    if path == "sdpa":
+        got = _sdpa(q, k, v, mask, sinks=sinks)
+    elif path == "matmul":
+        got = _matmul_attention(q, k, v, mask, sinks)
+    else:
+        got = bi_attention(q, k, v, mask, d**-0.5, sinks)
+    assert float((got - ref).abs().max()) < 1e-5
+    # and the sinks matter: without them the rows sum to 1 again
+    plain = _sdpa(q, k, v, mask)
+    assert float((plain - ref).abs().max()) > 1e-2
+
+
 def _paged_forwards(model, steps, cache, tables, window):
     """Run ``steps`` (each a list of (sequence, first position, tokens)) as packed paged
     forwards over ``cache``; returns {(sequence, position): logits row}."""
@@ -224,6 +256,72 @@ def test_every_gpt_oss_feature_matters(gpt_oss_pair, sequences):
             assert rel() > 100 * max(base, 1e-6), name
         finally:
             setattr(obj, attr, saved)
+
+
+def _openai_state_dict(sd: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
+    """transformers' gpt-oss state dict under the names of OpenAI's reference
+    (``gpt_oss/torch/model.py``: fused ``qkv``, ``mlp1_weight [E, 2I, H]`` = ``gate_up_proj``
+    transposed, gate/up still interleaved, ``mlp2_weight [E, H, I]``)."""
+    new = {"embedding.weight": sd["model.embed_tokens.weight"], "norm.scale": sd["model.norm.weight"]}
+    new["unembedding.weight"] = sd["lm_head.weight"]
+    for i in range(layers):
+        p, b = f"model.layers.{i}.", f"block.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        new[b + "attn.norm.scale"] = sd[p + "input_layernorm.weight"]
+        for kind in ("weight", "bias"):
+            new[b + "attn.qkv." + kind] = torch.cat([sd[f"{a}{n}_proj.{kind}"] for n in "qkv"])
+            new[b + "attn.out." + kind] = sd[f"{a}o_proj.{kind}"]
+            new[b + "mlp.gate." + kind] = sd[f"{m}router.{kind}"]
+        new[b + "attn.sinks"] = sd[a + "sinks"]
+        new[b + "mlp.norm.scale"] = sd[p + "post_attention_layernorm.weight"]
+        new[b + "mlp.mlp1_weight"] = sd[m + "experts.gate_up_proj"].transpose(1, 2)
+        new[b + "mlp.mlp1_bias"] = sd[m + "experts.gate_up_proj_bias"]
+        new[b + "mlp.mlp2_weight"] = sd[m + "experts.down_proj"].transpose(1, 2)
+        new[b + "mlp.mlp2_bias"] = sd[m + "experts.down_proj_bias"]
+    return new
+
+
+def test_logits_equal_openai_reference(gpt_oss_pair, sequences):
+    """Against OpenAI's own reference torch implementation (the ``gpt-oss`` package). It declares
+    Python >= 3.12, so it is not a dependency here; installed with ``pip install --no-deps
+    --ignore-requires-python gpt-oss==0.0.9`` (its ``gpt_oss.torch`` needs only torch and
+    safetensors) this test runs, else it is skipped."""
+    ref_model = pytest.importorskip(
+        "gpt_oss.torch.model", reason="OpenAI's gpt-oss package is not installed (it declares Python >= 3.12)"
+    )
+    hf, ours = gpt_oss_pair
+    c = hf.config
+    oc = ref_model.ModelConfig(
+        num_hidden_layers=c.num_hidden_layers,
+        num_experts=c.num_local_experts,
+        experts_per_token=c.num_experts_per_tok,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        swiglu_limit=c.swiglu_limit,
+        head_dim=c.head_dim,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        sliding_window=c.sliding_window,
+        initial_context_length=YARN["original_max_position_embeddings"],
+        rope_theta=YARN["rope_theta"],
+        rope_scaling_factor=YARN["factor"],
+        rope_ntk_alpha=YARN["beta_slow"],
+        rope_ntk_beta=YARN["beta_fast"],
+    )
+    openai = ref_model.Transformer(oc, device=torch.device("cpu")).float().eval()
+    openai.load_state_dict(_openai_state_dict(hf.state_dict(), c.num_hidden_layers), strict=True)
+    model, cfg = ours.model, ours.model.cfg
+    worst = 0.0
+    for seq in sequences[0]:
+        with torch.no_grad():
+            ref = openai(torch.tensor(seq))
+        cache = PagedKVCache(cfg.num_layers, 4, TPB, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+        rows = _paged_forwards(model, [[(0, 0, seq)]], cache, [[0, 1, 2, 3]], cfg.sliding_window)
+        got = torch.stack([rows[0, p] for p in range(len(seq))])
+        worst = max(worst, float((got - ref).abs().max() / ref.abs().max()))
+    print(f"\ntiny gpt_oss vs OpenAI's reference (gpt_oss.torch.model): max relative logit difference {worst:.2g}")
+    assert worst < 1e-4
 
 
 def _mxfp4_checkpoint(hf, out, tokenizer, seed: int = 0):

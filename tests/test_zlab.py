@@ -357,8 +357,8 @@ def test_config_layouts_agree_with_zlab(layout):
 
 
 def test_config_unsupported_rope_type():
-    with pytest.raises(DFlashError, match="rope_type 'yarn'"):
-        drafter_config_from_json(zlab_json(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(DFlashError, match="rope_type 'dynamic'"):
+        drafter_config_from_json(zlab_json(rope_scaling={"rope_type": "dynamic", "factor": 4.0}))
 
 
 def test_config_json_round_trip():
