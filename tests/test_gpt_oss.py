@@ -428,3 +428,67 @@ def test_bad_inputs_one_line(gpt_oss_pair, smollm2, tmp_path):
     bad = drafter.cfg.__class__(**{**drafter.cfg.__dict__, "target_layer_ids": (1, 4)})
     with pytest.raises(DFlashError, match=r"target_layer_ids .* outside"):
         validate_pair(target_cfg, bad)
+
+
+#: z-lab's gpt-oss-20b-DFlash config.json as quoted by a third party (it may be abridged: no
+#: layer_types, no num_target_layers), with its layers listed as full attention
+ZLAB_GPT_OSS_20B = {
+    "architectures": ["DFlashDraftModel"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "block_size": 8,
+    "bos_token_id": 199998,
+    "dflash_config": {"mask_token_id": 200000, "target_layer_ids": [1, 6, 11, 16, 21]},
+    "dtype": "bfloat16",
+    "eos_token_id": 200002,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 7680,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_hidden_layers": 8,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 150000,
+    "vocab_size": 201088,
+}
+
+
+def test_zlab_gpt_oss_drafter_config():
+    """A gpt-oss drafter config means what transformers' ``GptOssConfig`` makes of it: its RoPE
+    (YaRN, never written in the file) equals transformers' bitwise, ``num_target_layers`` may be
+    absent, ``model_type`` survives a round trip; a file without ``layer_types`` (so mixed
+    sliding and full layers by default) is refused in one line."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from dflash_trt.checkpoints.zlab import drafter_config_from_json, drafter_config_to_json
+    from dflash_trt.models.layers import RotaryEmbedding
+
+    with pytest.raises(DFlashError, match="mixes full and sliding .*GptOssConfig default") as e:
+        drafter_config_from_json(ZLAB_GPT_OSS_20B)
+    assert "\n" not in str(e.value)
+    raw = ZLAB_GPT_OSS_20B | {"layer_types": ["full_attention"] * 8}
+    d = drafter_config_from_json(raw)
+    skip = ("architectures", "model_type", "dflash_config")
+    ref = transformers.AutoConfig.for_model("gpt_oss", **{k: v for k, v in raw.items() if k not in skip})
+    inv, factor = ROPE_INIT_FUNCTIONS["yarn"](ref, "cpu")
+    rope = RotaryEmbedding(d.head_dim, d.rope_theta, d.rope_scaling, 16)
+    assert torch.equal(rope.inv_freq, inv) and rope.attention_factor == factor
+    assert d.attention_bias == ref.attention_bias and d.rms_norm_eps == ref.rms_norm_eps
+    assert d.sliding_window is None and d.num_target_layers is None
+    assert (d.block_size, d.mask_token_id, d.target_layer_ids) == (8, 200000, (1, 6, 11, 16, 21))
+    target_json = {k: v for k, v in raw.items() if k not in skip} | {"model_type": "gpt_oss", "layer_types": None}
+    validate_pair(TargetConfig.from_hf(target_json | {"num_hidden_layers": 24}), d)  # ids range-checked only
+    with pytest.raises(DFlashError, match=r"target_layer_ids \[16, 21\] outside 0..11"):
+        validate_pair(TargetConfig.from_hf(target_json | {"num_hidden_layers": 12}), d)
+    out = drafter_config_to_json(d)
+    assert out["model_type"] == "gpt_oss" and "num_target_layers" not in out
+    assert drafter_config_from_json(out) == d
+    for key, value in (("use_swa", True), ("causal", True)):
+        bad = raw | {"dflash_config": raw["dflash_config"] | {key: value}}
+        with pytest.raises(DFlashError, match=f"dflash_config.{key}"):
+            drafter_config_from_json(bad)
