@@ -21,7 +21,9 @@ alpha 1.702). The checkpoint's interleaved gate/up columns are split into [gate;
 The forward groups the tokens by expert and runs one pair of GEMMs per expert that any token
 picked, in increasing expert id, adding into the output in that order (transformers' order, so
 fp32 outputs agree with its eager path to rounding). Picking the experts reads the routing on
-the host: CUDA graphs and torch.compile do not cover this layer yet. Under tensor or expert
+the host: CUDA graphs and torch.compile do not cover this layer yet. On CUDA, a rank that holds
+every expert runs them all in one grouped GEMM pair instead (``kernels/moe_grouped.py``: no host
+read; a token's expert outputs added in slot order in fp32). Under tensor or expert
 parallelism (``runtime/distributed.shard_target``) a rank holds a slice of each expert, or the
 experts ``[expert_offset, expert_offset + len(gate_up))`` only, and skips the others.
 
@@ -137,6 +139,26 @@ class MoEBlock(nn.Module):
         op = torch.ops.dflash_cpu.bi_linear_packed
         return (lambda t: op(t, gu, 2 * self.intermediate, gu_bias)), (lambda t: op(t, dn, self.down.shape[1], dn_bias))
 
+    def _grouped(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every expert in one grouped GEMM pair on CUDA (:func:`~dflash_trt.kernels.moe_grouped.grouped_experts`:
+        ``F.grouped_mm`` or the Triton kernel; no host read of the routing); a token's slots are added
+        in slot order in fp32."""
+        from ..kernels.moe_grouped import grouped_experts
+
+        act = "swiglu" if self.activation == "swiglu" else "clamped_swiglu_oai"
+        return grouped_experts(
+            h,
+            ids,
+            weights,
+            self.gate_up,
+            self.down,
+            gate_up_bias=self.gate_up_bias,
+            down_bias=self.down_bias,
+            act=act,
+            alpha=self.alpha,
+            limit=self.limit,
+        )
+
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The experts' activation: ``silu(gate) * up``, or gpt-oss's clamped SwiGLU (module docstring)."""
         if self.activation == "swiglu":
@@ -148,6 +170,8 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])
         weights, ids = self.route(h)
+        if h.device.type == "cuda" and self.gate_up.shape[0] == self.gate.out_features:
+            return self._grouped(h, weights, ids).view(x.shape)
         invariant = self.batch_invariant and h.device.type == "cpu"
         out = torch.zeros_like(h)
         first, local = self.expert_offset, self.gate_up.shape[0]
