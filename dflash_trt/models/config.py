@@ -11,31 +11,66 @@ from dataclasses import dataclass, field
 from ..errors import DFlashError
 
 #: target families with our own torch implementation, keyed by HF ``model_type``
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
 #: RoPE scaling types ``layers.rope_inv_freq`` implements
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
+#: per-layer attention kinds (HF ``layer_types``)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+#: expert routing rules: softmax over all experts then top-k (Qwen3-MoE), or top-k of the logits
+#: then softmax over the k picked (gpt-oss)
+MOE_ROUTINGS = ("softmax_topk", "topk_softmax")
+#: expert activations: ``silu(gate) * up`` (Qwen3-MoE), or gpt-oss's clamped SwiGLU
+#: ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=l)``
+MOE_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
-def _check_rope_scaling(scaling: dict | None, what: str) -> None:
+def rope_scaling_from_hf(rope: dict | None, max_positions: int) -> dict | None:
+    """The RoPE scaling dict of an HF ``rope_scaling`` / ``rope_parameters`` entry (None for the
+    default RoPE; ``rope_theta`` left out). YaRN gets transformers' defaults filled in
+    (``standardize_rope_params``, ``_compute_yarn_parameters``): ``original_max_position_embeddings``
+    = ``max_position_embeddings`` when absent, and ``factor`` = their ratio when absent."""
+    if not rope or rope.get("rope_type", rope.get("type", "default")) == "default":
+        return None
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if scaling.get("rope_type", scaling.get("type")) == "yarn":
+        scaling.setdefault("original_max_position_embeddings", max_positions)
+        if scaling.get("factor") is None:
+            scaling["factor"] = max_positions / scaling["original_max_position_embeddings"]
+    return scaling
+
+
+def _check_rope_scaling(scaling: dict | None, what: str, supported: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> None:
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise DFlashError(f"{what}: unsupported rope_type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if kind not in supported:
+        raise DFlashError(f"{what}: unsupported rope_type {kind!r}; supported: {', '.join(supported)}")
 
 
 @dataclass(frozen=True)
 class TargetConfig:
-    """Shape of a decoder-only target LLM (Llama / SmolLM2, Qwen2, Qwen3, Qwen3-MoE).
+    """Shape of a decoder-only target LLM (Llama / SmolLM2, Qwen2, Qwen3, Qwen3-MoE, gpt-oss).
 
     Attributes follow the HF ``config.json`` keys of those families. ``attention_bias`` is
-    true for Qwen2 (bias on q/k/v); ``qk_norm`` is true for Qwen3 and Qwen3-MoE (per-head RMSNorm
-    of q and k before RoPE). ``rope_scaling`` is the HF ``rope_scaling`` / ``rope_parameters``
-    dict when it is not the default RoPE (Llama-3.1 uses ``rope_type: llama3``).
+    true for Qwen2 and gpt-oss (bias on q/k/v); ``qk_norm`` is true for Qwen3 and Qwen3-MoE
+    (per-head RMSNorm of q and k before RoPE). ``rope_scaling`` is the HF ``rope_scaling`` /
+    ``rope_parameters`` dict when it is not the default RoPE (Llama-3.1 uses ``rope_type:
+    llama3``; gpt-oss ``yarn``, whose ``original_max_position_embeddings`` is always filled in).
+
+    Attention extras (gpt-oss, transformers' ``GptOssAttention``): ``o_bias`` (the output
+    projection has a bias), ``attn_sinks`` (one learned logit per query head joins each softmax
+    row and takes weight but adds no value), ``layer_types`` (None: every layer full attention;
+    else one of :data:`LAYER_TYPES` per layer) and ``sliding_window`` W: a
+    ``sliding_attention`` layer's query at position p sees keys p - W + 1 .. p.
 
     Mixture of experts (Qwen3-MoE; ``num_experts`` 0 for a dense target): ``num_experts``,
     ``num_experts_per_tok`` (top-k), ``moe_intermediate_size`` (each expert's width),
     ``norm_topk_prob``, and which layers are sparse: layer ``i`` is, unless listed in
     ``mlp_only_layers``, when ``(i + 1) % decoder_sparse_step == 0``; the others have a dense MLP
-    of ``intermediate_size`` (transformers' ``Qwen3MoeDecoderLayer``).
+    of ``intermediate_size`` (transformers' ``Qwen3MoeDecoderLayer``). ``moe_routing`` is one of
+    :data:`MOE_ROUTINGS`, ``moe_activation`` one of :data:`MOE_ACTIVATIONS` (with
+    ``swiglu_limit`` / ``swiglu_alpha`` for the clamped one); ``router_bias`` / ``expert_bias``:
+    the router and each expert's two GEMMs have biases. gpt-oss: every layer sparse,
+    ``topk_softmax``, ``clamped_swiglu`` (limit 7.0, alpha 1.702), both biases
+    (transformers' ``GptOssMLP``).
     """
 
     family: str
@@ -60,6 +95,25 @@ class TargetConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    moe_routing: str = "softmax_topk"
+    moe_activation: str = "swiglu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    router_bias: bool = False
+    expert_bias: bool = False
+    o_bias: bool = False
+    attn_sinks: bool = False
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+
+    def is_sliding_layer(self, i: int) -> bool:
+        """Whether layer ``i`` attends over a sliding window of :attr:`sliding_window` keys."""
+        return self.layer_types is not None and self.layer_types[i] == "sliding_attention"
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        """Whether any layer is a ``sliding_attention`` layer."""
+        return self.layer_types is not None and "sliding_attention" in self.layer_types
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer ``i``'s MLP is the routed experts (else a dense gated MLP)."""
@@ -73,6 +127,22 @@ class TargetConfig:
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
             )
         _check_rope_scaling(self.rope_scaling, "target")
+        if self.moe_routing not in MOE_ROUTINGS:
+            raise DFlashError(f"unsupported moe_routing {self.moe_routing!r}; supported: {', '.join(MOE_ROUTINGS)}")
+        if self.moe_activation not in MOE_ACTIVATIONS:
+            raise DFlashError(
+                f"unsupported moe_activation {self.moe_activation!r}; supported: {', '.join(MOE_ACTIVATIONS)}"
+            )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise DFlashError(
+                    f"target layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+                )
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise DFlashError(f"target layer_types: unsupported {bad}; supported: {', '.join(LAYER_TYPES)}")
+            if self.has_sliding_layers and not (self.sliding_window or 0) > 0:
+                raise DFlashError(f"target has sliding_attention layers but sliding_window is {self.sliding_window!r}")
 
     @classmethod
     def from_hf(cls, cfg: dict) -> TargetConfig:
@@ -87,11 +157,14 @@ class TargetConfig:
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
+            gpt_oss = family == "gpt_oss"  # transformers' GptOssConfig defaults where a key is absent
             rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-            rope_theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
-            scaling = None
-            if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
-                scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+            if gpt_oss and not rope:
+                rope = dict(GPT_OSS_ROPE)
+            default_theta = GPT_OSS_ROPE_THETA if gpt_oss else 10000.0
+            rope_theta = float(cfg.get("rope_theta", rope.get("rope_theta", default_theta)))
+            max_pos = int(cfg.get("max_position_embeddings", 131072 if gpt_oss else 4096))
+            scaling = rope_scaling_from_hf(rope, max_pos)
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             return cls(
@@ -103,15 +176,16 @@ class TargetConfig:
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5 if gpt_oss else 1e-6)),
                 rope_theta=rope_theta,
                 rope_scaling=scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+                attention_bias=bool(cfg.get("attention_bias", family in ("qwen2", "gpt_oss"))),
                 qk_norm=family in ("qwen3", "qwen3_moe"),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                max_position_embeddings=max_pos,
                 eos_token_ids=eos_ids,
                 **_moe_fields(cfg),
+                **_gpt_oss_fields(cfg),
             )
         except KeyError as e:
             raise DFlashError(f"target config.json lacks required key {e.args[0]!r}") from None
@@ -133,6 +207,72 @@ def _moe_fields(cfg: dict) -> dict:
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         decoder_sparse_step=max(1, int(cfg.get("decoder_sparse_step", 1))),
         mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+    )
+
+
+#: transformers' ``GptOssConfig`` RoPE when a gpt-oss ``config.json`` names none (configuration_gpt_oss.py)
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+GPT_OSS_ROPE_THETA = 150000.0
+
+
+def gpt_oss_config_defaults(cfg: dict) -> dict:
+    """``cfg`` (a ``model_type: gpt_oss`` ``config.json`` dict) with the keys transformers'
+    ``GptOssConfig`` fills in when absent, as every HF-config-based engine sees such a file:
+    ``rope_parameters`` YaRN (factor 32 over 4096 positions, theta 150000), ``layer_types``
+    sliding on the even layers, ``sliding_window`` 128, ``attention_bias`` true,
+    ``rms_norm_eps`` 1e-5, ``max_position_embeddings`` 131072."""
+    out = dict(cfg)
+    if not (out.get("rope_parameters") or out.get("rope_scaling")):
+        out["rope_parameters"] = dict(GPT_OSS_ROPE)
+    out.setdefault("rope_theta", GPT_OSS_ROPE_THETA)
+    layers = int(out.get("num_hidden_layers", 36))
+    if out.get("layer_types") is None:
+        out["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    for key, value in (
+        ("sliding_window", 128),
+        ("attention_bias", True),
+        ("rms_norm_eps", 1e-5),
+        ("max_position_embeddings", 131072),
+    ):
+        out.setdefault(key, value)
+    return out
+
+
+def _gpt_oss_fields(cfg: dict) -> dict:
+    """The gpt-oss fields of a ``config.json`` (transformers' ``GptOssConfig`` defaults where a
+    key is absent: 128 experts, top 4, sliding window 128 on the even layers, SwiGLU limit 7.0,
+    alpha 1.702); {} for another family."""
+    if cfg.get("model_type") != "gpt_oss":
+        return {}
+    experts = int(cfg.get("num_local_experts", cfg.get("num_experts", 128)))
+    top_k = int(cfg.get("num_experts_per_tok", cfg.get("experts_per_token", 4)))
+    if not 0 < top_k <= experts:
+        raise DFlashError(f"target config.json: num_experts_per_tok {top_k} is not in 1..num_local_experts ({experts})")
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    window = cfg.get("sliding_window", 128)
+    attention_bias = bool(cfg.get("attention_bias", True))
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(cfg["intermediate_size"]),
+        moe_routing="topk_softmax",
+        moe_activation="clamped_swiglu",
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+        router_bias=True,
+        expert_bias=True,
+        o_bias=attention_bias,
+        attn_sinks=True,
+        layer_types=tuple(str(t) for t in types),
+        sliding_window=None if window is None else int(window),
     )
 
 
@@ -161,7 +301,9 @@ class DrafterConfig:
         block_size: tokens per drafted block, the anchor (last committed token) included, so one
             drafter forward proposes ``block_size - 1`` draft tokens.
         mask_token_id: token id embedded (with the target's embedding) at the masked slots.
-        num_target_layers: layer count of the target the drafter was made for.
+        num_target_layers: layer count of the target the drafter was made for (None: its
+            config does not say, as z-lab's gpt-oss drafter configs; ``target_layer_ids`` are
+            then only range-checked against the target).
         sliding_window: None (every layer sees the whole context), or W: every layer is a
             z-lab ``sliding_attention`` layer with ``is_causal: false`` — the slot at position
             ``q`` sees context positions ``p`` with ``q - p < W`` (so slot ``k`` of a block
@@ -182,7 +324,7 @@ class DrafterConfig:
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
-    num_target_layers: int
+    num_target_layers: int | None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
