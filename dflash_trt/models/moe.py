@@ -16,7 +16,7 @@ have biases (``gate_up_bias [E, 2 * I]``, [gate; up] as the weight, and ``down_b
 hidden]``); and the activation is the clamped SwiGLU of OpenAI's reference: ``g = min(gate,
 limit)``, ``u = clamp(up, -limit, limit)``, ``(u + 1) * g * sigmoid(alpha * g)`` (limit 7.0,
 alpha 1.702). The checkpoint's interleaved gate/up columns are split into [gate; up] at load
-(``checkpoints/hf_moe.py``).
+(``models/target._hf_gpt_oss_experts``).
 
 The forward groups the tokens by expert and runs one pair of GEMMs per expert that any token
 picked, in increasing expert id, adding into the output in that order (transformers' order, so
