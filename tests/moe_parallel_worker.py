@@ -2,10 +2,10 @@
 tests/moe_parallel_worker.py IN.json OUT.json`` (``-m mpi4py``: an exception on one rank aborts
 the whole job).
 
-``IN.json`` names a tiny Qwen3-MoE checkpoint (saved by transformers), the prompts' token ids,
-the tokens to generate, the DFlash block size, the TP=1 plain-decoding outputs (``reference``)
-and the modes ``[name, moe_tp_size, moe_ep_size]``.
-For each mode every rank loads the full target (fp32) and the seeded random drafter, and:
+``IN.json`` gives the prompts' token ids, the tokens to generate, the DFlash block size and, per
+target family (``targets``), a tiny checkpoint saved by transformers (Qwen3-MoE, gpt-oss), its
+TP=1 plain-decoding outputs (``reference``) and the modes ``[name, moe_tp_size, moe_ep_size]``.
+For each target and mode every rank loads the full target (fp32) and the seeded random drafter, and:
   1. takes the TP=1 logits of one plain forward of the longest prompt;
   2. decodes all prompts greedily as one batch through the TP engine at block size 1, the
      target sharded by ``tp_runner`` from the engine settings' MoE sizes (``EngineArgs``);
@@ -14,7 +14,8 @@ For each mode every rank loads the full target (fp32) and the seeded random draf
   4. decodes the prompts again with DFlash (the random drafter, ``block_size``), and with an
      oracle proposer that drafts the reference with every 5th token corrupted (long
      acceptances, rejected tails rolled back on every rank's KV shard).
-Rank 0 writes outputs, logit differences and every rank's expert shapes to OUT.json.
+Rank 0 writes ``{family: {mode: ...}}``: outputs, logit differences and every rank's expert
+shapes (and which biases it adds) to OUT.json.
 The test starts it with OMP_NUM_THREADS=1; each rank also uses one torch thread.
 """
 
@@ -65,8 +66,8 @@ def decode(model, drafter, stops, settings: dict, tp, prompts, max_new, proposer
     }
 
 
-def run_mode(spec: dict, moe_tp: int, moe_ep: int, tp) -> dict:
-    loaded = load_target(spec["checkpoint"], torch.float32)
+def run_mode(spec: dict, target: dict, moe_tp: int, moe_ep: int, tp) -> dict:
+    loaded = load_target(target["checkpoint"], torch.float32)
     model, stops = loaded.model, loaded.stop_token_ids
     drafter = init_drafter(model.cfg, 1, spec["block_size"], 0, seed=0)
     prompts, new = spec["prompts"], spec["max_new"]
@@ -84,7 +85,7 @@ def run_mode(spec: dict, moe_tp: int, moe_ep: int, tp) -> dict:
         layer.tp = g
     dflash_settings = engine_settings(prompts, new, spec["block_size"]) | sizes
     dflash = decode(model, drafter, stops, dflash_settings, tp, prompts, new)
-    OracleProposer.continuations = [p + r for p, r in zip(prompts, spec["reference"])]
+    OracleProposer.continuations = [p + r for p, r in zip(prompts, target["reference"])]
     oracle = decode(model, drafter, stops, dflash_settings, tp, prompts, new, OracleProposer)
     m = sparse[0].mlp
     shard = {
@@ -94,6 +95,11 @@ def run_mode(spec: dict, moe_tp: int, moe_ep: int, tp) -> dict:
         "expert_offset": m.expert_offset,
         "moe_intermediate_size": model.cfg.moe_intermediate_size,
         "num_heads": model.cfg.num_heads,
+        # gpt-oss: which rank adds the biases that must be added once, the sinks it holds
+        "o_bias": model.layers[0].attn.o.bias is not None,
+        "down_bias": None if m.down_bias is None else list(m.down_bias.shape),
+        "gate_up_bias": None if m.gate_up_bias is None else list(m.gate_up_bias.shape),
+        "sinks": None if model.layers[0].attn.sinks is None else len(model.layers[0].attn.sinks),
     }
     return {
         "shards": tp.comm.gather(shard, root=0),
@@ -113,7 +119,10 @@ def main(in_path: str, out_path: str) -> None:
     assert tp is not None and tp.size == 2, "run under mpiexec -n 2"
     with open(in_path) as f:
         spec = json.load(f)
-    results = {name: run_mode(spec, moe_tp, moe_ep, tp) for name, moe_tp, moe_ep in spec["modes"]}
+    results = {
+        family: {name: run_mode(spec, target, moe_tp, moe_ep, tp) for name, moe_tp, moe_ep in target["modes"]}
+        for family, target in spec["targets"].items()
+    }
     tp.shutdown()
     if tp.rank == 0:
         with open(out_path, "w") as f:

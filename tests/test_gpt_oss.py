@@ -44,11 +44,12 @@ YARN = {
 }
 
 
-def tiny_gpt_oss(vocab: int, seed: int = 0):
+def tiny_gpt_oss(vocab: int, seed: int = 0, **overrides):
     """transformers' gpt-oss at a tiny size, with every gpt-oss code path live: sinks ~N(0, 1),
     random biases (their init is 0), and expert weights scaled so that the SwiGLU clamp (7.0)
     cuts a share of the gates and ups. Head dim 16 with YaRN (factor 32 over 4096 positions):
-    the ramp spans dims 2-4, so extrapolated, blended and interpolated frequencies all occur."""
+    the ramp spans dims 2-4, so extrapolated, blended and interpolated frequencies all occur.
+    ``overrides``: config fields set on top (e.g. more KV heads for a wider tensor-parallel split)."""
     torch.manual_seed(seed)
     cfg = transformers.GptOssConfig(
         vocab_size=vocab,
@@ -69,6 +70,8 @@ def tiny_gpt_oss(vocab: int, seed: int = 0):
         attn_implementation="eager",
         experts_implementation="eager",
     )
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
     model = transformers.GptOssForCausalLM(cfg).eval()
     with torch.no_grad():
         for layer in model.model.layers:

@@ -20,8 +20,11 @@ the same split):
 module          this rank holds                                      after it
 ==============  ===================================================  =========================
 ``attn.qkv``    rows of its q heads, of its KV heads' k and v        (column-parallel, local)
-                (bias rows too: Qwen2)
-``attn.o``      input columns of its q heads                         all-reduce (row-parallel)
+                (bias rows too: Qwen2, gpt-oss)
+``attn.o``      input columns of its q heads; the bias (gpt-oss)     all-reduce (row-parallel)
+                on rank 0 only, so the all-reduce adds it once
+``attn.sinks``  its q heads' sinks (gpt-oss; TensorRT-LLM            (local)
+                ``AttentionBlock.load_weights``)
 ``mlp.gate_up`` its rows of gate AND its rows of up                  (column-parallel, local)
 ``mlp.down``    its input columns                                    all-reduce (row-parallel)
 MoE ``mlp``     router replicated; its experts' slices (see below)   all-reduce (as ``down``)
@@ -53,9 +56,12 @@ its part of the routed experts' outputs, and the all-reduce after the MLP sums t
 - MoE TP: every expert, but only its intermediate slice ``[i0, i0 + I/moe_tp)``: those rows
   of the gate half and of the up half of ``gate_up`` (the ``[gate; up]`` layout, as the dense
   ``mlp_rows``) and those input columns of ``down`` (Megatron-LM's split of each expert).
+  gpt-oss's expert biases: ``gate_up_bias`` sliced as ``gate_up``'s rows; ``down_bias`` kept
+  by MoE-TP rank 0 only (added once). The router's bias is replicated with the router.
 - EP: experts ``[p * E/moe_ep, (p + 1) * E/moe_ep)`` whole (TensorRT-LLM
   ``Mapping.ep_experts``); a rank evaluates only the (token, slot) pairs routed to its own
-  experts (``MoEBlock.expert_offset``), a token routed to none of them contributes zeros.
+  experts (``MoEBlock.expert_offset``), a token routed to none of them contributes zeros;
+  an expert's biases go with it, so only its owner adds them.
 
 Weights: from a tp 1 checkpoint or engine each rank loads everything and slices it
 (:func:`shard_target`; uneven splits allowed). An engine directory built with
@@ -405,6 +411,10 @@ def shard_target(
         a.qkv.out_features = len(rows)
         a.o.weight = _param(a.o.weight[:, q0 * d : (q0 + nq) * d], a.o.weight)
         a.o.in_features = nq * d
+        if a.o.bias is not None and r:
+            a.o.bias = None  # added once: rank 0's partial sum carries it into the all-reduce
+        if a.sinks is not None:
+            a.sinks = _param(a.sinks[q0 : q0 + nq], a.sinks)
         a.h, a.hkv = nq, nkv
         if cfg.is_moe_layer(i):
             _shard_experts(m, *moe)
@@ -425,7 +435,7 @@ def shard_target(
 
 
 #: what :func:`_shard_experts` knows how to split (or keep whole: the router) in a MoE block
-_EXPERT_PARAMS = {"gate.weight", "gate.bias", "gate_up", "down"}
+_EXPERT_PARAMS = {"gate.weight", "gate.bias", "gate_up", "down", "gate_up_bias", "down_bias"}
 
 
 def _moe_shard(model: TargetModel, n: int, r: int, moe_tp: int | None, moe_ep: int | None) -> tuple[int, int, int, int]:
@@ -434,8 +444,8 @@ def _moe_shard(model: TargetModel, n: int, r: int, moe_tp: int | None, moe_ep: i
 
     Raises:
         ConfigError: see :func:`shard_target`.
-        DFlashError: a MoE block with parameters this split does not cover (expert biases,
-            whose down-projection part must be added on one MoE-TP rank only).
+        DFlashError: a MoE block with parameters this split does not know (it would not know
+            whether to slice them or add them once).
     """
     cfg = model.cfg
     moe_tp, moe_ep = moe_parallel_sizes(n, moe_tp, moe_ep)
@@ -461,11 +471,19 @@ def _moe_shard(model: TargetModel, n: int, r: int, moe_tp: int | None, moe_ep: i
 def _shard_experts(m, e0: int, ne: int, i0: int, ni: int) -> None:
     """Keep experts ``[e0, e0 + ne)`` of the MoE block ``m`` (a ``models.moe.MoEBlock``), and of
     each its intermediate slice ``[i0, i0 + ni)``: rows of the gate and the up half of
-    ``gate_up [E, 2 * I, hidden]``, input columns of ``down [E, hidden, I]``."""
+    ``gate_up [E, 2 * I, hidden]`` (and of ``gate_up_bias [E, 2 * I]``), input columns of
+    ``down [E, hidden, I]``. ``down_bias [E, hidden]`` (gpt-oss) is a whole-output term: only
+    the first MoE-TP rank (``i0 == 0``) keeps its experts' rows, the others drop it, so the
+    all-reduce adds it once (OpenAI's reference ``gpt_oss/torch/model.py`` MLPBlock; vLLM loads
+    ``down_proj_bias`` on one rank)."""
     inter = m.intermediate
     rows = torch.cat([torch.arange(i0, i0 + ni), inter + torch.arange(i0, i0 + ni)]).to(m.gate_up.device)
     m.gate_up = _param(m.gate_up[e0 : e0 + ne, rows], m.gate_up)
     m.down = _param(m.down[e0 : e0 + ne, :, i0 : i0 + ni], m.down)
+    if m.gate_up_bias is not None:
+        m.gate_up_bias = _param(m.gate_up_bias[e0 : e0 + ne, rows], m.gate_up_bias)
+    if m.down_bias is not None:
+        m.down_bias = _param(m.down_bias[e0 : e0 + ne], m.down_bias) if i0 == 0 else None
     m.intermediate, m.expert_offset = ni, e0
 
 
