@@ -295,9 +295,14 @@ def param_counts(s: MoEShape) -> ParamCounts:
     return ParamCounts(sum(by_role.values()), active, emb, by_role)
 
 
-def check_moe_split(s: MoEShape, tp: int, moe_tp: int, moe_ep: int) -> None:
+#: elements per scale block of the packed expert formats: an expert's width slice must hold whole blocks
+EXPERT_BLOCK = {"nvfp4": 16, "mxfp4": 32}
+
+
+def check_moe_split(s: MoEShape, tp: int, moe_tp: int, moe_ep: int, expert_quant: str = "none") -> None:
     """Raises DFlashError (one line) when the TP / MoE-TP / EP split cannot give every rank equal
-    whole parts: heads, experts over EP ranks, expert widths over MoE-TP ranks."""
+    whole parts: heads, experts over EP ranks, expert widths over MoE-TP ranks (in whole NVFP4 /
+    MXFP4 blocks: the width is the input dimension of the experts' down projection)."""
     if moe_tp * moe_ep != tp:
         raise DFlashError(f"moe_tp_size {moe_tp} x moe_ep_size {moe_ep} must equal tp_size {tp} (TensorRT-LLM Mapping)")
     if s.num_heads % tp or s.num_kv_heads % tp:
@@ -313,6 +318,12 @@ def check_moe_split(s: MoEShape, tp: int, moe_tp: int, moe_ep: int) -> None:
     if s.expert_intermediate % moe_tp:
         raise DFlashError(
             f"moe_tp_size {moe_tp} does not divide the experts' intermediate size {s.expert_intermediate}"
+        )
+    block = EXPERT_BLOCK.get(expert_quant, 1)
+    if (s.expert_intermediate // moe_tp) % block:
+        raise DFlashError(
+            f"moe_tp_size {moe_tp} cuts the experts' intermediate size {s.expert_intermediate} into "
+            f"{s.expert_intermediate // moe_tp}, not whole {expert_quant} blocks of {block}; use expert parallelism"
         )
     if not all(s.sparse) and s.dense_intermediate % tp:
         raise DFlashError(f"tp_size {tp} does not divide the dense MLP's intermediate size {s.dense_intermediate}")

@@ -250,7 +250,7 @@ def moe_memory_plan(bc: BuildConfig, shape, dcfg: DrafterConfig | None) -> Memor
         raise DFlashError(f"target_quant {bc.target_quant} is not planned for a mixture-of-experts target")
     tp = bc.tp_size
     mtp, mep = bc.moe_split
-    mp.check_moe_split(shape, tp, mtp, mep)
+    mp.check_moe_split(shape, tp, mtp, mep, bc.expert_format)
     act = dtype_bytes(bc.dtype)
     fmt = bc.expert_format
     by_role = mp.rank_weight_bytes(shape, bc.target_quant, fmt, act, tp, mtp, mep)
