@@ -11,31 +11,53 @@ from dataclasses import dataclass, field
 from ..errors import DFlashError
 
 #: target families with our own torch implementation, keyed by HF ``model_type``
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
 #: RoPE scaling types ``layers.rope_inv_freq`` implements
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
+#: RoPE scaling types a drafter may use (its fused context K/V kernel has no YaRN attention factor yet)
+DRAFTER_ROPE_TYPES = ("default", "llama3")
+#: per-layer attention kinds (HF ``layer_types``)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+#: expert routing rules: softmax over all experts then top-k (Qwen3-MoE), or top-k of the logits
+#: then softmax over the k picked (gpt-oss)
+MOE_ROUTINGS = ("softmax_topk", "topk_softmax")
+#: expert activations: ``silu(gate) * up`` (Qwen3-MoE), or gpt-oss's clamped SwiGLU
+#: ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=l)``
+MOE_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
-def _check_rope_scaling(scaling: dict | None, what: str) -> None:
+def _check_rope_scaling(scaling: dict | None, what: str, supported: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> None:
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise DFlashError(f"{what}: unsupported rope_type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if kind not in supported:
+        raise DFlashError(f"{what}: unsupported rope_type {kind!r}; supported: {', '.join(supported)}")
 
 
 @dataclass(frozen=True)
 class TargetConfig:
-    """Shape of a decoder-only target LLM (Llama / SmolLM2, Qwen2, Qwen3, Qwen3-MoE).
+    """Shape of a decoder-only target LLM (Llama / SmolLM2, Qwen2, Qwen3, Qwen3-MoE, gpt-oss).
 
     Attributes follow the HF ``config.json`` keys of those families. ``attention_bias`` is
-    true for Qwen2 (bias on q/k/v); ``qk_norm`` is true for Qwen3 and Qwen3-MoE (per-head RMSNorm
-    of q and k before RoPE). ``rope_scaling`` is the HF ``rope_scaling`` / ``rope_parameters``
-    dict when it is not the default RoPE (Llama-3.1 uses ``rope_type: llama3``).
+    true for Qwen2 and gpt-oss (bias on q/k/v); ``qk_norm`` is true for Qwen3 and Qwen3-MoE
+    (per-head RMSNorm of q and k before RoPE). ``rope_scaling`` is the HF ``rope_scaling`` /
+    ``rope_parameters`` dict when it is not the default RoPE (Llama-3.1 uses ``rope_type:
+    llama3``; gpt-oss ``yarn``, whose ``original_max_position_embeddings`` is always filled in).
+
+    Attention extras (gpt-oss, transformers' ``GptOssAttention``): ``o_bias`` (the output
+    projection has a bias), ``attn_sinks`` (one learned logit per query head joins each softmax
+    row and takes weight but adds no value), ``layer_types`` (None: every layer full attention;
+    else one of :data:`LAYER_TYPES` per layer) and ``sliding_window`` W: a
+    ``sliding_attention`` layer's query at position p sees keys p - W + 1 .. p.
 
     Mixture of experts (Qwen3-MoE; ``num_experts`` 0 for a dense target): ``num_experts``,
     ``num_experts_per_tok`` (top-k), ``moe_intermediate_size`` (each expert's width),
     ``norm_topk_prob``, and which layers are sparse: layer ``i`` is, unless listed in
     ``mlp_only_layers``, when ``(i + 1) % decoder_sparse_step == 0``; the others have a dense MLP
-    of ``intermediate_size`` (transformers' ``Qwen3MoeDecoderLayer``).
+    of ``intermediate_size`` (transformers' ``Qwen3MoeDecoderLayer``). ``moe_routing`` is one of
+    :data:`MOE_ROUTINGS`, ``moe_activation`` one of :data:`MOE_ACTIVATIONS` (with
+    ``swiglu_limit`` / ``swiglu_alpha`` for the clamped one); ``router_bias`` / ``expert_bias``:
+    the router and each expert's two GEMMs have biases. gpt-oss: every layer sparse,
+    ``topk_softmax``, ``clamped_swiglu`` (limit 7.0, alpha 1.702), both biases
+    (transformers' ``GptOssMLP``).
     """
 
     family: str
@@ -60,6 +82,25 @@ class TargetConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    moe_routing: str = "softmax_topk"
+    moe_activation: str = "swiglu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    router_bias: bool = False
+    expert_bias: bool = False
+    o_bias: bool = False
+    attn_sinks: bool = False
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+
+    def is_sliding_layer(self, i: int) -> bool:
+        """Whether layer ``i`` attends over a sliding window of :attr:`sliding_window` keys."""
+        return self.layer_types is not None and self.layer_types[i] == "sliding_attention"
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        """Whether any layer is a ``sliding_attention`` layer."""
+        return self.layer_types is not None and "sliding_attention" in self.layer_types
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer ``i``'s MLP is the routed experts (else a dense gated MLP)."""
@@ -73,6 +114,22 @@ class TargetConfig:
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
             )
         _check_rope_scaling(self.rope_scaling, "target")
+        if self.moe_routing not in MOE_ROUTINGS:
+            raise DFlashError(f"unsupported moe_routing {self.moe_routing!r}; supported: {', '.join(MOE_ROUTINGS)}")
+        if self.moe_activation not in MOE_ACTIVATIONS:
+            raise DFlashError(
+                f"unsupported moe_activation {self.moe_activation!r}; supported: {', '.join(MOE_ACTIVATIONS)}"
+            )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise DFlashError(
+                    f"target layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+                )
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise DFlashError(f"target layer_types: unsupported {bad}; supported: {', '.join(LAYER_TYPES)}")
+            if self.has_sliding_layers and not (self.sliding_window or 0) > 0:
+                raise DFlashError(f"target has sliding_attention layers but sliding_window is {self.sliding_window!r}")
 
     @classmethod
     def from_hf(cls, cfg: dict) -> TargetConfig:
@@ -87,11 +144,19 @@ class TargetConfig:
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
+            gpt_oss = family == "gpt_oss"  # transformers' GptOssConfig defaults where a key is absent
             rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-            rope_theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+            if gpt_oss and not rope:
+                rope = dict(GPT_OSS_ROPE)
+            default_theta = GPT_OSS_ROPE_THETA if gpt_oss else 10000.0
+            rope_theta = float(cfg.get("rope_theta", rope.get("rope_theta", default_theta)))
+            max_pos = int(cfg.get("max_position_embeddings", 131072 if gpt_oss else 4096))
             scaling = None
             if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
                 scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+                if scaling.get("rope_type", scaling.get("type")) == "yarn":
+                    # transformers' standardize_rope_params: the original length defaults to max_position_embeddings
+                    scaling.setdefault("original_max_position_embeddings", max_pos)
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             return cls(
@@ -103,15 +168,16 @@ class TargetConfig:
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5 if gpt_oss else 1e-6)),
                 rope_theta=rope_theta,
                 rope_scaling=scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+                attention_bias=bool(cfg.get("attention_bias", family in ("qwen2", "gpt_oss"))),
                 qk_norm=family in ("qwen3", "qwen3_moe"),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                max_position_embeddings=max_pos,
                 eos_token_ids=eos_ids,
                 **_moe_fields(cfg),
+                **_gpt_oss_fields(cfg),
             )
         except KeyError as e:
             raise DFlashError(f"target config.json lacks required key {e.args[0]!r}") from None
@@ -133,6 +199,49 @@ def _moe_fields(cfg: dict) -> dict:
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         decoder_sparse_step=max(1, int(cfg.get("decoder_sparse_step", 1))),
         mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+    )
+
+
+#: transformers' ``GptOssConfig`` RoPE when a gpt-oss ``config.json`` names none (configuration_gpt_oss.py)
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+GPT_OSS_ROPE_THETA = 150000.0
+
+
+def _gpt_oss_fields(cfg: dict) -> dict:
+    """The gpt-oss fields of a ``config.json`` (transformers' ``GptOssConfig`` defaults where a
+    key is absent: 128 experts, top 4, sliding window 128 on the even layers, SwiGLU limit 7.0,
+    alpha 1.702); {} for another family."""
+    if cfg.get("model_type") != "gpt_oss":
+        return {}
+    experts = int(cfg.get("num_local_experts", cfg.get("num_experts", 128)))
+    top_k = int(cfg.get("num_experts_per_tok", cfg.get("experts_per_token", 4)))
+    if not 0 < top_k <= experts:
+        raise DFlashError(f"target config.json: num_experts_per_tok {top_k} is not in 1..num_local_experts ({experts})")
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    window = cfg.get("sliding_window", 128)
+    attention_bias = bool(cfg.get("attention_bias", True))
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(cfg["intermediate_size"]),
+        moe_routing="topk_softmax",
+        moe_activation="clamped_swiglu",
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+        router_bias=True,
+        expert_bias=True,
+        o_bias=attention_bias,
+        attn_sinks=True,
+        layer_types=tuple(str(t) for t in types),
+        sliding_window=None if window is None else int(window),
     )
 
 
@@ -193,7 +302,7 @@ class DrafterConfig:
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        _check_rope_scaling(self.rope_scaling, "drafter")
+        _check_rope_scaling(self.rope_scaling, "drafter", DRAFTER_ROPE_TYPES)
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise DFlashError(f"drafter draft_vocab_size {self.draft_vocab_size} outside 1..{self.vocab_size}")
         if self.sliding_window is not None and self.sliding_window < self.block_size:
