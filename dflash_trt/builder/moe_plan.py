@@ -1,8 +1,8 @@
 """Memory plan and parameter counts of a mixture-of-experts target (Qwen3-MoE, gpt-oss) from its
 ``config.json`` alone.
 
-The shape (:class:`MoEShape`) is read from the HF config dict, so a gpt-oss plan needs no torch
-model of that family. Every tensor of the target is listed with its full shape, its role and how
+The shape (:class:`MoEShape`) comes from the HF config dict through ``TargetConfig.from_hf``;
+no weights and no torch model are needed. Every tensor of the target is listed with its full shape, its role and how
 TensorRT-LLM splits it over the ``tp_size`` ranks (``tensorrt_llm/mapping.py``: rank ``r`` has
 ``moe_tp_rank = r // moe_ep_size``, ``moe_ep_rank = r % moe_ep_size``; ``ep_experts`` gives each
 EP rank ``E / moe_ep_size`` contiguous experts):
@@ -113,84 +113,29 @@ class MoEShape:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> MoEShape:
-        """From an HF ``config.json`` dict (transformers 5.24's ``Qwen3MoeConfig`` /
-        ``GptOssConfig`` defaults where a key is absent).
+        """From an HF ``config.json`` dict, read by
+        :meth:`~dflash_trt.models.config.TargetConfig.from_hf` (transformers 5.24's
+        ``Qwen3MoeConfig`` / ``GptOssConfig`` defaults where a key is absent).
 
         Raises:
             DFlashError: not a mixture-of-experts family, a missing key, or an impossible value.
         """
+        from ..models.config import TargetConfig
+
         family = cfg.get("model_type")
         if family not in MOE_FAMILIES:
             raise DFlashError(f"not a mixture-of-experts model_type: {family!r} (planned: {', '.join(MOE_FAMILIES)})")
-        try:
-            hidden, heads, layers = (
-                int(cfg["hidden_size"]),
-                int(cfg["num_attention_heads"]),
-                int(cfg["num_hidden_layers"]),
-            )
-            common = dict(
-                family=family,
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                num_layers=layers,
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            )
-            if family == "qwen3_moe":
-                experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 128)))
-                step = max(1, int(cfg.get("decoder_sparse_step", 1)))
-                dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
-                window = int(cfg.get("sliding_window") or 0) if cfg.get("use_sliding_window") else 0
-                shape = cls(
-                    **common,
-                    num_experts=experts,
-                    top_k=int(cfg.get("num_experts_per_tok", 8)),
-                    expert_intermediate=int(cfg.get("moe_intermediate_size", 768)),
-                    dense_intermediate=int(cfg["intermediate_size"]),
-                    sparse=tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers)),
-                    windows=tuple(window or None for _ in range(layers)),
-                    attention_bias=bool(cfg.get("attention_bias", False)),
-                    qk_norm=True,
-                )
-            else:
-                experts = int(cfg.get("num_local_experts", cfg.get("num_experts", 128)))
-                types = cfg.get("layer_types") or [
-                    "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
-                ]
-                if len(types) != layers:
-                    raise DFlashError(f"config.json: {len(types)} layer_types for {layers} layers")
-                window = int(cfg.get("sliding_window") or 128)
-                bias = bool(cfg.get("attention_bias", True))
-                shape = cls(
-                    **common,
-                    num_experts=experts,
-                    top_k=int(cfg.get("num_experts_per_tok", cfg.get("experts_per_token", 4))),
-                    expert_intermediate=int(cfg["intermediate_size"]),
-                    dense_intermediate=0,
-                    sparse=(True,) * layers,
-                    windows=tuple(window if t == "sliding_attention" else None for t in types),
-                    attention_bias=bias,
-                    o_bias=bias,
-                    sinks=True,
-                    expert_bias=True,
-                    router_bias=True,
-                )
-        except KeyError as e:
-            raise DFlashError(f"target config.json lacks required key {e.args[0]!r}") from None
-        if not 0 < shape.top_k <= shape.num_experts:
-            raise DFlashError(f"config.json: num_experts_per_tok {shape.top_k} is not in 1..{shape.num_experts}")
-        if shape.num_heads % shape.num_kv_heads:
-            raise DFlashError(
-                f"config.json: num_attention_heads {shape.num_heads} is not a multiple of "
-                f"num_key_value_heads {shape.num_kv_heads}"
-            )
-        return shape
+        return cls.from_target(TargetConfig.from_hf(cfg))
 
     @classmethod
     def from_target(cls, tcfg) -> MoEShape:
-        """From a Qwen3-MoE :class:`~dflash_trt.models.config.TargetConfig` (a loaded target)."""
+        """From a Qwen3-MoE or gpt-oss :class:`~dflash_trt.models.config.TargetConfig`.
+
+        Raises:
+            DFlashError: a dense target.
+        """
+        if tcfg.family not in MOE_FAMILIES or not tcfg.num_experts:
+            raise DFlashError(f"not a mixture-of-experts target: {tcfg.family}")
         n = tcfg.num_layers
         return cls(
             family=tcfg.family,
@@ -203,11 +148,15 @@ class MoEShape:
             num_experts=tcfg.num_experts,
             top_k=tcfg.num_experts_per_tok,
             expert_intermediate=tcfg.moe_intermediate_size,
-            dense_intermediate=tcfg.intermediate_size,
+            dense_intermediate=tcfg.intermediate_size if tcfg.family == "qwen3_moe" else 0,
             sparse=tuple(tcfg.is_moe_layer(i) for i in range(n)),
-            windows=(None,) * n,
+            windows=tuple(tcfg.sliding_window if tcfg.is_sliding_layer(i) else None for i in range(n)),
             attention_bias=tcfg.attention_bias,
+            o_bias=tcfg.o_bias,
             qk_norm=tcfg.qk_norm,
+            sinks=tcfg.attn_sinks,
+            expert_bias=tcfg.expert_bias,
+            router_bias=tcfg.router_bias,
             tie_word_embeddings=tcfg.tie_word_embeddings,
         )
 
