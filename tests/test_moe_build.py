@@ -81,6 +81,34 @@ def test_counts_match_published(name, total, active):
 
 
 # --------------------------------------------------------------------------------------------
+# build config knobs
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "knobs,split",
+    [({"tp_size": 8}, (8, 1)), ({"tp_size": 8, "moe_ep_size": 4}, (2, 4)), ({"tp_size": 4, "moe_tp_size": 1}, (1, 4))],
+)
+def test_moe_split_fills_in_like_trtllm_mapping(knobs, split):
+    assert BuildConfig.from_dict(knobs).moe_split == split
+
+
+@pytest.mark.parametrize(
+    "knobs,match",
+    [
+        ({"tp_size": 4, "moe_tp_size": 2, "moe_ep_size": 4}, "moe_tp_size 2 x moe_ep_size 4 must equal tp_size 4"),
+        ({"tp_size": 8, "moe_ep_size": 3}, "must equal tp_size 8"),
+        ({"moe_tp_size": 0}, "moe_tp_size and moe_ep_size must be >= 1"),
+        ({"expert_quant": "int4"}, "expert_quant must be one of auto, none, fp8, nvfp4, mxfp4"),
+        ({"moe_ep_size": "two"}, "moe_ep_size must be int"),
+    ],
+)
+def test_bad_moe_knobs(knobs, match):
+    with pytest.raises(DFlashError, match=match):
+        BuildConfig.from_dict(knobs)
+
+
+# --------------------------------------------------------------------------------------------
 # the plan per rank (TP attention, MoE-TP / EP experts)
 # --------------------------------------------------------------------------------------------
 
@@ -339,6 +367,10 @@ def test_plan_is_what_build_writes(moe_build):
     plan = memory_plan(bc, load_target(str(hf_dir)).model.cfg, None)
     m = json.loads((out / "engine.json").read_text())
     assert m["moe_split"] == {"moe_tp_size": 2, "moe_ep_size": 2}
+    import yaml
+
+    api = yaml.safe_load((out / "trtllm" / "llm_api.yaml").read_text())
+    assert (api["tensor_parallel_size"], api["moe_tensor_parallel_size"], api["moe_expert_parallel_size"]) == (4, 2, 2)
     assert m["memory_plan"]["target_weight_bytes"] == plan.target_weight_bytes
     for r in range(4):
         t = load_file(str(out / "target" / f"rank{r}.safetensors"))

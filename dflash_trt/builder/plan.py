@@ -266,6 +266,7 @@ def moe_memory_plan(bc: BuildConfig, shape, dcfg: DrafterConfig | None) -> Memor
     free = bc.memory_bytes - tw - dw - work
     cap = max(0, int(free // (tkv + dkv))) if free > 0 else 0
     counts = mp.param_counts(shape)
+    dense = "" if all(shape.sparse) else " and dense MLPs"
     n_swa = sum(w is not None for w in shape.windows)
     kv_note = "KV: every layer holds every token of a sequence"
     if n_swa:
@@ -291,7 +292,7 @@ def moe_memory_plan(bc: BuildConfig, shape, dcfg: DrafterConfig | None) -> Memor
         moe_split=(
             f"{shape.family}: moe_tp_size {mtp} x moe_ep_size {mep}: {shape.num_experts // mep} of "
             f"{shape.num_experts} experts per rank, {shape.expert_intermediate // mtp} of {shape.expert_intermediate} "
-            f"expert width; experts {fmt}, attention and dense MLPs {bc.target_quant}, "
+            f"expert width; experts {fmt}, attention{dense} {bc.target_quant}, "
             f"router {'fp32' if shape.family == 'qwen3_moe' else bc.dtype}"
         ),
         target_weights_by_role=by_role,
