@@ -374,14 +374,9 @@ def test_unsupported_rope_type_is_a_user_error(smollm2, tmp_path):
     """A checkpoint with a RoPE scaling we do not implement fails with DFlashError, not a traceback."""
     from dflash_trt.errors import DFlashError
 
-    out = save_tiny(tiny_hf_model("qwen3", smollm2.model.cfg.vocab_size), smollm2.tokenizer, tmp_path / "yarn")
+    out = save_tiny(tiny_hf_model("qwen3", smollm2.model.cfg.vocab_size), smollm2.tokenizer, tmp_path / "dynamic")
     cfg = json.loads((out / "config.json").read_text())
-    cfg["rope_parameters"] = {
-        "rope_type": "yarn",
-        "factor": 4.0,
-        "original_max_position_embeddings": 32,
-        "rope_theta": 1000000.0,
-    }
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1000000.0}  # dynamic NTK
     (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(DFlashError, match="rope_type 'yarn'"):
+    with pytest.raises(DFlashError, match="rope_type 'dynamic'"):
         load_target(str(out))

@@ -20,6 +20,7 @@ from ..models.config import TargetConfig
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
 from ..models.uninitialized import skip_random_init
+from .mxfp4 import dequantize_mxfp4_experts, has_mxfp4
 from .sources import cache_root, load_safetensors_dir, read_json, resolve_target
 from .zlab import init_drafter, load_drafter, save_drafter, validate_pair
 
@@ -178,7 +179,9 @@ def load_target(
 
     Raises:
         DFlashError: missing/corrupt checkpoint, unsupported family, weights not matching the
-            config, an unknown ``weights`` or a non-CPU device with it.
+            config (an MXFP4 tensor of the wrong shape included: gpt-oss's ``*_blocks`` /
+            ``*_scales`` are dequantized, :mod:`.mxfp4`), an unknown ``weights`` or a non-CPU
+            device with it.
     """
     check_weights(weights, device)
     if weights is not None:
@@ -187,6 +190,8 @@ def load_target(
     hf = read_json(path / "config.json", "target")
     cfg = TargetConfig.from_hf(hf)
     sd = load_safetensors_dir(path, "target")
+    if has_mxfp4(sd):  # gpt-oss's official expert weights: dequantized exactly (bf16 holds them too)
+        sd = dequantize_mxfp4_experts(sd, cfg, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
     with skip_random_init():  # every weight is loaded next
         model = TargetModel(cfg)
     try:

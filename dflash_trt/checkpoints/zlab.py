@@ -5,7 +5,11 @@ A drafter directory holds:
     num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
     rms_norm_eps, rope_theta, vocab_size, ...), ``block_size``, ``num_target_layers`` and
     ``dflash_config: {mask_token_id, target_layer_ids}`` (newer files also put ``block_size``
-    inside ``dflash_config``; both are read, ``dflash_config`` wins);
+    inside ``dflash_config``; both are read, ``dflash_config`` wins). z-lab's gpt-oss drafters
+    say ``model_type: gpt_oss`` and may leave out ``num_target_layers``: their keys then mean
+    what transformers' ``GptOssConfig`` makes of them (YaRN RoPE, ``attention_bias``,
+    ``layer_types`` and ``sliding_window`` defaults: ``models.config.gpt_oss_config_defaults``);
+    ``model_type`` is written back as it was read;
   * ``model.safetensors``: ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``,
     ``layers.N.{self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm, mlp.{gate,up,down}_proj,
     input_layernorm, post_attention_layernorm}.weight``.
@@ -22,7 +26,13 @@ import torch
 
 from ..atomic import atomic_dir, write_json
 from ..errors import DFlashError
-from ..models.config import DrafterConfig, TargetConfig, default_target_layer_ids
+from ..models.config import (
+    DrafterConfig,
+    TargetConfig,
+    default_target_layer_ids,
+    gpt_oss_config_defaults,
+    rope_scaling_from_hf,
+)
 from ..models.drafter import DFlashDrafter
 from ..models.uninitialized import skip_random_init
 from .sources import load_safetensors_dir, read_json
@@ -31,13 +41,15 @@ from .sources import load_safetensors_dir, read_json
 _PARSED_KEYS = ("dflash_config", "layer_types", "sliding_window", "use_sliding_window", "is_causal", "draft_vocab_size")
 
 
-def _attention_window(cfg: dict, d: dict) -> int | None:
+def _attention_window(cfg: dict, d: dict, implied_types: bool = False) -> int | None:
     """Refuse z-lab variants our drafter does not implement (they would draft badly, silently)
     and return the sliding window W when every layer is a non-causal ``sliding_attention``
     layer, else None.
 
     The window is read the way z-lab's torch model sees it through transformers' ``Qwen3Config``:
-    it exists only with ``use_sliding_window: true`` (otherwise the layers attend to everything).
+    it exists only with ``use_sliding_window: true`` (otherwise the layers attend to everything);
+    through ``GptOssConfig`` it always does. ``implied_types``: ``layer_types`` is
+    ``GptOssConfig``'s default, not the file's (said in the error).
     """
     arch = cfg.get("architectures") or []
     if any("DFlash2" in a for a in arch):
@@ -45,7 +57,10 @@ def _attention_window(cfg: dict, d: dict) -> int | None:
     value = lambda k: d.get(k, cfg.get(k))  # noqa: E731  (z-lab reads dflash_config first)
     types = list(value("layer_types") or [])
     if types and len(set(types)) > 1:
-        raise DFlashError("drafter mixes full and sliding attention layers (layer_types), which is not supported")
+        implied = " (transformers' GptOssConfig default: the file lists none)" if implied_types else ""
+        raise DFlashError(
+            f"drafter mixes full and sliding attention layers (layer_types{implied}), which is not supported"
+        )
     if any(t not in ("full_attention", "sliding_attention") for t in types):
         raise DFlashError(f"drafter layer_types {sorted(set(types))} are not supported")
     sliding = bool(types) and types[0] == "sliding_attention"
@@ -62,7 +77,17 @@ def _attention_window(cfg: dict, d: dict) -> int | None:
             raise DFlashError(f"drafter sets {key}={value(key)}, which is not supported")
     if value("final_logit_softcapping") not in (None, 0, 0.0):
         raise DFlashError("drafter sets final_logit_softcapping, which is not supported")
-    return int(value("sliding_window")) if sliding and cfg.get("use_sliding_window", False) else None
+    # variants vLLM / TRT-LLM read for other DFlash drafters (sliding-window or sink attention,
+    # causal drafting, a target width other than the drafter's)
+    for key in ("use_swa", "swa_window_size", "attention_sink_bias", "causal"):
+        if d.get(key) not in (None, False, 0):
+            raise DFlashError(f"drafter sets dflash_config.{key}={d[key]!r}, which is not supported")
+    width = value("target_hidden_size")
+    if width not in (None, cfg.get("hidden_size")):
+        raise DFlashError(f"drafter target_hidden_size {width} differs from its hidden_size, which is not supported")
+    # transformers' Qwen3Config keeps sliding_window only with use_sliding_window; GptOssConfig always does
+    use = cfg.get("use_sliding_window", cfg.get("model_type") == "gpt_oss")
+    return int(value("sliding_window")) if sliding and use else None
 
 
 def drafter_config_from_json(cfg: dict) -> DrafterConfig:
@@ -75,6 +100,9 @@ def drafter_config_from_json(cfg: dict) -> DrafterConfig:
     if not any("DFlash" in a for a in arch):
         raise DFlashError(f"not a DFlash drafter config (architectures={arch})")
     d = cfg.get("dflash_config") or {}
+    implied_types = cfg.get("model_type") == "gpt_oss" and cfg.get("layer_types") is None and "layer_types" not in d
+    if cfg.get("model_type") == "gpt_oss":
+        cfg = gpt_oss_config_defaults(cfg)
 
     def get(name, default=None):
         value = d.get(name, cfg.get(name, default))
@@ -82,14 +110,20 @@ def drafter_config_from_json(cfg: dict) -> DrafterConfig:
             raise DFlashError(f"drafter config.json lacks {name!r}")
         return value
 
-    window = _attention_window(cfg, d)
+    window = _attention_window(cfg, d, implied_types)
     try:
         heads = int(cfg["num_attention_heads"])
         layers = int(cfg["num_hidden_layers"])
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        scaling = rope if rope and rope.get("rope_type", rope.get("type", "default")) != "default" else None
-        n_target = int(get("num_target_layers"))
-        ids = d.get("target_layer_ids", cfg.get("target_layer_ids")) or default_target_layer_ids(n_target, layers)
+        max_pos = int(cfg.get("max_position_embeddings", 4096))
+        scaling = rope_scaling_from_hf(rope, max_pos)
+        n_target = d.get("num_target_layers", cfg.get("num_target_layers"))
+        n_target = None if n_target is None else int(n_target)
+        ids = d.get("target_layer_ids", cfg.get("target_layer_ids"))
+        if not ids:
+            if n_target is None:
+                raise DFlashError("drafter config.json has neither 'target_layer_ids' nor 'num_target_layers'")
+            ids = default_target_layer_ids(n_target, layers)
         return DrafterConfig(
             hidden_size=int(cfg["hidden_size"]),
             intermediate_size=int(cfg["intermediate_size"]),
@@ -105,7 +139,7 @@ def drafter_config_from_json(cfg: dict) -> DrafterConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
             rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=max_pos,
             attention_bias=bool(cfg.get("attention_bias", False)),
             sliding_window=window,
             draft_vocab_size=int(cfg["draft_vocab_size"]) if cfg.get("draft_vocab_size") is not None else None,
@@ -123,7 +157,7 @@ def drafter_config_to_json(cfg: DrafterConfig) -> dict:
     out.update(
         {
             "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
+            "model_type": cfg.extra.get("model_type", "qwen3"),  # gpt_oss keeps its meaning (module docstring)
             "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.intermediate_size,
             "num_hidden_layers": cfg.num_layers,
@@ -138,7 +172,6 @@ def drafter_config_to_json(cfg: DrafterConfig) -> dict:
             "hidden_act": "silu",
             "tie_word_embeddings": False,
             "block_size": cfg.block_size,
-            "num_target_layers": cfg.num_target_layers,
             "dflash_config": {
                 "block_size": cfg.block_size,
                 "mask_token_id": cfg.mask_token_id,
@@ -146,10 +179,14 @@ def drafter_config_to_json(cfg: DrafterConfig) -> dict:
             },
         }
     )
+    if cfg.num_target_layers is not None:
+        out["num_target_layers"] = cfg.num_target_layers
     if cfg.rope_scaling:
         out["rope_scaling"] = dict(cfg.rope_scaling)
     if cfg.draft_vocab_size is not None:
         out["draft_vocab_size"] = cfg.draft_vocab_size
+    if cfg.sliding_window is None and out["model_type"] == "gpt_oss":
+        out["layer_types"] = ["full_attention"] * cfg.num_layers  # else GptOssConfig's default mixes them
     if cfg.sliding_window is not None:
         out["layer_types"] = ["sliding_attention"] * cfg.num_layers
         out["use_sliding_window"] = True  # transformers' Qwen3Config drops sliding_window without it
@@ -170,7 +207,7 @@ def validate_pair(target: TargetConfig, drafter: DrafterConfig) -> None:
         problems.append(f"hidden_size {drafter.hidden_size} != target's {target.hidden_size}")
     if drafter.vocab_size != target.vocab_size:
         problems.append(f"vocab_size {drafter.vocab_size} != target's {target.vocab_size}")
-    if drafter.num_target_layers != target.num_layers:
+    if drafter.num_target_layers is not None and drafter.num_target_layers != target.num_layers:
         problems.append(f"made for a {drafter.num_target_layers}-layer target, this one has {target.num_layers}")
     bad = [i for i in drafter.target_layer_ids if not 0 <= i < target.num_layers]
     if bad:

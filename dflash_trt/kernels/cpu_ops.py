@@ -107,7 +107,7 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("dflash_cpu::bi_attention")
-    def _(q, k, v, mask, scale):
+    def _(q, k, v, mask, scale, sinks=None):
         return q.new_empty(q.shape, dtype=torch.float32)
 
 
@@ -126,7 +126,14 @@ def bi_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     return torch.ops.dflash_cpu.bi_linear(x, w, bias)
 
 
-def bi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def bi_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention with each (sequence, head, query) computed alone, over its visible keys in key
     order (GQA: query head ``h`` reads KV head ``h // (H / Hkv)``).
 
@@ -134,9 +141,13 @@ def bi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
         q: ``[S, H, T, D]``; k, v: ``[S, Hkv, L, D]`` (same dtype, fp32 or bf16; any strides).
         mask: bool ``[S or 1, 1, T, L]``, true where a query may attend.
         scale: score scale (``1 / sqrt(D)`` as SDPA's default).
+        sinks: optional ``[H]`` attention-sink logits (gpt-oss; read as fp32): one more logit per
+            softmax row, with no value (transformers' ``GptOssAttention``).
 
     Returns:
         ``[S, H, T, D]`` fp32 (a query with no visible key gets zeros).
     """
     load()
-    return torch.ops.dflash_cpu.bi_attention(q, k, v, mask, scale)
+    if sinks is None:
+        return torch.ops.dflash_cpu.bi_attention(q, k, v, mask, scale)
+    return torch.ops.dflash_cpu.bi_attention(q, k, v, mask, scale, sinks)

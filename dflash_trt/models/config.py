@@ -14,8 +14,6 @@ from ..errors import DFlashError
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
 #: RoPE scaling types ``layers.rope_inv_freq`` implements
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
-#: RoPE scaling types a drafter may use (its fused context K/V kernel has no YaRN attention factor yet)
-DRAFTER_ROPE_TYPES = ("default", "llama3")
 #: per-layer attention kinds (HF ``layer_types``)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 #: expert routing rules: softmax over all experts then top-k (Qwen3-MoE), or top-k of the logits
@@ -24,6 +22,21 @@ MOE_ROUTINGS = ("softmax_topk", "topk_softmax")
 #: expert activations: ``silu(gate) * up`` (Qwen3-MoE), or gpt-oss's clamped SwiGLU
 #: ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=l)``
 MOE_ACTIVATIONS = ("swiglu", "clamped_swiglu")
+
+
+def rope_scaling_from_hf(rope: dict | None, max_positions: int) -> dict | None:
+    """The RoPE scaling dict of an HF ``rope_scaling`` / ``rope_parameters`` entry (None for the
+    default RoPE; ``rope_theta`` left out). YaRN gets transformers' defaults filled in
+    (``standardize_rope_params``, ``_compute_yarn_parameters``): ``original_max_position_embeddings``
+    = ``max_position_embeddings`` when absent, and ``factor`` = their ratio when absent."""
+    if not rope or rope.get("rope_type", rope.get("type", "default")) == "default":
+        return None
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if scaling.get("rope_type", scaling.get("type")) == "yarn":
+        scaling.setdefault("original_max_position_embeddings", max_positions)
+        if scaling.get("factor") is None:
+            scaling["factor"] = max_positions / scaling["original_max_position_embeddings"]
+    return scaling
 
 
 def _check_rope_scaling(scaling: dict | None, what: str, supported: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> None:
@@ -151,12 +164,7 @@ class TargetConfig:
             default_theta = GPT_OSS_ROPE_THETA if gpt_oss else 10000.0
             rope_theta = float(cfg.get("rope_theta", rope.get("rope_theta", default_theta)))
             max_pos = int(cfg.get("max_position_embeddings", 131072 if gpt_oss else 4096))
-            scaling = None
-            if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
-                scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-                if scaling.get("rope_type", scaling.get("type")) == "yarn":
-                    # transformers' standardize_rope_params: the original length defaults to max_position_embeddings
-                    scaling.setdefault("original_max_position_embeddings", max_pos)
+            scaling = rope_scaling_from_hf(rope, max_pos)
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             return cls(
@@ -212,6 +220,29 @@ GPT_OSS_ROPE = {
     "original_max_position_embeddings": 4096,
 }
 GPT_OSS_ROPE_THETA = 150000.0
+
+
+def gpt_oss_config_defaults(cfg: dict) -> dict:
+    """``cfg`` (a ``model_type: gpt_oss`` ``config.json`` dict) with the keys transformers'
+    ``GptOssConfig`` fills in when absent, as every HF-config-based engine sees such a file:
+    ``rope_parameters`` YaRN (factor 32 over 4096 positions, theta 150000), ``layer_types``
+    sliding on the even layers, ``sliding_window`` 128, ``attention_bias`` true,
+    ``rms_norm_eps`` 1e-5, ``max_position_embeddings`` 131072."""
+    out = dict(cfg)
+    if not (out.get("rope_parameters") or out.get("rope_scaling")):
+        out["rope_parameters"] = dict(GPT_OSS_ROPE)
+    out.setdefault("rope_theta", GPT_OSS_ROPE_THETA)
+    layers = int(out.get("num_hidden_layers", 36))
+    if out.get("layer_types") is None:
+        out["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    for key, value in (
+        ("sliding_window", 128),
+        ("attention_bias", True),
+        ("rms_norm_eps", 1e-5),
+        ("max_position_embeddings", 131072),
+    ):
+        out.setdefault(key, value)
+    return out
 
 
 def _gpt_oss_fields(cfg: dict) -> dict:
@@ -270,7 +301,9 @@ class DrafterConfig:
         block_size: tokens per drafted block, the anchor (last committed token) included, so one
             drafter forward proposes ``block_size - 1`` draft tokens.
         mask_token_id: token id embedded (with the target's embedding) at the masked slots.
-        num_target_layers: layer count of the target the drafter was made for.
+        num_target_layers: layer count of the target the drafter was made for (None: its
+            config does not say, as z-lab's gpt-oss drafter configs; ``target_layer_ids`` are
+            then only range-checked against the target).
         sliding_window: None (every layer sees the whole context), or W: every layer is a
             z-lab ``sliding_attention`` layer with ``is_causal: false`` — the slot at position
             ``q`` sees context positions ``p`` with ``q - p < W`` (so slot ``k`` of a block
@@ -291,7 +324,7 @@ class DrafterConfig:
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
-    num_target_layers: int
+    num_target_layers: int | None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
@@ -302,7 +335,7 @@ class DrafterConfig:
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        _check_rope_scaling(self.rope_scaling, "drafter", DRAFTER_ROPE_TYPES)
+        _check_rope_scaling(self.rope_scaling, "drafter")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise DFlashError(f"drafter draft_vocab_size {self.draft_vocab_size} outside 1..{self.vocab_size}")
         if self.sliding_window is not None and self.sliding_window < self.block_size:

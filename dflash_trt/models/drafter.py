@@ -214,6 +214,10 @@ class DFlashDrafter(nn.Module):
         h = self.hidden_norm(self.fc(ctx_features))
         kv = w(h) if isinstance(w, PackedLinear) else F.linear(h, w, b)
         inv_freq = self.rope.inv_freq.to(h.device)  # fp32 [D / 2]
+        if self.rope.attention_factor != 1.0:
+            # YaRN multiplies cos and sin by a factor; RoPE is linear in k, so that is the same
+            # factor on k, applied through the k_norm weight (the kernel's RoPE takes inv_freq alone)
+            knorm = knorm * self.rope.attention_factor
         ops.context_kv(kv, knorm, self.cfg.rms_norm_eps, inv_freq, positions, slots, k_pools, v_pools)
 
     def _stacked_kv(self) -> tuple[torch.Tensor | PackedLinear, torch.Tensor | None, torch.Tensor]:

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..errors import DFlashError
+
 _CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -61,8 +63,11 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse RoPE frequencies, fp32 ``[head_dim // 2]``.
 
-    Supports the default rule and ``rope_type: llama3`` (Llama-3.1; HF
-    ``_compute_llama3_parameters``). Other scaling types raise ``ValueError``.
+    Supports the default rule, ``rope_type: llama3`` (Llama-3.1; HF
+    ``_compute_llama3_parameters``) and ``rope_type: yarn`` (gpt-oss; YaRN, arXiv:2309.00071,
+    op for op as transformers 5.24 ``_compute_yarn_parameters``: ``factor``,
+    ``original_max_position_embeddings``, ``beta_fast`` / ``beta_slow`` (default 32 / 1),
+    ``truncate`` (default true)). Other scaling types raise ``ValueError``.
     """
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not scaling:
@@ -80,17 +85,62 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     raise ValueError(f"unsupported rope_type {kind!r}")
+
+
+def _yarn_inv_freq(dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """YaRN's blend of interpolated (``/ factor``) and original frequencies over a linear ramp
+    between the correction dimensions of ``beta_fast`` and ``beta_slow`` rotations."""
+    factor = float(scaling["factor"])
+    orig = float(scaling["original_max_position_embeddings"])
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def corr_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor YaRN multiplies both cos and sin tables by (so q . k scales by its square):
+    ``attention_factor`` when given, else ``0.1 * mscale * ln(factor) + 1`` (over the same with
+    ``mscale_all_dim`` when both are set), 1 for ``factor <= 1`` and for other RoPE types
+    (transformers' ``_compute_yarn_parameters``; gpt-oss: 0.1 ln 32 + 1 = 1.3466)."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(m) / mscale(m_all)) if m and m_all else mscale()
 
 
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables; ``forward(positions [B, T] int64)`` returns cos and a signed
     sin, ``[B, 1, T, head_dim]`` in the given dtype: HF's ``rotate_half`` sign is folded into
-    the sin table's first half (``-sin``), so :func:`apply_rope` rotates with one ``roll``."""
+    the sin table's first half (``-sin``), so :func:`apply_rope` rotates with one ``roll``. Both
+    tables are multiplied (in fp32) by :func:`rope_attention_factor` (YaRN; 1 otherwise)."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int):
         super().__init__()
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.attention_factor = rope_attention_factor(scaling)
         self._build(max_positions)
 
     def _build(self, n: int) -> None:
@@ -99,6 +149,9 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos_table = emb.cos()
         self.sin_table = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)  # rotate_half's sign folded in
+        if self.attention_factor != 1.0:
+            self.cos_table = self.cos_table * self.attention_factor
+            self.sin_table = self.sin_table * self.attention_factor
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
@@ -151,6 +204,11 @@ class AttentionMetadata:
         uniform: paged only: every sequence has ``Tq`` queries, packed in sequence order, none
             of them padding (``query_index`` is ``arange(S * Tq).view(S, Tq)``): attention takes
             the queries and returns the output as views, without the gathers.
+        sliding_mask: bool, ``mask``'s shape: ``mask`` and a query at position p sees only keys
+            at positions > p - ``window`` (the sliding-window layers of a target such as
+            gpt-oss); paged: set per group by ``runtime/attention_meta``; contiguous: made from
+            ``positions`` on first use (slot j holds position j there).
+        window: the window ``sliding_mask`` was made for.
     """
 
     positions: torch.Tensor
@@ -165,6 +223,8 @@ class AttentionMetadata:
     groups: list[AttentionMetadata] | None = None
     query_out: torch.Tensor | None = None
     uniform: bool = False
+    sliding_mask: torch.Tensor | None = None
+    window: int | None = None
 
     @classmethod
     def causal(cls, positions: torch.Tensor, kv_len: int, write_slots: torch.Tensor | None = None) -> AttentionMetadata:
@@ -174,6 +234,24 @@ class AttentionMetadata:
         mask = slots.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1)
         return cls(positions, positions if write_slots is None else write_slots, mask, kv_len)
 
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The mask of a layer that attends over the last ``window`` positions (None: ``mask``).
+
+        Raises:
+            DFlashError: paged metadata planned without that window (``plan_packed``'s
+                ``target_window``).
+        """
+        if window is None:
+            return self.mask
+        if self.sliding_mask is not None and self.window == window:
+            return self.sliding_mask
+        if self.read_slots is not None:
+            raise DFlashError(f"attention metadata has no sliding-window mask for window {window}")
+        slots = torch.arange(self.kv_len, device=self.mask.device)
+        near = self.positions[:, None, :, None] - slots < window  # contiguous: slot j holds position j
+        self.sliding_mask, self.window = self.mask & near, window
+        return self.sliding_mask
+
 
 def cached_attention(
     q: torch.Tensor,
@@ -182,6 +260,8 @@ def cached_attention(
     kv: tuple[torch.Tensor, torch.Tensor],
     meta: AttentionMetadata,
     invariant: bool = False,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Write new K/V into the cache, then attend over the visible cache slots.
 
@@ -193,29 +273,42 @@ def cached_attention(
         meta: slots and mask for this forward.
         invariant: each query attended alone, in key order (``dflash_cpu::bi_attention``, the
             batch-invariant mode: ``models/batch_invariant.py``), instead of SDPA.
+        sinks: optional ``[H]`` attention-sink logits (gpt-oss): each softmax row gets one more
+            logit ``sinks[h]`` with no value behind it, so the row's weights sum to less than 1
+            (transformers' ``GptOssAttention``: ``softmax(cat([scores, sink]))[..., :-1] @ V``).
+        window: optional sliding window: the query at position p sees keys p - window + 1 .. p
+            (:meth:`AttentionMetadata.mask_for`).
 
     Returns:
         ``[B, T, H * D]`` attention output.
     """
     if meta.read_slots is not None or meta.groups:
-        return _paged_attention(q, k, v, kv, meta, invariant)
+        return _paged_attention(q, k, v, kv, meta, invariant, sinks, window)
     k_buf, v_buf = kv
     rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
     k_buf[rows, :, meta.write_slots] = k
     v_buf[rows, :, meta.write_slots] = v
     n = meta.kv_len
     keys, values = k_buf[:, :, :n], v_buf[:, :, :n]
-    out = _sdpa(q, keys, values, meta.mask, invariant)
+    out = _sdpa(q, keys, values, meta.mask_for(window), invariant, sinks)
     b, h, t, d = out.shape
     return out.transpose(1, 2).reshape(b, t, h * d)
 
 
 def _sdpa(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, invariant: bool = False
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    invariant: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     dtype = q.dtype
     if invariant:  # CPU only, the op loaded by models/batch_invariant.set_batch_invariant; reads bf16 as it is
-        return torch.ops.dflash_cpu.bi_attention(q, keys, values, mask, 1.0 / math.sqrt(q.shape[-1])).to(dtype)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        if sinks is None:  # the dense targets' call, unchanged
+            return torch.ops.dflash_cpu.bi_attention(q, keys, values, mask, scale).to(dtype)
+        return torch.ops.dflash_cpu.bi_attention(q, keys, values, mask, scale, sinks).to(dtype)
     if q.device.type == "cpu" and dtype != torch.float32:
         # CPU SDPA in bf16 measured 1.65x slower end to end (batch 16 decode) than upcasting to fp32
         q, keys, values = q.float(), keys.float(), values.float()
@@ -223,7 +316,9 @@ def _sdpa(
     # dynamic shapes this is a Python bool, as SDPA requires
     gqa = q.shape[1] != keys.shape[1]
     if q.device.type == "cpu" and torch.compiler.is_compiling():
-        return _matmul_attention(q, keys, values, mask).to(dtype)
+        return _matmul_attention(q, keys, values, mask, sinks).to(dtype)
+    if sinks is not None:
+        keys, values, mask = _sink_column(keys, values, mask, sinks.to(q.dtype), q.shape[1])
     if q.device.type == "cuda":
         # not cuDNN: it plans anew for every key length, and decoding changes it every step
         # (measured on an H200: 2.8x slower plain decoding at batch 1 and 64 than without it)
@@ -232,7 +327,26 @@ def _sdpa(
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa).to(dtype)
 
 
-def _matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _sink_column(
+    keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor, h: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention sinks as one more key column for SDPA: a zero key and a zero value whose
+    additive mask entry is the head's sink logit (its score is ``q . 0 * scale + sink = sink``
+    exactly), the bool ``mask`` turned into an additive ``[S, H, Tq, L + 1]`` float mask
+    (``-inf`` where hidden). Exact: the softmax denominator gains ``exp(sink)`` and the output
+    nothing, as in transformers' eager ``GptOssAttention``."""
+    s, hkv, _, d = keys.shape
+    zero = keys.new_zeros(s, hkv, 1, d)
+    keys, values = torch.cat([keys, zero], dim=2), torch.cat([values, zero], dim=2)
+    m, _, tq, length = mask.shape
+    bias = torch.zeros(mask.shape, dtype=keys.dtype, device=keys.device).masked_fill(~mask, float("-inf"))
+    sink = sinks.view(1, h, 1, 1).expand(m, h, tq, 1)
+    return keys, values, torch.cat([bias.expand(m, h, tq, length), sink], dim=-1)
+
+
+def _matmul_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """Attention as two batched matmuls and a softmax, for inductor to fuse on the CPU.
 
     Under ``torch.compile`` on the CPU, inductor's SDPA measured 2.5-4x slower than this for
@@ -244,6 +358,7 @@ def _matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         q: ``[S, H, Tq, D]`` fp32 queries.
         keys, values: ``[S, Hkv, L, D]`` fp32 (``H`` a multiple of ``Hkv``).
         mask: bool ``[S or 1, 1, Tq, L]``, true where a query may attend; no row fully false.
+        sinks: optional ``[H]`` attention-sink logits (see :func:`cached_attention`).
 
     Returns:
         ``[S, H, Tq, D]`` fp32.
@@ -254,11 +369,18 @@ def _matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     qg = q.reshape(s, hkv, g * tq, d)  # head h = kv head h // g, as enable_gqa
     scores = torch.matmul(qg, keys.transpose(-1, -2)) * (1.0 / math.sqrt(d))
     visible = mask.unsqueeze(2).expand(mask.shape[0], 1, g, tq, length).reshape(mask.shape[0], 1, g * tq, length)
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # one more logit per row (head h = kv head h // g, rows g-major as qg), dropped after the softmax
+        sink = sinks.to(scores.dtype).view(hkv, g, 1, 1).expand(hkv, g, tq, 1).reshape(1, hkv, g * tq, 1)
+        probs = torch.softmax(torch.cat([scores, sink.expand(s, -1, -1, -1)], dim=-1), dim=-1)[..., :-1]
     return torch.matmul(probs, values).view(s, h, tq, d)
 
 
-def _paged_attention(q, k, v, kv, meta: AttentionMetadata, invariant: bool = False) -> torch.Tensor:
+def _paged_attention(
+    q, k, v, kv, meta: AttentionMetadata, invariant: bool = False, sinks=None, window: int | None = None
+) -> torch.Tensor:
     """Paged layout of :func:`cached_attention`: ``q [1, H, N, D]``, ``k, v [1, N, Hkv, D]``
     packed over sequences; pools ``[num_slots, Hkv, D]``. Writes the new K/V to their slots,
     gathers each sequence's keys by ``read_slots``, runs one padded SDPA over ``[S, H, Tq, kv_len]``
@@ -272,15 +394,15 @@ def _paged_attention(q, k, v, kv, meta: AttentionMetadata, invariant: bool = Fal
         # S * Tq queries in sequence order, none padding: views, no gathers
         s, tq = meta.mask.shape[0], meta.mask.shape[2]
         keys = _keys(k_pool, v_pool, meta, q.dtype, k.shape[2])
-        out = _sdpa(q[0].view(h, s, tq, d).transpose(0, 1), *keys, meta.mask, invariant)
+        out = _sdpa(q[0].view(h, s, tq, d).transpose(0, 1), *keys, meta.mask_for(window), invariant, sinks)
         return out.transpose(1, 2).reshape(1, n, h * d)
     qpad = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, h, d)])  # [N + 1, H, D]; row N pads
     if meta.groups:
         out = q.new_empty(n, h, d)
         for g in meta.groups:
-            out[g.query_out] = _attend(qpad, k_pool, v_pool, g, k.shape[2], invariant)
+            out[g.query_out] = _attend(qpad, k_pool, v_pool, g, k.shape[2], invariant, sinks, window)
     else:
-        out = _attend(qpad, k_pool, v_pool, meta, k.shape[2], invariant)
+        out = _attend(qpad, k_pool, v_pool, meta, k.shape[2], invariant, sinks, window)
     return out.reshape(1, n, h * d)
 
 
@@ -304,12 +426,14 @@ def _attend(
     meta: AttentionMetadata,
     hkv: int,
     invariant: bool = False,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One padded SDPA over the sequences of ``meta``: ``[n_valid, H, D]`` in packed order."""
     h, d = qpad.shape[1], qpad.shape[2]
     qs = torch.index_select(qpad, 0, meta.query_index.reshape(-1)).view(*meta.query_index.shape, h, d)
     keys = _keys(k_pool, v_pool, meta, qpad.dtype, hkv)
-    out = _sdpa(qs.transpose(1, 2), *keys, meta.mask, invariant)  # [S, H, Tq, D]
+    out = _sdpa(qs.transpose(1, 2), *keys, meta.mask_for(window), invariant, sinks)  # [S, H, Tq, D]
     out = out.transpose(1, 2)
     if meta.query_rows is not None:
         return torch.index_select(out.reshape(-1, h, d), 0, meta.query_rows)  # a gather: no host sync

@@ -1,4 +1,5 @@
-"""Mixture-of-experts MLP of a Qwen3-MoE target (transformers' ``Qwen3MoeSparseMoeBlock``).
+"""Mixture-of-experts MLP of a Qwen3-MoE target (transformers' ``Qwen3MoeSparseMoeBlock``) or a
+gpt-oss target (transformers' ``GptOssMLP``).
 
 Each token's normalised hidden state goes through a router (a bias-free linear, ``[E, hidden]``)
 whose softmax over **all** experts is taken in fp32; the ``top_k`` largest probabilities pick
@@ -7,6 +8,15 @@ SwiGLU MLP (``down(silu(gate(x)) * up(x))``, no biases) and the token's output i
 probability-weighted sum of its experts' outputs. The experts live in two stacked parameters in
 ``nn.Linear`` orientation: ``gate_up [E, 2 * I, hidden]`` ([gate; up] along the rows) and
 ``down [E, hidden, I]``.
+
+gpt-oss differs in three places (``TargetConfig`` fields ``moe_routing``, ``moe_activation``,
+``router_bias`` / ``expert_bias``): the router has a bias and picks the top-k of its **logits**,
+then takes the softmax over those k only (in the activations' dtype); each expert's two GEMMs
+have biases (``gate_up_bias [E, 2 * I]``, [gate; up] as the weight, and ``down_bias [E,
+hidden]``); and the activation is the clamped SwiGLU of OpenAI's reference: ``g = min(gate,
+limit)``, ``u = clamp(up, -limit, limit)``, ``(u + 1) * g * sigmoid(alpha * g)`` (limit 7.0,
+alpha 1.702). The checkpoint's interleaved gate/up columns are split into [gate; up] at load
+(``models/target._hf_gpt_oss_experts``).
 
 The forward groups the tokens by expert and runs one pair of GEMMs per expert that any token
 picked, in increasing expert id, adding into the output in that order (transformers' order, so
@@ -33,7 +43,7 @@ from .batch_invariant import weight_identity
 
 
 class MoEBlock(nn.Module):
-    """Top-k routed SwiGLU experts (Qwen3-MoE).
+    """Top-k routed SwiGLU experts (Qwen3-MoE, gpt-oss).
 
     ``forward(x [..., hidden])`` returns ``[..., hidden]`` in ``x.dtype``.
 
@@ -42,26 +52,65 @@ class MoEBlock(nn.Module):
         intermediate: each expert's width (``moe_intermediate_size``).
         num_experts: E.
         top_k: experts per token (``num_experts_per_tok``).
-        norm_topk_prob: renormalise the picked probabilities to sum to 1.
+        norm_topk_prob: renormalise the picked probabilities to sum to 1 (``softmax_topk`` only).
+        routing: ``"softmax_topk"`` (Qwen3-MoE) or ``"topk_softmax"`` (gpt-oss).
+        activation: ``"swiglu"`` or ``"clamped_swiglu"`` (gpt-oss, with ``limit`` and ``alpha``).
+        router_bias, expert_bias: the router / the experts' GEMMs have biases.
     """
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        routing: str = "softmax_topk",
+        activation: str = "swiglu",
+        limit: float = 7.0,
+        alpha: float = 1.702,
+        router_bias: bool = False,
+        expert_bias: bool = False,
+    ):
         super().__init__()
         self.intermediate, self.top_k, self.norm_topk_prob = intermediate, top_k, norm_topk_prob
-        self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
+        self.routing, self.activation, self.limit, self.alpha = routing, activation, limit, alpha
+        self.gate = nn.Linear(hidden, num_experts, bias=router_bias)  # the router
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         nn.init.normal_(self.gate_up, std=0.02)
         nn.init.normal_(self.down, std=0.02)
+        self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate)) if expert_bias else None
+        self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden)) if expert_bias else None
         self.batch_invariant = False  # set by models/batch_invariant.set_batch_invariant
         # the experts' packed weights in that mode: expert id -> (gate_up, down), and which
         # parameters (storage, version) they were packed from
         self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._packed_of: tuple | None = None
 
+    @classmethod
+    def from_config(cls, cfg) -> MoEBlock:
+        """The sparse MLP of a :class:`~dflash_trt.models.config.TargetConfig`."""
+        return cls(
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            routing=cfg.moe_routing,
+            activation=cfg.moe_activation,
+            limit=cfg.swiglu_limit,
+            alpha=cfg.swiglu_alpha,
+            router_bias=cfg.router_bias,
+            expert_bias=cfg.expert_bias,
+        )
+
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing of ``h [N, hidden]``: ``(weights [N, top_k] in h.dtype, expert ids [N, top_k]
         int64)``."""
+        if self.routing == "topk_softmax":  # gpt-oss: the top-k logits, softmax over those k
+            top, ids = torch.topk(self.gate(h), self.top_k, dim=-1)
+            return F.softmax(top, dim=-1, dtype=top.dtype), ids
         probs = F.softmax(self.gate(h), dim=-1, dtype=torch.float)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -72,8 +121,10 @@ class MoEBlock(nn.Module):
         """Expert ``e``'s two GEMMs as functions of their input rows: ``F.linear`` over its
         slices of :attr:`gate_up` / :attr:`down`, or (``invariant``) ``dflash_cpu::bi_linear_packed``
         over those slices packed once (``dflash_cpu::bi_pack``) and again when the parameters change."""
+        gu_bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
+        dn_bias = None if self.down_bias is None else self.down_bias[e]
         if not invariant:
-            return (lambda t: F.linear(t, self.gate_up[e])), (lambda t: F.linear(t, self.down[e]))
+            return (lambda t: F.linear(t, self.gate_up[e], gu_bias)), (lambda t: F.linear(t, self.down[e], dn_bias))
         key = (weight_identity(self.gate_up), weight_identity(self.down))
         if self._packed_of != key:
             self._packed, self._packed_of = {}, key
@@ -82,7 +133,15 @@ class MoEBlock(nn.Module):
             self._packed[e] = (pack(self.gate_up[e].detach()), pack(self.down[e].detach()))
         gu, dn = self._packed[e]
         op = torch.ops.dflash_cpu.bi_linear_packed
-        return (lambda t: op(t, gu, 2 * self.intermediate, None)), (lambda t: op(t, dn, self.down.shape[1], None))
+        return (lambda t: op(t, gu, 2 * self.intermediate, gu_bias)), (lambda t: op(t, dn, self.down.shape[1], dn_bias))
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The experts' activation: ``silu(gate) * up``, or gpt-oss's clamped SwiGLU (module docstring)."""
+        if self.activation == "swiglu":
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])
@@ -93,6 +152,6 @@ class MoEBlock(nn.Module):
             rows, slot = (ids == e).nonzero(as_tuple=True)
             gate_up, down = self.expert_linears(e, invariant)
             gate, up = gate_up(h[rows]).split(self.intermediate, dim=-1)
-            y = down(F.silu(gate) * up) * weights[rows, slot, None]
+            y = down(self.act(gate, up)) * weights[rows, slot, None]
             out.index_add_(0, rows, y)
         return out.view(x.shape)

@@ -1,6 +1,9 @@
 """Target LLM in our own torch code: Llama / SmolLM2, Qwen2 (q/k/v bias), Qwen3 (per-head
-q_norm / k_norm) and Qwen3-MoE (Qwen3 attention, routed experts in the sparse layers,
-``models/moe.py``). Fused q|k|v and gate|up GEMMs; the KV cache is owned by the runtime.
+q_norm / k_norm), Qwen3-MoE (Qwen3 attention, routed experts in the sparse layers,
+``models/moe.py``) and gpt-oss (q/k/v/o biases, attention sinks, sliding-window layers
+alternating with full ones, YaRN RoPE, routed experts in every layer). Fused q|k|v and gate|up
+GEMMs; the KV cache is owned by the runtime (full length for sliding-window layers too: the
+window is a mask).
 
 The forward returns logits for the requested rows and the target features: the outputs of
 the layers listed in ``capture`` (HF ``hidden_states[i + 1]``), concatenated on the last axis,
@@ -20,13 +23,17 @@ from .moe import MoEBlock
 
 
 class TargetAttention(nn.Module):
-    """Self-attention over the paged-free contiguous cache (see ``layers.cached_attention``)."""
+    """Self-attention of layer ``index`` over the KV cache (see ``layers.cached_attention``):
+    ``sinks`` ``[H]`` when the target has attention sinks, ``window`` the sliding window of a
+    ``sliding_attention`` layer (else None)."""
 
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, cfg: TargetConfig, index: int = 0):
         super().__init__()
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
-        self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
+        self.sinks = nn.Parameter(torch.zeros(self.h)) if cfg.attn_sinks else None
+        self.window = cfg.sliding_window if cfg.is_sliding_layer(index) else None
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         # each query attended alone (models/batch_invariant.set_batch_invariant)
@@ -45,7 +52,7 @@ class TargetAttention(nn.Module):
             q, k = self.q_norm(q.view(b, t, h, d)), self.k_norm(k.view(b, t, hkv, d))
             q = apply_rope(q.transpose(1, 2), cos, sin)
             k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)
-        return self.o(cached_attention(q, k, v, kv, meta, self.batch_invariant))
+        return self.o(cached_attention(q, k, v, kv, meta, self.batch_invariant, self.sinks, self.window))
 
 
 class TargetLayer(nn.Module):
@@ -55,11 +62,10 @@ class TargetLayer(nn.Module):
     def __init__(self, cfg: TargetConfig, index: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = TargetAttention(cfg)
+        self.attn = TargetAttention(cfg, index)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe_layer(index):
-            args = (cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-            self.mlp = MoEBlock(cfg.hidden_size, *args)
+            self.mlp = MoEBlock.from_config(cfg)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         # tensor parallelism (runtime/distributed.shard_target): a group whose ``all_reduce``
@@ -162,7 +168,9 @@ class TargetModel(nn.Module):
         return TargetOutput(logits=self.lm_head(x), features=features)
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load HF Llama/Qwen2/Qwen3 weights (``model.layers.N.self_attn.q_proj.weight`` ...).
+        """Load HF Llama/Qwen2/Qwen3/Qwen3-MoE/gpt-oss weights (``model.layers.N.self_attn.q_proj.weight``
+        ...; gpt-oss experts dense, as transformers keeps them in memory and saves them:
+        ``checkpoints/mxfp4.py`` decodes an MXFP4 checkpoint's to that first).
 
         Raises:
             KeyError: a required tensor is missing.
@@ -188,12 +196,17 @@ class TargetModel(nn.Module):
                     [sd[a + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")]
                 )
             out[f"layers.{i}.attn.o.weight"] = sd[a + "o_proj.weight"]
+            if self.cfg.o_bias:
+                out[f"layers.{i}.attn.o.bias"] = sd[a + "o_proj.bias"]
+            if self.cfg.attn_sinks:
+                out[f"layers.{i}.attn.sinks"] = sd[a + "sinks"]
             if self.cfg.qk_norm:
                 out[f"layers.{i}.attn.q_norm.weight"] = sd[a + "q_norm.weight"]
                 out[f"layers.{i}.attn.k_norm.weight"] = sd[a + "k_norm.weight"]
             m = p + "mlp."
             if self.cfg.is_moe_layer(i):
-                out.update(_hf_experts(sd, m, f"layers.{i}.mlp.", self.cfg.num_experts))
+                experts = _hf_gpt_oss_experts if self.cfg.family == "gpt_oss" else _hf_experts
+                out.update(experts(sd, m, f"layers.{i}.mlp.", self.cfg.num_experts))
                 continue
             out[f"layers.{i}.mlp.gate_up.weight"] = torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])
             out[f"layers.{i}.mlp.down.weight"] = sd[m + "down_proj.weight"]
@@ -229,3 +242,30 @@ def _hf_experts(sd: dict[str, torch.Tensor], hf: str, ours: str, num_experts: in
     )
     out[ours + "down"] = torch.stack([sd[f"{x}{e}.down_proj.weight"] for e in experts])
     return out
+
+
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's interleaved gate/up along dim 1 (even: gate, odd: up) as [gate; up]."""
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+
+
+def _hf_gpt_oss_experts(sd: dict[str, torch.Tensor], hf: str, ours: str, num_experts: int) -> dict[str, torch.Tensor]:
+    """A gpt-oss MLP's weights under our names (transformers' ``GptOssMLP``): the router
+    ``{hf}router.{weight,bias}``, and the fused experts stored ``[E, in, out]``
+    (``{hf}experts.gate_up_proj [E, H, 2I]`` with gate and up interleaved along the last axis,
+    ``gate_up_proj_bias [E, 2I]`` likewise, ``down_proj [E, I, H]``, ``down_proj_bias [E, H]``),
+    turned into our ``nn.Linear`` orientation with [gate; up] rows (``gate_up [E, 2I, H]``,
+    ``down [E, H, I]``). ``num_experts`` is read from the shapes (checked by the caller).
+
+    Raises:
+        KeyError: a missing tensor (its HF name).
+    """
+    x = hf + "experts."
+    return {
+        ours + "gate.weight": sd[hf + "router.weight"],
+        ours + "gate.bias": sd[hf + "router.bias"],
+        ours + "gate_up": _deinterleave(sd[x + "gate_up_proj"].transpose(1, 2)),
+        ours + "gate_up_bias": _deinterleave(sd[x + "gate_up_proj_bias"]),
+        ours + "down": sd[x + "down_proj"].transpose(1, 2),
+        ours + "down_bias": sd[x + "down_proj_bias"],
+    }

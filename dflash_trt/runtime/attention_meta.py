@@ -66,6 +66,7 @@ class MetaPlan:
     spare_slot: int = 0
     window: int | None = None
     causal: bool = True
+    target_window: int | None = None
     tokens: int = 0
     queries: int = 0
     max_position: int = 0
@@ -130,8 +131,12 @@ class MetaPlan:
             mask = k3 < e[:, None, None]
             if self.window is not None:
                 mask = mask & sliding_visible(q3, k3, self.window)
+        sliding = None
+        if self.causal and self.target_window is not None:  # the target's sliding-window layers
+            sliding = (mask & (q3 - k3 < self.target_window) | ~valid[:, :, None]).unsqueeze(1)
         mask = mask | ~valid[:, :, None]  # padding queries see everything: no all-masked (NaN) rows
         meta = AttentionMetadata(None, None, mask.unsqueeze(1), g.kv_len, read_slots=read, uniform=g.uniform)
+        meta.sliding_mask, meta.window = sliding, self.target_window if sliding is not None else None
         if gathers:
             # the valid queries in packed order: row r * tq + u, packed index query_from[r] + u
             r = torch.repeat_interleave(torch.arange(len(i), device=dev), ql, output_size=g.queries)
@@ -152,6 +157,7 @@ def plan_packed(
     window: int | None = None,
     causal: bool = True,
     pre: tuple[torch.Tensor, torch.Tensor] | None = None,
+    target_window: int | None = None,
 ) -> MetaPlan:
     """The plan of ``S`` sequences packed into one forward (host tensors).
 
@@ -163,7 +169,9 @@ def plan_packed(
     first query can see, so it reads O(window + block) keys however long its context). When
     short (verify, ``<= SHORT_QUERIES``) and long (prompt-chunk) query runs are mixed, they
     become two attention groups. ``pre``: positions and slots (int64 ``[P]``) written before
-    every sequence's own tokens.
+    every sequence's own tokens. ``target_window`` (causal only): each group also gets the
+    mask of a target's sliding-window layers (``AttentionMetadata.sliding_mask``: a query at
+    ``p`` sees keys ``p - target_window < k <= p``; the keys read stay the whole context).
     """
     S = len(starts)
     qlen = query_len if isinstance(query_len, list) else [query_len] * S
@@ -201,6 +209,7 @@ def plan_packed(
         spare_slot=spare_slot,
         window=window,
         causal=causal,
+        target_window=target_window,
         tokens=sum(lengths),
         queries=sum(qlen),
         max_position=max(ends) - 1,

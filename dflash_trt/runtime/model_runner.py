@@ -207,6 +207,8 @@ class ModelRunner:
         tc = target.cfg
         self.tcache = PagedKVCache(tc.num_layers, num_blocks, self.tpb, tc.num_kv_heads, tc.head_dim, w.dtype, w.device)
         self.spare_slot = num_blocks * self.tpb
+        # the window of the target's sliding-window attention layers (gpt-oss), planned into the metadata
+        self.target_window = tc.sliding_window if tc.has_sliding_layers else None
         self.proposer = None
         if drafter is not None:
             self.proposer = proposer_cls(drafter, target, num_blocks, self.tpb, self.spare_slot, m.compile, tp)
@@ -289,6 +291,7 @@ class ModelRunner:
             [it.table for it in items],
             self.tpb,
             self.spare_slot,
+            target_window=self.target_window,
         )
         flat_t = torch.tensor(packed.flat, dtype=torch.long)
         # a decode-only iteration (every token has logits) replays its bucket's graph

@@ -21,12 +21,16 @@
 //     load; threads split the output columns, never K. The output has x's dtype (fp32 results
 //     rounded to nearest even for bf16).
 //
-// dflash_cpu::bi_attention(q [S, H, T, D], k [S, Hkv, L, D], v, mask [S|1, 1, T, L], scale)
+// dflash_cpu::bi_attention(q [S, H, T, D], k [S, Hkv, L, D], v, mask [S|1, 1, T, L], scale, sinks?)
 //     -> [S, H, T, D] fp32: each (sequence, head, query) alone: scores over its visible keys in
 //     key order (a dot product with a fixed lane order and a fixed horizontal sum), the max,
 //     exp, their sum and the weighted sum of values in key order. Masked keys take no part at all,
 //     so a query sees the same arithmetic over the same keys in a 1-query decode step and in a
-//     B-query verify block, whatever the key width the batch was padded to.
+//     B-query verify block, whatever the key width the batch was padded to. Optional attention
+//     sinks (gpt-oss; fp32 [H], one logit per query head): the head's sink joins the max after
+//     the keys and its exp(sink - max) is added to the sum after the keys' exps; it has no value
+//     vector (transformers' GptOssAttention: softmax over [scores, sink], the sink column dropped).
+//     Without sinks the arithmetic is the same as before they existed.
 //
 // Vectors are GCC vector extensions as wide as the machine's registers (16 fp32 lanes with
 // AVX-512, 8 with AVX2); every multiply-add is an explicit FMA (fmav, std::fma). Built once per
@@ -317,7 +321,7 @@ inline void weighted_sums(const float* p, const T* const* vr, int64_t n, int64_t
 // in key order from 0; out = acc * (1 / sum).
 template <typename T>
 void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                    double scale, at::Tensor& out) {
+                    double scale, const float* sinks, at::Tensor& out) {
   const int64_t S = q.size(0), H = q.size(1), T_ = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), L = k.size(2), G = H / Hkv;
   const T* qp = q.data_ptr<T>();
@@ -360,8 +364,10 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         float* sg = score.data() + g * L;
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j] *= sc);
+        if (sinks) mx = std::max(mx, sinks[hk * G + g]);
         float total = 0.f;
         for (int64_t j = 0; j < n; ++j) total += (sg[j] = std::exp(sg[j] - mx));  // sg[] now holds e_j
+        if (sinks) total += std::exp(sinks[hk * G + g] - mx);
         sum[g] = total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -371,7 +377,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       }
       for (int64_t g = 0; g < G; ++g) {
         float* o = op + ((s * H + hk * G + g) * T_ + t) * D;
-        const float inv = n ? 1.f / sum[g] : 0.f;
+        const float inv = (n || sinks) ? 1.f / sum[g] : 0.f;
         for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
       }
     }
@@ -379,7 +385,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 }
 
 at::Tensor bi_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                        double scale) {
+                        double scale, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4, "bi_attention: 4-d tensors expected");
   TORCH_CHECK(k.sizes() == v.sizes(), "bi_attention: k and v shapes differ");
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), "bi_attention: q [S, H, T, D] vs k [S, Hkv, L, D]");
@@ -389,12 +395,18 @@ at::Tensor bi_attention(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const at::Tensor m = mask.expand({q.size(0), 1, q.size(2), k.size(2)});
   auto last = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
   const at::Tensor qc = last(q), kc = last(k), vc = last(v);
+  at::Tensor sk;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1), "bi_attention: sinks must be [H] (", q.size(1), ")");
+    sk = sinks->to(at::kFloat).contiguous();
+  }
+  const float* sp = sinks.has_value() ? sk.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options().dtype(at::kFloat));
   if (q.scalar_type() == at::kBFloat16) {
-    attention_impl<c10::BFloat16>(qc, kc, vc, m, scale, out);
+    attention_impl<c10::BFloat16>(qc, kc, vc, m, scale, sp, out);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "bi_attention: fp32 or bf16 expected");
-    attention_impl<float>(qc, kc, vc, m, scale, out);
+    attention_impl<float>(qc, kc, vc, m, scale, sp, out);
   }
   return out;
 }
@@ -405,7 +417,7 @@ TORCH_LIBRARY(dflash_cpu, m) {
   m.def("bi_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("bi_pack(Tensor w) -> Tensor");
   m.def("bi_linear_packed(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor");
-  m.def("bi_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
+  m.def("bi_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) {
