@@ -9,9 +9,10 @@ NVFP4 fake-quant forward needs CUDA; the max calibrator does not).
 Routed experts (``models/moe.py`` ``MoEBlock``) are stacked parameters, not ``nn.Linear``s, so
 ModelOpt sees only their router; a forward hook on each block records the input ranges of the
 experts' two GEMMs over the (token, expert) pairs the routing picks: ``{block}.gate_up`` = max
-|block input| (every token goes to some expert), ``{block}.down`` = max |silu(gate) * up| over the
-picked experts. TensorRT-LLM's MoE keeps one activation scale per GEMM for all experts (the largest
-input range), which these are.
+|block input| (every token goes to some expert), ``{block}.down`` = max |act(gate, up)| over the
+picked experts (``MoEBlock.act``: SwiGLU, or gpt-oss's clamped SwiGLU; expert biases included).
+TensorRT-LLM's MoE keeps one activation scale per GEMM for all experts (the largest input range),
+which these are.
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ def calibrate_input_amax(model: torch.nn.Module, forward_loop: Callable[[torch.n
 def _expert_amax_hook(name: str, out: dict[str, float]):
     """Forward hook of a ``MoEBlock`` named ``name``: raises ``out[name + ".gate_up"]`` and
     ``out[name + ".down"]`` to the largest input of the experts' GEMMs in this forward."""
-    import torch.nn.functional as F
 
     def hook(mod, args, _output):
         h = args[0].detach().reshape(-1, args[0].shape[-1])
@@ -72,7 +72,7 @@ def _expert_amax_hook(name: str, out: dict[str, float]):
                 rows = (ids == e).any(dim=-1)
                 gate_up, _ = mod.expert_linears(e, False)
                 gate, up = gate_up(h[rows]).split(mod.intermediate, dim=-1)
-                down = max(down, float((F.silu(gate) * up).abs().max()))
+                down = max(down, float(mod.act(gate, up).abs().max()))
         for key, v in ((name + ".gate_up", float(h.abs().max())), (name + ".down", down)):
             out[key] = max(out.get(key, 0.0), v)
 
