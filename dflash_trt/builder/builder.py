@@ -50,6 +50,9 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+#: families TensorRT-LLM runs from the HF layout only (no checkpoint converter): the build writes
+#: the unified HF checkpoint of the target and no ``target/`` TensorRT-LLM checkpoint
+HF_ONLY_ARCHITECTURES = {"gpt_oss": "GptOssForCausalLM"}
 #: TensorRT-LLM ``MoeConfig.ExpertScaleNormalizationMode``: NONE (softmax over all experts, top-k
 #: as is) and RENORMALIZE (the top-k renormalised to sum to 1: HF ``norm_topk_prob``)
 MOE_NORMALIZATION = {False: 0, True: 1}
@@ -90,23 +93,31 @@ def quantize_model(
                 raise DFlashError(f"no calibrated activation range for {missing[0]}")
             act_amax = max(amax[m] for m in mods)
         w = trtllm.gather_source(sd, s.source).float()
-        out[s.source] = (
-            quantize_experts(w, wf, act_amax, group_size) if w.dim() == 3 else wf.quantize(w, act_amax, group_size)
-        )
+        if w.dim() == 3:  # stacked experts
+            out[s.source] = quantize_experts(w, wf, act_amax, group_size, shared=s.split == trtllm.HF_EXPERTS)
+        else:
+            out[s.source] = wf.quantize(w, act_amax, group_size)
     return out
 
 
-def quantize_experts(w: torch.Tensor, wf, act_amax: float | None, group_size: int) -> QuantizedLinear:
+def quantize_experts(
+    w: torch.Tensor, wf, act_amax: float | None, group_size: int, shared: bool = False
+) -> QuantizedLinear:
     """Stacked experts ``w [E, out, in]`` quantized one expert at a time (each expert's fused
     gate/up rows share its per-tensor scales), stacked on a leading expert axis: per-row tensors
     ``[E, out, ...]``, per-expert scales ``[E, 1]``, and one activation scale ``[1]`` (every
     expert took the same calibrated input range; TensorRT-LLM's MoE keeps one per GEMM).
+    ``shared``: all experts as one ``[E * out, in]`` linear instead, so one per-tensor scale
+    ``[1]`` covers them all (ModelOpt's export of fused ``[E, in, out]`` experts: gpt-oss).
 
     Raises:
         DFlashError: a weight-only CPU format (int4 / int8), which has no expert layout.
     """
     if wf.weight_only:
         raise DFlashError(f"{wf.name} expert weights are not supported: use fp8, nvfp4 or none")
+    if shared:
+        q = wf.quantize(w.reshape(-1, w.shape[-1]), act_amax, group_size)
+        return {k: v.reshape(w.shape[0], w.shape[1], -1) if v.dim() == 2 else v for k, v in q.items()}
     per = [wf.quantize(w[e], act_amax, group_size) for e in range(w.shape[0])]
     return {k: per[0][k] if k == "activation_scaling_factor" else torch.stack([q[k] for q in per]) for k in per[0]}
 
@@ -122,6 +133,8 @@ def linear_tensors(
             q = {k: v[spec.expert] if v.dim() >= 2 else v for k, v in q.items()}
         if spec.swap_halves:  # per-row tensors of stacked experts [E, rows, ...]
             q = {k: trtllm.swap_halves(v, 1) if v.dim() == 3 else v for k, v in q.items()}
+        if spec.interleave:
+            q = {k: trtllm.interleave_halves(v, 1) if v.dim() == 3 else v for k, v in q.items()}
         return linear_rows(q, *spec.rows) if spec.rows else q
     return {"": trtllm.gather(sd, spec).to(torch.float32 if spec.dtype == "fp32" else dtype)}
 
@@ -279,12 +292,15 @@ def hf_tensors(
     """Unified-HF tensors: ``x.weight`` (+ ``x.weight_scale``, ``x.weight_scale_2``, ``x.input_scale``, 0-d)."""
     out = {}
     for s in specs:
-        base = s.name[: -len(".weight")]
+        fused = s.split == trtllm.HF_EXPERTS  # transformers' [E, in, out] experts: name_weight_scale ...
+        base, sep = (s.name, "_") if fused else (s.name[: -len(".weight")], ".")
         for suffix, t in linear_tensors(s, sd, qlin, dtype).items():
+            if fused and t.dim() == 3:
+                t = t.transpose(1, 2)
             if suffix in ("", "weight"):
                 out[s.name] = t.contiguous()
             else:
-                out[f"{base}.{HF_SUFFIX[suffix]}"] = (
+                out[f"{base}{sep}{HF_SUFFIX[suffix]}"] = (
                     t.reshape(()) if t.numel() == 1 and t.dim() == 1 else t.contiguous()
                 )
     return out
@@ -482,8 +498,8 @@ def build_engine(
     target, drafter = load_pair(target_spec, drafter_spec, torch.float32)
     drafter_path = Path(drafter_spec) if drafter_spec else default_drafter_path(target, target_spec is None)
     tcfg, dcfg = target.model.cfg, drafter.cfg
-    if tcfg.family not in ARCHITECTURES:
-        supported = ", ".join(ARCHITECTURES)
+    if tcfg.family not in ARCHITECTURES and tcfg.family not in HF_ONLY_ARCHITECTURES:
+        supported = ", ".join([*ARCHITECTURES, *HF_ONLY_ARCHITECTURES])
         raise DFlashError(f"building an engine of a {tcfg.family} target is not supported yet (supported: {supported})")
     if tcfg.num_experts and bc.expert_format not in ("none", bc.target_quant):
         raise DFlashError(
@@ -498,7 +514,9 @@ def build_engine(
 
     tsd = {k: v.detach() for k, v in target.model.state_dict().items()}
     dsd = {k: v.detach() for k, v in drafter.state_dict().items()}
-    tspecs, dspecs = trtllm.target_specs(tcfg), trtllm.drafter_specs(dcfg)
+    hf_only = tcfg.family in HF_ONLY_ARCHITECTURES  # quantized from (and written as) its HF names
+    tspecs = trtllm.hf_target_specs(tcfg) if hf_only else trtllm.target_specs(tcfg)
+    dspecs = trtllm.drafter_specs(dcfg)
     tq: dict[str, QuantizedLinear] = {}
     dq: dict[str, QuantizedLinear] = {}
     if bc.target_quant != "none" or bc.drafter_quant != "none":
@@ -538,20 +556,23 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
     t_qkv = trtllm.qkv_sizes(tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
     d_qkv = trtllm.qkv_sizes(dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim)
     moe = bc.moe_split if tcfg.num_experts else None
-    write_json(tmp / "target" / "config.json", target_trtllm_config(tcfg, bc))
+    hf_only = tcfg.family in HF_ONLY_ARCHITECTURES  # no target/ TensorRT-LLM checkpoint: hf/target is it
+    if not hf_only:
+        write_json(tmp / "target" / "config.json", target_trtllm_config(tcfg, bc))
     write_json(tmp / "drafter" / "config.json", drafter_trtllm_config(dcfg, bc))
     kv_scale = bc.kv_cache_dtype == "fp8"
     # the draft vocabulary (int64 [N], replicated, never quantized) travels as it is
     d2t = {"d2t": c.dsd["d2t"].contiguous()} if "d2t" in c.dsd else {}
     for r in tqdm(range(bc.tp_size), desc="write ranks", unit="rank", disable=not progress, file=sys.stderr):
-        tt = rank_tensors(c.tspecs, c.tsd, c.tq, dtype, bc.tp_size, r, t_qkv, moe)
+        tt = {} if hf_only else rank_tensors(c.tspecs, c.tsd, c.tq, dtype, bc.tp_size, r, t_qkv, moe)
         dt = rank_tensors(c.dspecs, c.dsd, c.dq, dtype, bc.tp_size, r, d_qkv)
         if kv_scale:  # TensorRT-LLM / ModelOpt write 1.0 (amax/448 clamped to >= 1)
-            for i in range(tcfg.num_layers):
+            for i in range(0 if hf_only else tcfg.num_layers):
                 tt[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"] = torch.ones(1)
             for i in range(dcfg.num_layers):
                 dt[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"] = torch.ones(1)
-        _save(tt, tmp / "target" / f"rank{r}.safetensors")
+        if not hf_only:
+            _save(tt, tmp / "target" / f"rank{r}.safetensors")
         _save(dt | d2t, tmp / "drafter" / f"rank{r}.safetensors")
 
     # unified HF checkpoints
@@ -569,7 +590,7 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
         bc.kv_cache_dtype,
         ["model.embed_tokens"]
         + ([] if bc.head_quant != "none" else ["lm_head"])
-        + (["model.layers.*.mlp.gate"] if tcfg.num_experts else []),
+        + ([f"model.layers.*.mlp.{'router' if hf_only else 'gate'}"] if tcfg.num_experts else []),
         bc.group_size,
     )
     target.tokenizer.save_pretrained(str(tmp / "hf" / "target"))
@@ -588,12 +609,20 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
     (tmp / "trtllm").mkdir()
     (tmp / "trtllm" / "llm_api.yaml").write_text(llm_api_yaml(bc, dcfg, moe is not None))
     write_json(tmp / "trtllm" / "plugins.json", plugins_json(bc, dcfg))
-    (tmp / "trtllm" / "build.sh").write_text(
+    build_sh = (
         "#!/bin/sh\n# TensorRT-LLM 1.2.x engine build of the target (run from the engine directory).\n"
         "# DFlash itself runs in TensorRT-LLM's PyTorch backend (>= 1.3): see llm_api.yaml.\nset -e\n"
         + trtllm_build_command(bc)
         + "\n"
     )
+    if hf_only:
+        build_sh = (
+            f"#!/bin/sh\n# {tcfg.family}: TensorRT-LLM has no checkpoint converter for this family, so no\n"
+            "# trtllm-build engine; its PyTorch backend reads hf/target (unified HF checkpoint) directly:\n"
+            f"#   trtllm-serve hf/target --tp_size {bc.tp_size} --extra_llm_api_options trtllm/llm_api.yaml\n"
+            "echo 'no trtllm-build engine for this target: serve hf/target (see the comment above)' >&2\nexit 1\n"
+        )
+    (tmp / "trtllm" / "build.sh").write_text(build_sh)
 
     files = {
         str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
@@ -616,6 +645,7 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
             "checkpoint_sha256": _dir_digest(c.drafter_path),
         },
         "tp_size": bc.tp_size,
+        "target_checkpoint": "hf/target" if hf_only else "target/",
         "moe_split": {"moe_tp_size": moe[0], "moe_ep_size": moe[1]} if moe else None,
         "dtype": bc.dtype,
         "target_quant": bc.target_quant,

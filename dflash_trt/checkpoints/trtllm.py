@@ -75,6 +75,9 @@ REPLICATE, COLUMN, ROW, QKV, VOCAB = "replicate", "column", "row", "qkv", "vocab
 #: stacked experts: ``[E, 2Im, H]`` fc (EP on experts, MoE-TP on each half's rows) and
 #: ``[E, H, Im]`` proj (EP on experts, MoE-TP on the input columns)
 EXPERT_FC, EXPERT_PROJ = "expert_fc", "expert_proj"
+#: stacked experts written in transformers' ``[E, in, out]`` orientation (gpt-oss HF layout),
+#: quantized with one per-tensor scale over all experts as ModelOpt's export does
+HF_EXPERTS = "hf_experts"
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,8 @@ class TensorSpec:
             TensorRT-LLM's ``[up; gate]`` expert fc).
         dtype: ``fp32`` to store the tensor in fp32 whatever the compute dtype (the MoE router),
             or "" (the compute dtype).
+        interleave: write the source's ``[gate; up]`` halves of axis 1 interleaved (gate row 0,
+            up row 0, gate row 1, ...: transformers' ``GptOssExperts`` layout).
     """
 
     name: str
@@ -104,6 +109,7 @@ class TensorSpec:
     expert: int | None = None
     swap_halves: bool = False
     dtype: str = ""
+    interleave: bool = False
 
 
 def target_specs(cfg: TargetConfig) -> list[TensorSpec]:
@@ -205,33 +211,56 @@ def drafter_specs(cfg: DrafterConfig) -> list[TensorSpec]:
 
 def hf_target_specs(cfg: TargetConfig) -> list[TensorSpec]:
     """HF names of the target (ModelOpt unified export keeps them) with their sources: q/k/v and
-    gate/up are row ranges of our fused weights."""
+    gate/up are row ranges of our fused weights; ``module`` names the linear whose calibrated
+    input range quantizes it (a gpt-oss build quantizes from these specs).
+
+    Mixture-of-experts layers: Qwen3-MoE per-expert names (``mlp.experts.{e}.{gate,up,down}_proj``,
+    router ``mlp.gate``); gpt-oss transformers' fused ``GptOssExperts`` (``mlp.experts.gate_up_proj
+    [E, H, 2I]`` with gate and up interleaved along the last axis, ``down_proj [E, I, H]``, their
+    biases, router ``mlp.router`` with a bias), attention ``sinks`` and the ``o_proj`` bias.
+    """
     inter = cfg.intermediate_size
     out = [TensorSpec("model.embed_tokens.weight", "embed.weight")]
     for i in range(cfg.num_layers):
         h, o = f"model.layers.{i}.", f"layers.{i}."
+        qkv, ow = o + "attn.qkv", o + "attn.o"
         out.append(TensorSpec(h + "input_layernorm.weight", o + "attn_norm.weight"))
         for name, rows in qkv_rows(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
-            out.append(TensorSpec(h + f"self_attn.{name}.weight", o + "attn.qkv.weight", rows=rows, linear=True))
+            out.append(TensorSpec(h + f"self_attn.{name}.weight", qkv + ".weight", rows=rows, linear=True, module=qkv))
             if cfg.attention_bias:
-                out.append(TensorSpec(h + f"self_attn.{name}.bias", o + "attn.qkv.bias", rows=rows))
-        out.append(TensorSpec(h + "self_attn.o_proj.weight", o + "attn.o.weight", linear=True))
+                out.append(TensorSpec(h + f"self_attn.{name}.bias", qkv + ".bias", rows=rows))
+        out.append(TensorSpec(h + "self_attn.o_proj.weight", ow + ".weight", linear=True, module=ow))
+        if cfg.o_bias:
+            out.append(TensorSpec(h + "self_attn.o_proj.bias", ow + ".bias"))
+        if cfg.attn_sinks:
+            out.append(TensorSpec(h + "self_attn.sinks", o + "attn.sinks"))
         if cfg.qk_norm:
             out.append(TensorSpec(h + "self_attn.q_norm.weight", o + "attn.q_norm.weight"))
             out.append(TensorSpec(h + "self_attn.k_norm.weight", o + "attn.k_norm.weight"))
         out.append(TensorSpec(h + "post_attention_layernorm.weight", o + "mlp_norm.weight"))
+        m, gu, dn = o + "mlp.", o + "mlp.gate_up", o + "mlp.down"
+        if cfg.is_moe_layer(i) and cfg.family == "gpt_oss":  # ModelOpt's export keeps the fused experts
+            x = h + "mlp.experts."
+            out.append(TensorSpec(h + "mlp.router.weight", m + "gate.weight"))
+            out.append(TensorSpec(h + "mlp.router.bias", m + "gate.bias"))
+            out.append(TensorSpec(x + "gate_up_proj", gu, split=HF_EXPERTS, linear=True, module=gu, interleave=True))
+            out.append(TensorSpec(x + "gate_up_proj_bias", m + "gate_up_bias", interleave=True))
+            out.append(TensorSpec(x + "down_proj", dn, split=HF_EXPERTS, linear=True, module=dn))
+            out.append(TensorSpec(x + "down_proj_bias", m + "down_bias"))
+            continue
         if cfg.is_moe_layer(i):  # ModelOpt's export: per-expert HF names, the router (mlp.gate) unquantized
             im = cfg.moe_intermediate_size
-            out.append(TensorSpec(h + "mlp.gate.weight", o + "mlp.gate.weight"))
+            out.append(TensorSpec(h + "mlp.gate.weight", m + "gate.weight"))
             for e in range(cfg.num_experts):
-                x, gu, dn = h + f"mlp.experts.{e}.", o + "mlp.gate_up", o + "mlp.down"
-                out.append(TensorSpec(x + "gate_proj.weight", gu, rows=(0, im), linear=True, expert=e))
-                out.append(TensorSpec(x + "up_proj.weight", gu, rows=(im, 2 * im), linear=True, expert=e))
-                out.append(TensorSpec(x + "down_proj.weight", dn, linear=True, expert=e))
+                x = h + f"mlp.experts.{e}."
+                out.append(TensorSpec(x + "gate_proj.weight", gu, rows=(0, im), linear=True, module=gu, expert=e))
+                out.append(TensorSpec(x + "up_proj.weight", gu, rows=(im, 2 * im), linear=True, module=gu, expert=e))
+                out.append(TensorSpec(x + "down_proj.weight", dn, linear=True, module=dn, expert=e))
             continue
-        out.append(TensorSpec(h + "mlp.gate_proj.weight", o + "mlp.gate_up.weight", rows=(0, inter), linear=True))
-        out.append(TensorSpec(h + "mlp.up_proj.weight", o + "mlp.gate_up.weight", rows=(inter, 2 * inter), linear=True))
-        out.append(TensorSpec(h + "mlp.down_proj.weight", o + "mlp.down.weight", linear=True))
+        gw, dw = gu + ".weight", dn + ".weight"
+        out.append(TensorSpec(h + "mlp.gate_proj.weight", gw, rows=(0, inter), linear=True, module=gu))
+        out.append(TensorSpec(h + "mlp.up_proj.weight", gw, rows=(inter, 2 * inter), linear=True, module=gu))
+        out.append(TensorSpec(h + "mlp.down_proj.weight", dw, linear=True, module=dn))
     out.append(TensorSpec("model.norm.weight", "norm.weight"))
     if not cfg.tie_word_embeddings:
         out.append(TensorSpec("lm_head.weight", "lm_head.weight"))
@@ -277,7 +306,17 @@ def gather(sd: dict[str, torch.Tensor], spec: TensorSpec) -> torch.Tensor:
         t = t[spec.expert]
     if spec.swap_halves:
         t = swap_halves(t)
+    if spec.interleave:
+        t = interleave_halves(t)
     return t[spec.rows[0] : spec.rows[1]] if spec.rows else t
+
+
+def interleave_halves(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """``[a; b]`` along ``dim`` -> ``a0, b0, a1, b1, ...`` (our ``[gate; up]`` -> gpt-oss's
+    interleaved gate/up, transformers' ``GptOssExperts``: gate ``[..., ::2]``, up ``[..., 1::2]``)."""
+    dim %= t.dim()
+    a, b = t.chunk(2, dim)
+    return torch.stack([a, b], dim + 1).flatten(dim, dim + 1)
 
 
 def swap_halves(t: torch.Tensor, dim: int = -2) -> torch.Tensor:
