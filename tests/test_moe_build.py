@@ -395,8 +395,19 @@ def test_unified_hf_checkpoint_equals_modelopt_export(moe_build, tmp_path):
         return {k: (tuple(v.shape), v.dtype) for k, v in sd.items()}
 
     assert layout(ours) == layout(ref)
+    assert_same_weights(ours, ref)
     q = json.loads((out / "hf" / "target" / "hf_quant_config.json").read_text())["quantization"]
     assert "model.layers.*.mlp.gate" in q["exclude_modules"] and q["quant_algo"] == "NVFP4"
+
+
+def assert_same_weights(ours: dict, ref: dict) -> None:
+    """Every tensor bitwise equal, but the activation scales (calibrated on other data)."""
+    for k, v in ref.items():
+        if not k.endswith("input_scale"):
+            a, b = ours[k], v
+            if a.dtype == torch.float8_e4m3fn:
+                a, b = a.view(torch.uint8), b.view(torch.uint8)
+            assert torch.equal(a, b), k
 
 
 def test_moe_engine_refused_at_run_time(moe_build):
@@ -425,3 +436,75 @@ def test_build_bad_splits(moe_build, tmp_path, capsys):
         args = ("build", "--config", cfg, "--target", str(hf_dir), "--drafter", drafter, "--out", str(out), *extra)
         assert match in main_error(capsys, *args)
         assert not out.exists() and not list(tmp_path.glob(".eng*"))
+
+
+# --------------------------------------------------------------------------------------------
+# a gpt-oss build: the unified HF checkpoint only (TensorRT-LLM has no gpt-oss converter)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_build(smollm2, tmp_path_factory):
+    pytest.importorskip("modelopt")
+    from helpers import saved_drafter
+    from test_gpt_oss import tiny_gpt_oss
+
+    from dflash_trt.builder.builder import build_engine
+    from dflash_trt.checkpoints.loader import load_target
+    from dflash_trt.checkpoints.zlab import init_drafter
+
+    d = tmp_path_factory.mktemp("gptoss")
+    tiny_gpt_oss(smollm2.model.cfg.vocab_size).save_pretrained(str(d / "hf"))
+    smollm2.tokenizer.save_pretrained(str(d / "hf"))
+    drafter = saved_drafter(init_drafter(load_target(str(d / "hf")).model.cfg, 1, 4, 0, seed=0), d)
+    bc = BuildConfig.load(
+        ROOT / "build_configs" / "cpu-fp32.yaml",
+        {
+            "target_quant": "nvfp4",
+            "tp_size": 2,
+            "moe_ep_size": 2,
+            "block_size": 4,
+            "calibration.num_samples": 4,
+            "calibration.max_seq_len": 32,
+        },
+    )
+    out = d / "engine"
+    build_engine(bc, str(d / "hf"), drafter, out, progress=False, log=lambda *a: None)
+    return out, tiny_gpt_oss
+
+
+def test_gpt_oss_build_equals_modelopt_export(gpt_oss_build, smollm2, tmp_path):
+    """``hf/target`` of a gpt-oss NVFP4 build: ModelOpt's ``export_hf_checkpoint`` of the same
+    transformers model has the same names, shapes and dtypes (fused experts ``[E, in, out]``,
+    gate/up interleaved, one per-tensor scale over the experts, sinks and biases unquantized) and
+    the same bytes but for activation scales; no ``target/`` TensorRT-LLM checkpoint; the
+    router excluded; the engine is refused by this runtime in one line."""
+    import modelopt.torch.quantization as mtq
+    import yaml
+    from modelopt.torch.export import export_hf_checkpoint
+
+    from dflash_trt.checkpoints.engine_dir import load_engine
+
+    out, tiny_gpt_oss = gpt_oss_build
+    hf = tiny_gpt_oss(smollm2.model.cfg.vocab_size)
+    hf.config.architectures = ["GptOssForCausalLM"]
+    ids = torch.randint(0, 100, (2, 16))
+    mtq.quantize(hf, mtq.NVFP4_DEFAULT_CFG, lambda m: m(ids))
+    export_hf_checkpoint(hf, export_dir=str(tmp_path / "mo"))
+    ref = load_file(str(tmp_path / "mo" / "model.safetensors"))
+    ours = load_file(str(out / "hf" / "target" / "model.safetensors"))
+    assert {k: (tuple(v.shape), v.dtype) for k, v in ours.items()} == {
+        k: (tuple(v.shape), v.dtype) for k, v in ref.items()
+    }
+    assert ours["model.layers.1.mlp.experts.gate_up_proj"].shape == (8, 64 // 2, 2 * 32)
+    assert_same_weights(ours, ref)
+    q = json.loads((out / "hf" / "target" / "hf_quant_config.json").read_text())["quantization"]
+    assert "model.layers.*.mlp.router" in q["exclude_modules"] and q["quant_algo"] == "NVFP4"
+    m = json.loads((out / "engine.json").read_text())
+    assert not (out / "target").exists() and m["target_checkpoint"] == "hf/target"
+    assert m["moe_split"] == {"moe_tp_size": 1, "moe_ep_size": 2}
+    api = yaml.safe_load((out / "trtllm" / "llm_api.yaml").read_text())
+    assert (api["moe_tensor_parallel_size"], api["moe_expert_parallel_size"]) == (1, 2)
+    assert "exit 1" in (out / "trtllm" / "build.sh").read_text()
+    with pytest.raises(DFlashError, match="gpt_oss \\(mixture-of-experts\\) target is not supported"):
+        load_engine(out)

@@ -11,7 +11,9 @@ build leaves nothing at the output path)::
     drafter/config.json         the drafter in the same layout (architecture DFlashDraftModel,
     drafter/rank{r}.safetensors z-lab dflash_config keys in config.json)
     hf/target/                  unified HF checkpoint (ModelOpt ``export_hf_checkpoint`` layout:
-                                ``hf_quant_config.json``, ``quantization_config``), + tokenizer
+                                ``hf_quant_config.json``, ``quantization_config``), + tokenizer;
+                                for gpt-oss the only target checkpoint (no ``target/``: TensorRT-LLM
+                                has no gpt-oss converter and runs it from the HF layout)
     hf/drafter/                 the z-lab drafter, quantized the same way
     trtllm/llm_api.yaml         ``speculative_config: {decoding_type: DFlash, ...}`` for
                                 ``trtllm-serve`` / ``LLM(...)`` on TensorRT-LLM releases with DFlash
