@@ -202,6 +202,35 @@ def test_plan_bad_splits(tmp_path, capsys, shape, extra, match):
     assert rc == 2 and len(err) == 1 and err[0].startswith("dflash-trt: error:") and match in err[0], err
 
 
+@pytest.mark.parametrize("mtp,mep", [(2, 2), (1, 4), (4, 1)])
+def test_expert_shards_reassemble(mtp, mep):
+    """Every rank's expert part (``shard_experts``) reassembles to the whole (``unshard_experts``);
+    rank r holds EP rank r % moe_ep's experts and MoE-TP rank r // moe_ep's slice of each half."""
+    from dflash_trt.checkpoints import trtllm
+
+    g = torch.Generator().manual_seed(mtp)
+    fc, proj, per_expert, act = (
+        torch.randn(8, 2 * 16, 12, generator=g),
+        torch.randn(8, 12, 16, generator=g),
+        torch.randn(8, 1, generator=g),
+        torch.randn(1, generator=g),
+    )
+    for split, t in (
+        (trtllm.EXPERT_FC, fc),
+        (trtllm.EXPERT_PROJ, proj),
+        (trtllm.EXPERT_FC, per_expert),
+        (trtllm.EXPERT_FC, act),
+    ):
+        parts = [trtllm.shard_experts(t, split, mtp, mep, r) for r in range(mtp * mep)]
+        assert torch.equal(trtllm.unshard_experts(parts, split, mtp, mep), t)
+    r = mtp * mep - 1  # the last rank: last experts, last slice of gate and of up
+    e0, w = 8 - 8 // mep, 16 // mtp
+    part = trtllm.shard_experts(fc, trtllm.EXPERT_FC, mtp, mep, r)
+    assert torch.equal(part, torch.cat([fc[e0:, 16 - w : 16], fc[e0:, 32 - w :]], 1))
+    with pytest.raises(DFlashError, match="cannot split 8 experts over moe_ep_size 3"):
+        trtllm.shard_experts(fc, trtllm.EXPERT_FC, 1, 3, 0)
+
+
 # --------------------------------------------------------------------------------------------
 # a Qwen3-MoE build: NVFP4, tp 4 = moe_tp 2 x moe_ep 2
 # --------------------------------------------------------------------------------------------

@@ -377,10 +377,8 @@ def unshard_experts(parts: list[torch.Tensor], split: str, moe_tp: int, moe_ep: 
 
 def check_tp(cfg: TargetConfig | DrafterConfig, tp: int, what: str) -> None:
     """Raises DFlashError when ``tp`` cannot give every rank whole heads and equal splits (a
-    mixture-of-experts target's experts are checked by ``builder/moe_plan.check_moe_split``)."""
+    mixture-of-experts target is checked by ``builder/moe_plan.check_moe_split`` instead)."""
     heads, kv_heads, intermediate = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-    if getattr(cfg, "num_experts", 0) and all(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
-        intermediate = tp  # no dense MLP to split
     if tp < 1:
         raise DFlashError(f"tp_size must be >= 1, got {tp}")
     if heads % tp or kv_heads % tp:
