@@ -114,12 +114,13 @@ def test_bad_moe_knobs(knobs, match):
 
 
 def _plan(name: str, config: str, **overrides):
-    from dflash_trt.builder.moe_plan import plan_drafter
-    from dflash_trt.builder.plan import moe_memory_plan
+    from dflash_trt.builder.plan import memory_plan
+    from dflash_trt.checkpoints.zlab import drafter_config_for
+    from dflash_trt.models.config import TargetConfig
 
     bc = BuildConfig.load(ROOT / "build_configs" / f"{config}.yaml", overrides)
-    shape = MoEShape.from_hf(shape_json(name))
-    return moe_memory_plan(bc, shape, plan_drafter(shape, 5, bc.block_size)), bc
+    tcfg = TargetConfig.from_hf(shape_json(name))
+    return memory_plan(bc, tcfg, drafter_config_for(tcfg, 5, bc.block_size, 0)), bc
 
 
 @pytest.mark.parametrize(

@@ -503,7 +503,7 @@ def build_engine(
     if tcfg.family not in ARCHITECTURES and tcfg.family not in HF_ONLY_ARCHITECTURES:
         supported = ", ".join([*ARCHITECTURES, *HF_ONLY_ARCHITECTURES])
         raise DFlashError(f"building an engine of a {tcfg.family} target is not supported yet (supported: {supported})")
-    if tcfg.num_experts and bc.expert_format not in ("none", bc.target_quant):
+    if tcfg.num_experts and bc.expert_format != bc.target_quant:
         raise DFlashError(
             f"expert_quant {bc.expert_quant} differs from target_quant {bc.target_quant}: the build quantizes "
             "experts and attention alike (other expert formats are planned only)"

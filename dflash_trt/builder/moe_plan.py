@@ -342,28 +342,3 @@ def kv_bytes_per_token(s: MoEShape, tp: int, kv_bytes: int, max_seq_len: int, bl
     for w in s.windows:
         total += per_layer if w is None else per_layer * min(max_seq_len, w + block_size) / max_seq_len
     return total
-
-
-def plan_drafter(s: MoEShape, num_layers: int, block_size: int):
-    """The shape of a ``num_layers``-layer drafter of the target's widths (hidden size, heads,
-    head_dim, vocabulary; the dense MLP width, or the expert width when every layer is sparse),
-    as ``dflash-trt plan --target-config`` assumes one; RoPE is left default (no bytes depend on it).
-
-    Returns:
-        a :class:`~dflash_trt.models.config.DrafterConfig`.
-    """
-    from ..models.config import DrafterConfig, default_target_layer_ids
-
-    return DrafterConfig(
-        hidden_size=s.hidden_size,
-        intermediate_size=s.dense_intermediate or s.expert_intermediate,
-        num_layers=num_layers,
-        num_heads=s.num_heads,
-        num_kv_heads=s.num_kv_heads,
-        head_dim=s.head_dim,
-        vocab_size=s.vocab_size,
-        block_size=block_size,
-        mask_token_id=0,
-        target_layer_ids=tuple(default_target_layer_ids(s.num_layers, num_layers)),
-        num_target_layers=s.num_layers,
-    )

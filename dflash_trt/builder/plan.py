@@ -171,10 +171,11 @@ def _gb(b: float) -> str:
 def memory_plan(bc: BuildConfig, tcfg: TargetConfig, dcfg: DrafterConfig | None) -> MemoryPlan:
     """The plan of ``bc`` for a target (and drafter) shape; shapes only, no weights read.
 
+    A mixture-of-experts target goes to :func:`moe_memory_plan`.
+
     Raises:
         DFlashError: tp_size does not divide the heads.
     """
-    from ..models.drafter import DFlashDrafter
     from ..models.target import TargetModel
 
     if tcfg.num_experts:
@@ -189,12 +190,7 @@ def memory_plan(bc: BuildConfig, tcfg: TargetConfig, dcfg: DrafterConfig | None)
         tmodel = TargetModel(tcfg)
         tspecs = trtllm.target_specs(tcfg)
         tw = weight_bytes(tspecs, spec_shapes(tspecs, tmodel), bc.target_quant, act, tp)
-        dw, dkv = 0.0, 0.0
-        if dcfg is not None:
-            trtllm.check_tp(dcfg, tp, "drafter")
-            dspecs = trtllm.drafter_specs(dcfg)
-            dw = weight_bytes(dspecs, spec_shapes(dspecs, DFlashDrafter(dcfg)), bc.drafter_quant, act, tp)
-            dkv = 2 * dcfg.num_layers * (dcfg.num_kv_heads // tp) * dcfg.head_dim * kvb
+    dw, dkv = drafter_plan_bytes(bc, dcfg)
     tkv = 2 * tcfg.num_layers * (tcfg.num_kv_heads // tp) * tcfg.head_dim * kvb
     q, k, v = trtllm.qkv_sizes(tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
     per_token = ((q + k + v) // tp + q // tp + 2 * tcfg.intermediate_size // tp + 2 * tcfg.hidden_size) * act * 2

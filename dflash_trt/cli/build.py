@@ -63,19 +63,10 @@ def run_plan(args) -> None:
     if args.target_config:
         if args.model or args.drafter:
             raise DFlashError("--target-config plans a shape alone; drop --target / --drafter")
-        from ..builder import moe_plan
         from ..checkpoints.zlab import drafter_config_for
 
-        hf = read_json(Path(args.target_config), "target")
-        if hf.get("model_type") in moe_plan.MOE_FAMILIES:  # shapes only: no model class needed
-            from ..builder.plan import moe_memory_plan
-
-            shape = moe_plan.MoEShape.from_hf(hf)
-            plan = moe_memory_plan(bc, shape, moe_plan.plan_drafter(shape, 5, bc.block_size))
-            print(plan.table())
-            plan.check()
-            return
-        tcfg = TargetConfig.from_hf(hf)
+        # (a mixture-of-experts target is planned from these shapes by builder/moe_plan.py)
+        tcfg = TargetConfig.from_hf(read_json(Path(args.target_config), "target"))
         dcfg = drafter_config_for(tcfg, 5, bc.block_size, 0)  # a 5-layer drafter, the z-lab default
     else:
         from ..checkpoints.loader import load_pair
