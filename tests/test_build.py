@@ -111,10 +111,15 @@ def test_bad_configs(tmp_path, text, match):
 
 
 def test_overrides():
-    bc = BuildConfig.load(CONFIGS[0], {"tp_size": 3, "calibration.num_samples": 5})
+    cpu = ROOT / "build_configs" / "cpu-fp32.yaml"  # (a MoE config pins moe_tp_size x moe_ep_size = tp_size)
+    bc = BuildConfig.load(cpu, {"tp_size": 3, "calibration.num_samples": 5})
     assert bc.tp_size == 3 and bc.calibration.num_samples == 5
     with pytest.raises(DFlashError, match="unknown key"):
-        BuildConfig.load(CONFIGS[0], {"bogus": 1})
+        BuildConfig.load(cpu, {"bogus": 1})
+    moe = ROOT / "build_configs" / "b300x8-nvfp4-gpt-oss-120b.yaml"
+    assert BuildConfig.load(moe, {"tp_size": 4, "moe_ep_size": 4}).moe_split == (1, 4)
+    with pytest.raises(DFlashError, match="moe_tp_size 1 x moe_ep_size 8 must equal tp_size 3"):
+        BuildConfig.load(moe, {"tp_size": 3})
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,12 +5,10 @@ our loader from the checkpoint's per-expert tensors and gives transformers' logi
 states; in the engine, DFlash (an oracle proposer: long acceptances and mid-block rejections;
 and a random drafter) equals plain decoding token for token at batch 1 and in flight (the
 batch-invariant mode, on by default in fp32, covers the expert GEMMs); tensor parallelism
-splits its experts (the 2-rank runs: test_moe_parallel.py); building an engine of it is refused
-in one line."""
+splits its experts (the 2-rank runs: test_moe_parallel.py); its engine build:
+tests/test_moe_build.py."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -138,15 +136,3 @@ def test_tensor_parallel_splits_the_experts(moe_pair):
     assert torch.equal(m.gate_up, torch.cat([f.gate_up[:, n : 2 * n], f.gate_up[:, 3 * n :]], dim=1))
     assert torch.equal(m.down, f.down[:, :, n:])
     assert torch.equal(m.gate.weight, f.gate.weight)
-
-
-def test_build_is_refused(moe_pair, capsys, tmp_path):
-    from helpers import main_error, saved_drafter
-
-    target = moe_pair[1]
-    drafter = saved_drafter(init_drafter(target.model.cfg, 1, 4, 0, seed=0), tmp_path)
-    cfg = str(Path(__file__).resolve().parents[1] / "build_configs" / "cpu-fp32.yaml")
-    out = tmp_path / "engine"
-    args = ("build", "--config", cfg, "--target", str(target.path), "--drafter", drafter, "--out", str(out))
-    assert "qwen3_moe target is not supported yet" in main_error(capsys, *args)
-    assert not out.exists()

@@ -6,11 +6,14 @@ build leaves nothing at the output path)::
     engine.json                 manifest: versions, build config, source checksums, memory plan,
                                 every file with its sha256
     target/config.json          TensorRT-LLM checkpoint of the target (LlamaForCausalLM /
-    target/rank{r}.safetensors  Qwen2ForCausalLM / Qwen3ForCausalLM), one file per TP rank
+    target/rank{r}.safetensors  Qwen2ForCausalLM / Qwen3ForCausalLM / Qwen3MoeForCausalLM: experts
+                                split by moe_tp_size x moe_ep_size), one file per TP rank
     drafter/config.json         the drafter in the same layout (architecture DFlashDraftModel,
     drafter/rank{r}.safetensors z-lab dflash_config keys in config.json)
     hf/target/                  unified HF checkpoint (ModelOpt ``export_hf_checkpoint`` layout:
-                                ``hf_quant_config.json``, ``quantization_config``), + tokenizer
+                                ``hf_quant_config.json``, ``quantization_config``), + tokenizer;
+                                for gpt-oss the only target checkpoint (no ``target/``: TensorRT-LLM
+                                has no gpt-oss converter and runs it from the HF layout)
     hf/drafter/                 the z-lab drafter, quantized the same way
     trtllm/llm_api.yaml         ``speculative_config: {decoding_type: DFlash, ...}`` for
                                 ``trtllm-serve`` / ``LLM(...)`` on TensorRT-LLM releases with DFlash
@@ -43,7 +46,18 @@ from ..quantization.common import HF_SUFFIX, QuantizedLinear, linear_rows, needs
 from .config import BuildConfig
 from .plan import MemoryPlan, memory_plan
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+#: families TensorRT-LLM runs from the HF layout only (no checkpoint converter): the build writes
+#: the unified HF checkpoint of the target and no ``target/`` TensorRT-LLM checkpoint
+HF_ONLY_ARCHITECTURES = {"gpt_oss": "GptOssForCausalLM"}
+#: TensorRT-LLM ``MoeConfig.ExpertScaleNormalizationMode``: NONE (softmax over all experts, top-k
+#: as is) and RENORMALIZE (the top-k renormalised to sum to 1: HF ``norm_topk_prob``)
+MOE_NORMALIZATION = {False: 0, True: 1}
 
 
 def quantize_model(
@@ -80,8 +94,34 @@ def quantize_model(
             if missing:
                 raise DFlashError(f"no calibrated activation range for {missing[0]}")
             act_amax = max(amax[m] for m in mods)
-        out[s.source] = wf.quantize(trtllm.gather_source(sd, s.source).float(), act_amax, group_size)
+        w = trtllm.gather_source(sd, s.source).float()
+        if w.dim() == 3:  # stacked experts
+            out[s.source] = quantize_experts(w, wf, act_amax, group_size, shared=s.split == trtllm.HF_EXPERTS)
+        else:
+            out[s.source] = wf.quantize(w, act_amax, group_size)
     return out
+
+
+def quantize_experts(
+    w: torch.Tensor, wf, act_amax: float | None, group_size: int, shared: bool = False
+) -> QuantizedLinear:
+    """Stacked experts ``w [E, out, in]`` quantized one expert at a time (each expert's fused
+    gate/up rows share its per-tensor scales), stacked on a leading expert axis: per-row tensors
+    ``[E, out, ...]``, per-expert scales ``[E, 1]``, and one activation scale ``[1]`` (every
+    expert took the same calibrated input range; TensorRT-LLM's MoE keeps one per GEMM).
+    ``shared``: all experts as one ``[E * out, in]`` linear instead, so one per-tensor scale
+    ``[1]`` covers them all (ModelOpt's export of fused ``[E, in, out]`` experts: gpt-oss).
+
+    Raises:
+        DFlashError: a weight-only CPU format (int4 / int8), which has no expert layout.
+    """
+    if wf.weight_only:
+        raise DFlashError(f"{wf.name} expert weights are not supported: use fp8, nvfp4 or none")
+    if shared:
+        q = wf.quantize(w.reshape(-1, w.shape[-1]), act_amax, group_size)
+        return {k: v.reshape(w.shape[0], w.shape[1], -1) if v.dim() == 2 else v for k, v in q.items()}
+    per = [wf.quantize(w[e], act_amax, group_size) for e in range(w.shape[0])]
+    return {k: per[0][k] if k == "activation_scaling_factor" else torch.stack([q[k] for q in per]) for k in per[0]}
 
 
 def linear_tensors(
@@ -91,8 +131,14 @@ def linear_tensors(
     the quantized tensors (``weight``, scales)."""
     if spec.source in qlin:
         q = qlin[spec.source]
+        if spec.expert is not None:  # one expert of stacked experts: [E, ...] tensors indexed, [1] shared
+            q = {k: v[spec.expert] if v.dim() >= 2 else v for k, v in q.items()}
+        if spec.swap_halves:  # per-row tensors of stacked experts [E, rows, ...]
+            q = {k: trtllm.swap_halves(v, 1) if v.dim() == 3 else v for k, v in q.items()}
+        if spec.interleave:
+            q = {k: trtllm.interleave_halves(v, 1) if v.dim() == 3 else v for k, v in q.items()}
         return linear_rows(q, *spec.rows) if spec.rows else q
-    return {"": trtllm.gather(sd, spec).to(dtype)}
+    return {"": trtllm.gather(sd, spec).to(torch.float32 if spec.dtype == "fp32" else dtype)}
 
 
 def rank_tensors(
@@ -103,13 +149,20 @@ def rank_tensors(
     tp: int,
     rank: int,
     qkv: tuple[int, int, int],
+    moe: tuple[int, int] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """TRT-LLM tensors of rank ``rank``."""
+    """TRT-LLM tensors of rank ``rank`` (``moe``: ``(moe_tp_size, moe_ep_size)`` for stacked experts;
+    default ``(tp, 1)``)."""
     out = {}
+    mtp, mep = moe or (tp, 1)
     for s in specs:
         base = s.name[: -len(".weight")] if s.name.endswith(".weight") else s.name
         for suffix, t in linear_tensors(s, sd, qlin, dtype).items():
-            if suffix == "":
+            if s.split in (trtllm.EXPERT_FC, trtllm.EXPERT_PROJ):
+                out[s.name if suffix in ("", "weight") else f"{base}.{suffix}"] = trtllm.shard_experts(
+                    t, s.split, mtp, mep, rank
+                )
+            elif suffix == "":
                 out[s.name] = trtllm.shard(t, s.split, tp, rank, qkv)
             elif suffix == "weight":
                 out[s.name] = trtllm.shard(t, s.split, tp, rank, qkv, col_unit=2 if t.dtype == torch.uint8 else 1)
@@ -144,11 +197,39 @@ def _decoder_keys(cfg: TargetConfig | DrafterConfig, bc: BuildConfig, quant: str
     }
 
 
+def _moe_keys(cfg: TargetConfig, bc: BuildConfig) -> dict:
+    """TensorRT-LLM ``QWenConfig`` keys of a Qwen3-MoE target (``models/qwen/config.py``) and the
+    expert split of ``mapping``. ``normalization_mode`` follows HF ``norm_topk_prob``
+    (TensorRT-LLM's own converter writes NONE whatever it says)."""
+    mtp, mep = bc.moe_split
+    return {
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "mlp_only_layers": list(cfg.mlp_only_layers),
+        "decoder_sparse_step": cfg.decoder_sparse_step,
+        "moe": {
+            "num_experts": cfg.num_experts,
+            "top_k": cfg.num_experts_per_tok,
+            "normalization_mode": MOE_NORMALIZATION[cfg.norm_topk_prob],
+            "shared_expert_intermediate_size": 0,
+        },
+        "mapping": {
+            "world_size": bc.tp_size,
+            "tp_size": bc.tp_size,
+            "pp_size": 1,
+            "moe_tp_size": mtp,
+            "moe_ep_size": mep,
+        },
+    }
+
+
 def _exclude(bc: BuildConfig, quant: str, cfg: TargetConfig | DrafterConfig) -> list[str] | None:
-    """``exclude_modules``: the LM head, unless a target's ``head_quant`` packs it."""
+    """``exclude_modules``: the LM head, unless a target's ``head_quant`` packs it; a
+    mixture-of-experts target's router (TensorRT-LLM's default list, which an explicit one
+    replaces, has ``*router``)."""
     if quant == "none":
         return None
-    return [] if isinstance(cfg, TargetConfig) and bc.head_quant != "none" else ["lm_head"]
+    out = [] if isinstance(cfg, TargetConfig) and bc.head_quant != "none" else ["lm_head"]
+    return out + (["*router"] if getattr(cfg, "num_experts", 0) else [])
 
 
 def target_trtllm_config(cfg: TargetConfig, bc: BuildConfig) -> dict:
@@ -164,8 +245,10 @@ def target_trtllm_config(cfg: TargetConfig, bc: BuildConfig) -> dict:
         "mlp_bias": False,
         "qk_layernorm": cfg.qk_norm,
     }
-    if cfg.family in ("qwen2", "qwen3"):
+    if cfg.family in ("qwen2", "qwen3", "qwen3_moe"):
         c.update(qwen_type=cfg.family, seq_length=bc.max_seq_len)
+    if cfg.num_experts:
+        c.update(_moe_keys(cfg, bc))
     return c
 
 
@@ -211,12 +294,15 @@ def hf_tensors(
     """Unified-HF tensors: ``x.weight`` (+ ``x.weight_scale``, ``x.weight_scale_2``, ``x.input_scale``, 0-d)."""
     out = {}
     for s in specs:
-        base = s.name[: -len(".weight")]
+        fused = s.split == trtllm.HF_EXPERTS  # transformers' [E, in, out] experts: name_weight_scale ...
+        base, sep = (s.name, "_") if fused else (s.name[: -len(".weight")], ".")
         for suffix, t in linear_tensors(s, sd, qlin, dtype).items():
+            if fused and t.dim() == 3:
+                t = t.transpose(1, 2)
             if suffix in ("", "weight"):
                 out[s.name] = t.contiguous()
             else:
-                out[f"{base}.{HF_SUFFIX[suffix]}"] = (
+                out[f"{base}{sep}{HF_SUFFIX[suffix]}"] = (
                     t.reshape(()) if t.numel() == 1 and t.dim() == 1 else t.contiguous()
                 )
     return out
@@ -257,13 +343,15 @@ def trtllm_build_command(bc: BuildConfig) -> str:
     )
 
 
-def llm_api_yaml(bc: BuildConfig, dcfg: DrafterConfig) -> str:
+def llm_api_yaml(bc: BuildConfig, dcfg: DrafterConfig, moe: bool = False) -> str:
     """``trtllm-serve hf/target --extra_llm_api_options trtllm/llm_api.yaml`` options
-    (``DFlashDecodingConfig``, TensorRT-LLM >= 1.3, PyTorch backend)."""
+    (``DFlashDecodingConfig``, TensorRT-LLM >= 1.3, PyTorch backend; ``moe``: the target has
+    experts, split by ``moe_tensor_parallel_size`` / ``moe_expert_parallel_size``)."""
     import yaml
 
     options = {
         "tensor_parallel_size": bc.tp_size,
+        **({"moe_tensor_parallel_size": bc.moe_split[0], "moe_expert_parallel_size": bc.moe_split[1]} if moe else {}),
         "max_batch_size": bc.max_batch_size,
         "max_seq_len": bc.max_seq_len,
         "max_num_tokens": bc.max_num_tokens,
@@ -398,7 +486,8 @@ def build_engine(
     Raises:
         DFlashError: ``out_dir`` exists, a bad pair, a block size above the drafter's, a
             tp_size that does not divide the heads, a target family the builder does not write
-            (a mixture-of-experts one), a model that does not fit the memory plan,
+            (gpt-oss), an expert split that does not divide (moe_tp_size x moe_ep_size), a model that
+            does not fit the memory plan,
             corrupt checkpoints, ModelOpt missing for a quantized build. Nothing is left at
             ``out_dir`` on any error.
     """
@@ -411,9 +500,14 @@ def build_engine(
     target, drafter = load_pair(target_spec, drafter_spec, torch.float32)
     drafter_path = Path(drafter_spec) if drafter_spec else default_drafter_path(target, target_spec is None)
     tcfg, dcfg = target.model.cfg, drafter.cfg
-    if tcfg.family not in ARCHITECTURES:
-        supported = ", ".join(ARCHITECTURES)
+    if tcfg.family not in ARCHITECTURES and tcfg.family not in HF_ONLY_ARCHITECTURES:
+        supported = ", ".join([*ARCHITECTURES, *HF_ONLY_ARCHITECTURES])
         raise DFlashError(f"building an engine of a {tcfg.family} target is not supported yet (supported: {supported})")
+    if tcfg.num_experts and bc.expert_format != bc.target_quant:
+        raise DFlashError(
+            f"expert_quant {bc.expert_quant} differs from target_quant {bc.target_quant}: the build quantizes "
+            "experts and attention alike (other expert formats are planned only)"
+        )
     if bc.block_size > dcfg.block_size:
         raise DFlashError(f"block_size {bc.block_size} is above the drafter's block size {dcfg.block_size}")
     plan = memory_plan(bc, tcfg, dcfg)  # also checks tp_size against both models' heads
@@ -422,7 +516,9 @@ def build_engine(
 
     tsd = {k: v.detach() for k, v in target.model.state_dict().items()}
     dsd = {k: v.detach() for k, v in drafter.state_dict().items()}
-    tspecs, dspecs = trtllm.target_specs(tcfg), trtllm.drafter_specs(dcfg)
+    hf_only = tcfg.family in HF_ONLY_ARCHITECTURES  # quantized from (and written as) its HF names
+    tspecs = trtllm.hf_target_specs(tcfg) if hf_only else trtllm.target_specs(tcfg)
+    dspecs = trtllm.drafter_specs(dcfg)
     tq: dict[str, QuantizedLinear] = {}
     dq: dict[str, QuantizedLinear] = {}
     if bc.target_quant != "none" or bc.drafter_quant != "none":
@@ -461,20 +557,24 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
     tcfg, dcfg = target.model.cfg, drafter.cfg
     t_qkv = trtllm.qkv_sizes(tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
     d_qkv = trtllm.qkv_sizes(dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim)
-    write_json(tmp / "target" / "config.json", target_trtllm_config(tcfg, bc))
+    moe = bc.moe_split if tcfg.num_experts else None
+    hf_only = tcfg.family in HF_ONLY_ARCHITECTURES  # no target/ TensorRT-LLM checkpoint: hf/target is it
+    if not hf_only:
+        write_json(tmp / "target" / "config.json", target_trtllm_config(tcfg, bc))
     write_json(tmp / "drafter" / "config.json", drafter_trtllm_config(dcfg, bc))
     kv_scale = bc.kv_cache_dtype == "fp8"
     # the draft vocabulary (int64 [N], replicated, never quantized) travels as it is
     d2t = {"d2t": c.dsd["d2t"].contiguous()} if "d2t" in c.dsd else {}
     for r in tqdm(range(bc.tp_size), desc="write ranks", unit="rank", disable=not progress, file=sys.stderr):
-        tt = rank_tensors(c.tspecs, c.tsd, c.tq, dtype, bc.tp_size, r, t_qkv)
+        tt = {} if hf_only else rank_tensors(c.tspecs, c.tsd, c.tq, dtype, bc.tp_size, r, t_qkv, moe)
         dt = rank_tensors(c.dspecs, c.dsd, c.dq, dtype, bc.tp_size, r, d_qkv)
         if kv_scale:  # TensorRT-LLM / ModelOpt write 1.0 (amax/448 clamped to >= 1)
-            for i in range(tcfg.num_layers):
+            for i in range(0 if hf_only else tcfg.num_layers):
                 tt[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"] = torch.ones(1)
             for i in range(dcfg.num_layers):
                 dt[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"] = torch.ones(1)
-        _save(tt, tmp / "target" / f"rank{r}.safetensors")
+        if not hf_only:
+            _save(tt, tmp / "target" / f"rank{r}.safetensors")
         _save(dt | d2t, tmp / "drafter" / f"rank{r}.safetensors")
 
     # unified HF checkpoints
@@ -490,7 +590,9 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
         hf_tensors(trtllm.hf_target_specs(tcfg), c.tsd, c.tq, dtype),
         bc.target_quant,
         bc.kv_cache_dtype,
-        ["model.embed_tokens"] + ([] if bc.head_quant != "none" else ["lm_head"]),
+        ["model.embed_tokens"]
+        + ([] if bc.head_quant != "none" else ["lm_head"])
+        + ([f"model.layers.*.mlp.{'router' if hf_only else 'gate'}"] if tcfg.num_experts else []),
         bc.group_size,
     )
     target.tokenizer.save_pretrained(str(tmp / "hf" / "target"))
@@ -507,14 +609,22 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
     )
 
     (tmp / "trtllm").mkdir()
-    (tmp / "trtllm" / "llm_api.yaml").write_text(llm_api_yaml(bc, dcfg))
+    (tmp / "trtllm" / "llm_api.yaml").write_text(llm_api_yaml(bc, dcfg, moe is not None))
     write_json(tmp / "trtllm" / "plugins.json", plugins_json(bc, dcfg))
-    (tmp / "trtllm" / "build.sh").write_text(
+    build_sh = (
         "#!/bin/sh\n# TensorRT-LLM 1.2.x engine build of the target (run from the engine directory).\n"
         "# DFlash itself runs in TensorRT-LLM's PyTorch backend (>= 1.3): see llm_api.yaml.\nset -e\n"
         + trtllm_build_command(bc)
         + "\n"
     )
+    if hf_only:
+        build_sh = (
+            f"#!/bin/sh\n# {tcfg.family}: TensorRT-LLM has no checkpoint converter for this family, so no\n"
+            "# trtllm-build engine; its PyTorch backend reads hf/target (unified HF checkpoint) directly:\n"
+            f"#   trtllm-serve hf/target --tp_size {bc.tp_size} --extra_llm_api_options trtllm/llm_api.yaml\n"
+            "echo 'no trtllm-build engine for this target: serve hf/target (see the comment above)' >&2\nexit 1\n"
+        )
+    (tmp / "trtllm" / "build.sh").write_text(build_sh)
 
     files = {
         str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
@@ -537,6 +647,8 @@ def _write_all(tmp: Path, c: EngineContents, progress: bool) -> None:
             "checkpoint_sha256": _dir_digest(c.drafter_path),
         },
         "tp_size": bc.tp_size,
+        "target_checkpoint": "hf/target" if hf_only else "target/",
+        "moe_split": {"moe_tp_size": moe[0], "moe_ep_size": moe[1]} if moe else None,
         "dtype": bc.dtype,
         "target_quant": bc.target_quant,
         "drafter_quant": bc.drafter_quant,

@@ -23,6 +23,10 @@ from ..errors import DFlashError
 #: weight-only packed-integer CPU formats: int4 group-wise asymmetric (``W4A16_GPTQ`` layout
 #: names) and int8 per output row (``W8A16``), see ``quantization/int4.py`` / ``quantization/int8.py``
 QUANT_FORMATS = ("none", "fp8", "nvfp4", "int4", "int8")
+#: formats of a mixture-of-experts target's expert weights: ``auto`` (= ``target_quant``), the
+#: GPU formats above, or ``mxfp4`` (OCP MX: e2m1 codes with one e8m0 scale per 32 elements, the
+#: layout gpt-oss ships; TensorRT-LLM runs it as is): planned, not written by ``build``
+EXPERT_QUANT_FORMATS = ("auto", "none", "fp8", "nvfp4", "mxfp4")
 #: weight-only formats: no activation scales, no calibration, run by torch's packed CPU GEMMs
 INT_QUANT_FORMATS = ("int4", "int8")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -90,7 +94,15 @@ class BuildConfig:
         head_quant: the target's LM head with int4 / int8 target weights: ``none`` (dense in
             ``dtype``), ``int8`` or ``int4``.
         kv_cache_dtype: target and drafter-context KV cache dtype (``auto`` = ``dtype``).
+        expert_quant: a mixture-of-experts target's expert weights (:data:`EXPERT_QUANT_FORMATS`);
+            attention, dense MLPs and the router follow ``target_quant`` / stay unquantized as
+            TensorRT-LLM keeps them (see ``builder/moe_plan.py``).
         tp_size: tensor-parallel ranks (one GPU each).
+        moe_tp_size, moe_ep_size: how a mixture-of-experts target's experts use the ``tp_size``
+            ranks (TensorRT-LLM ``Mapping``): MoE-TP slices every expert's intermediate width
+            ``moe_tp_size`` ways, expert parallelism (EP) gives each rank ``E / moe_ep_size``
+            whole experts; ``moe_tp_size x moe_ep_size == tp_size``. None: the other one fills
+            ``tp_size`` (both None: ``moe_tp_size = tp_size``, ``moe_ep_size = 1``, TensorRT-LLM's default).
         max_batch_size: concurrent sequences.
         max_seq_len: prompt + output tokens per sequence.
         max_num_tokens: tokens in one forward (chunked prefill + verify blocks).
@@ -110,7 +122,10 @@ class BuildConfig:
     group_size: int = 32
     head_quant: str = "none"
     kv_cache_dtype: str = "auto"
+    expert_quant: str = "auto"
     tp_size: int = 1
+    moe_tp_size: int | None = None
+    moe_ep_size: int | None = None
     max_batch_size: int = 16
     max_seq_len: int = 4096
     max_num_tokens: int = 8192
@@ -133,6 +148,23 @@ class BuildConfig:
     @property
     def kv_dtype(self) -> str:
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+    @property
+    def expert_format(self) -> str:
+        """Format of expert weights: ``expert_quant``, or ``target_quant`` when it is ``auto``."""
+        return self.target_quant if self.expert_quant == "auto" else self.expert_quant
+
+    @property
+    def moe_split(self) -> tuple[int, int]:
+        """``(moe_tp_size, moe_ep_size)`` with the unset one filled in (see :class:`BuildConfig`)."""
+        tp, mtp, mep = self.tp_size, self.moe_tp_size, self.moe_ep_size
+        if mtp is None and mep is None:
+            return tp, 1
+        if mtp is None:
+            return max(1, tp // max(1, mep)), mep
+        if mep is None:
+            return mtp, max(1, tp // max(1, mtp))
+        return mtp, mep
 
     # ---------------------------------------------------------------- validation
 
@@ -184,6 +216,23 @@ class BuildConfig:
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
             ),
             (self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}"),
+            (
+                self.expert_quant in EXPERT_QUANT_FORMATS,
+                f"expert_quant must be one of {', '.join(EXPERT_QUANT_FORMATS)}, got {self.expert_quant!r}",
+            ),
+            (
+                self.expert_quant in ("auto", "none") or self.target_quant not in INT_QUANT_FORMATS,
+                f"expert_quant {self.expert_quant} cannot go with the CPU target_quant {self.target_quant}",
+            ),
+            (
+                all(x is None or x >= 1 for x in (self.moe_tp_size, self.moe_ep_size)),
+                f"moe_tp_size and moe_ep_size must be >= 1, got {self.moe_tp_size} and {self.moe_ep_size}",
+            ),
+            (
+                self.moe_split[0] * self.moe_split[1] == self.tp_size,
+                f"moe_tp_size {self.moe_split[0]} x moe_ep_size {self.moe_split[1]} must equal tp_size "
+                f"{self.tp_size} (TensorRT-LLM Mapping)",
+            ),
             (self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}"),
             (self.max_seq_len >= 2, f"max_seq_len must be >= 2, got {self.max_seq_len}"),
             (

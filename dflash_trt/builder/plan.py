@@ -12,7 +12,12 @@ Per rank (weights sharded as :mod:`..checkpoints.trtllm` lays them out, so the p
 * workspace: activations of one ``max_num_tokens`` forward (qkv, attention output, gate/up and
   the residual stream, twice for in/out buffers) + fp32 logits of ``max_batch_size x block_size``
   rows over the rank's vocabulary shard — an estimate, stated as one;
-* KV token capacity = (usable memory - weights - workspace) / (target + drafter KV per token).
+* KV token capacity = (usable memory - weights - workspace) / (target + drafter KV per token);
+  max concurrency = whole ``max_seq_len`` sequences in that, capped by ``max_batch_size``.
+
+A mixture-of-experts target (Qwen3-MoE, gpt-oss) is planned from its ``config.json`` alone by
+:func:`moe_memory_plan` (formats, MoE-TP / EP splits, sliding-window KV and parameter counts:
+``builder/moe_plan.py``).
 
 Raises :class:`DFlashError` (via :meth:`MemoryPlan.check`) when the weights do not fit or the cache
 cannot hold one ``max_seq_len`` sequence.
@@ -94,13 +99,24 @@ class MemoryPlan:
     kv_token_capacity: int
     max_seq_len: int
     max_batch_size: int
+    #: mixture-of-experts targets: ``"moe_tp_size N x moe_ep_size M: ..."``, per-rank target bytes
+    #: by role, parameter counts ``{total, active, active_with_embedding}``, how KV is counted
+    moe_split: str | None = None
+    target_weights_by_role: dict | None = None
+    params: dict | None = None
+    kv_note: str | None = None
 
     @property
     def full_sequences(self) -> float:
         return self.kv_token_capacity / self.max_seq_len
 
+    @property
+    def max_concurrency(self) -> int:
+        """Sequences of ``max_seq_len`` tokens the KV cache holds at once, at most ``max_batch_size``."""
+        return min(self.max_batch_size, int(self.full_sequences))
+
     def to_dict(self) -> dict:
-        return asdict(self) | {"full_sequences": self.full_sequences}
+        return asdict(self) | {"full_sequences": self.full_sequences, "max_concurrency": self.max_concurrency}
 
     def check(self) -> None:
         """Raises DFlashError when the engine does not fit (with the numbers)."""
@@ -120,9 +136,10 @@ class MemoryPlan:
 
     def table(self) -> str:
         kv = self.target_kv_bytes_per_token + self.drafter_kv_bytes_per_token
-        rows = [
-            ("usable memory", _gb(self.usable_bytes)),
-            ("target weights", _gb(self.target_weight_bytes)),
+        rows = [("usable memory", _gb(self.usable_bytes)), ("target weights", _gb(self.target_weight_bytes))]
+        for role, b in (self.target_weights_by_role or {}).items():
+            rows.append((f"  {role}", _gb(b)))
+        rows += [
             ("drafter weights", _gb(self.drafter_weight_bytes)),
             ("workspace (estimate)", _gb(self.workspace_bytes)),
             ("target KV per token", f"{self.target_kv_bytes_per_token / 1024:.1f} KiB"),
@@ -132,9 +149,19 @@ class MemoryPlan:
                 "sequences at max_seq_len",
                 f"{self.full_sequences:,.1f} x {self.max_seq_len} tokens (max_batch_size {self.max_batch_size})",
             ),
+            ("max concurrency", f"{self.max_concurrency:,} sequences"),
         ]
-        head = f"memory plan per rank: {self.gpu}, tp_size {self.tp_size}"
-        return "\n".join([head, "-" * 60] + [f"{k:<30} {v:>28}" for k, v in rows])
+        head = [f"memory plan per rank: {self.gpu}, tp_size {self.tp_size}"]
+        if self.moe_split:
+            head.append(self.moe_split)
+        if self.params:
+            p = self.params
+            head.append(
+                f"parameters: {p['total'] / 1e9:.2f}B total, {p['active'] / 1e9:.2f}B active per token "
+                f"(LM head counted, embedding not; {p['active_with_embedding'] / 1e9:.2f}B with it)"
+            )
+        lines = head + ["-" * 60] + [f"{k:<30} {v:>28}" for k, v in rows]
+        return "\n".join(lines + ([self.kv_note] if self.kv_note else []))
 
 
 def _gb(b: float) -> str:
@@ -144,12 +171,17 @@ def _gb(b: float) -> str:
 def memory_plan(bc: BuildConfig, tcfg: TargetConfig, dcfg: DrafterConfig | None) -> MemoryPlan:
     """The plan of ``bc`` for a target (and drafter) shape; shapes only, no weights read.
 
+    A mixture-of-experts target goes to :func:`moe_memory_plan`.
+
     Raises:
         DFlashError: tp_size does not divide the heads.
     """
-    from ..models.drafter import DFlashDrafter
     from ..models.target import TargetModel
 
+    if tcfg.num_experts:
+        from .moe_plan import MoEShape
+
+        return moe_memory_plan(bc, MoEShape.from_target(tcfg), dcfg)
     tp = bc.tp_size
     trtllm.check_tp(tcfg, tp, "target")
     act = dtype_bytes(bc.dtype)
@@ -158,12 +190,7 @@ def memory_plan(bc: BuildConfig, tcfg: TargetConfig, dcfg: DrafterConfig | None)
         tmodel = TargetModel(tcfg)
         tspecs = trtllm.target_specs(tcfg)
         tw = weight_bytes(tspecs, spec_shapes(tspecs, tmodel), bc.target_quant, act, tp)
-        dw, dkv = 0.0, 0.0
-        if dcfg is not None:
-            trtllm.check_tp(dcfg, tp, "drafter")
-            dspecs = trtllm.drafter_specs(dcfg)
-            dw = weight_bytes(dspecs, spec_shapes(dspecs, DFlashDrafter(dcfg)), bc.drafter_quant, act, tp)
-            dkv = 2 * dcfg.num_layers * (dcfg.num_kv_heads // tp) * dcfg.head_dim * kvb
+    dw, dkv = drafter_plan_bytes(bc, dcfg)
     tkv = 2 * tcfg.num_layers * (tcfg.num_kv_heads // tp) * tcfg.head_dim * kvb
     q, k, v = trtllm.qkv_sizes(tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
     per_token = ((q + k + v) // tp + q // tp + 2 * tcfg.intermediate_size // tp + 2 * tcfg.hidden_size) * act * 2
@@ -183,4 +210,92 @@ def memory_plan(bc: BuildConfig, tcfg: TargetConfig, dcfg: DrafterConfig | None)
         kv_token_capacity=cap,
         max_seq_len=bc.max_seq_len,
         max_batch_size=bc.max_batch_size,
+    )
+
+
+def drafter_plan_bytes(bc: BuildConfig, dcfg: DrafterConfig | None) -> tuple[float, float]:
+    """(drafter weight bytes, drafter context KV bytes per token) of one rank.
+
+    Raises:
+        DFlashError: tp_size does not divide the drafter's heads.
+    """
+    if dcfg is None:
+        return 0.0, 0.0
+    from ..models.drafter import DFlashDrafter
+
+    tp = bc.tp_size
+    trtllm.check_tp(dcfg, tp, "drafter")
+    with torch.device("meta"):
+        dspecs = trtllm.drafter_specs(dcfg)
+        dw = weight_bytes(dspecs, spec_shapes(dspecs, DFlashDrafter(dcfg)), bc.drafter_quant, dtype_bytes(bc.dtype), tp)
+    return dw, 2 * dcfg.num_layers * (dcfg.num_kv_heads // tp) * dcfg.head_dim * dtype_bytes(bc.kv_dtype)
+
+
+def moe_memory_plan(bc: BuildConfig, shape, dcfg: DrafterConfig | None) -> MemoryPlan:
+    """The plan of ``bc`` for a mixture-of-experts target ``shape``
+    (:class:`~dflash_trt.builder.moe_plan.MoEShape`; see ``builder/moe_plan.py`` for the
+    formats, splits and KV counting), with parameter counts.
+
+    Raises:
+        DFlashError: a TP / MoE-TP / EP split that does not divide heads, experts or widths, or
+            a CPU weight format (int4 / int8) for a mixture-of-experts target.
+    """
+    from . import moe_plan as mp
+
+    if bc.target_quant in ("int4", "int8"):
+        raise DFlashError(f"target_quant {bc.target_quant} is not planned for a mixture-of-experts target")
+    tp = bc.tp_size
+    mtp, mep = bc.moe_split
+    mp.check_moe_split(shape, tp, mtp, mep, bc.expert_format)
+    act = dtype_bytes(bc.dtype)
+    fmt = bc.expert_format
+    by_role = mp.rank_weight_bytes(shape, bc.target_quant, fmt, act, tp, mtp, mep)
+    tw = sum(by_role.values())
+    dw, dkv = drafter_plan_bytes(bc, dcfg)
+    tkv = mp.kv_bytes_per_token(shape, tp, dtype_bytes(bc.kv_dtype), bc.max_seq_len, bc.block_size)
+    q, k, v = trtllm.qkv_sizes(shape.num_heads, shape.num_kv_heads, shape.head_dim)
+    moe_act = shape.top_k * (2 * shape.expert_intermediate // mtp + shape.hidden_size)
+    mlp_act = max(moe_act, 2 * shape.dense_intermediate // tp)
+    per_token = ((q + k + v) // tp + q // tp + mlp_act + 2 * shape.hidden_size) * act * 2
+    logits = bc.max_batch_size * bc.block_size * (trtllm.padded_vocab(shape.vocab_size, tp) // tp) * 4
+    work = bc.max_num_tokens * per_token + logits
+    free = bc.memory_bytes - tw - dw - work
+    cap = max(0, int(free // (tkv + dkv))) if free > 0 else 0
+    counts = mp.param_counts(shape)
+    dense = "" if all(shape.sparse) else " and dense MLPs"
+    n_swa = sum(w is not None for w in shape.windows)
+    kv_note = "KV: every layer holds every token of a sequence"
+    if n_swa:
+        w = next(w for w in shape.windows if w is not None)
+        held = min(bc.max_seq_len, w + bc.block_size)
+        kv_note = (
+            f"KV: {shape.num_layers - n_swa} full-attention layers hold every token; {n_swa} sliding-window layers "
+            f"(W {w}) hold min(max_seq_len, W + block_size) = {held} tokens per sequence "
+            "(TensorRT-LLM max_attention_window), averaged into the KV per token above"
+        )
+    return MemoryPlan(
+        gpu=bc.device.name,
+        tp_size=tp,
+        usable_bytes=bc.memory_bytes,
+        target_weight_bytes=tw,
+        drafter_weight_bytes=dw,
+        workspace_bytes=work,
+        target_kv_bytes_per_token=tkv,
+        drafter_kv_bytes_per_token=dkv,
+        kv_token_capacity=cap,
+        max_seq_len=bc.max_seq_len,
+        max_batch_size=bc.max_batch_size,
+        moe_split=(
+            f"{shape.family}: moe_tp_size {mtp} x moe_ep_size {mep}: {shape.num_experts // mep} of "
+            f"{shape.num_experts} experts per rank, {shape.expert_intermediate // mtp} of {shape.expert_intermediate} "
+            f"expert width; experts {fmt}, attention{dense} {bc.target_quant}, "
+            f"router {'fp32' if shape.family == 'qwen3_moe' else bc.dtype}"
+        ),
+        target_weights_by_role=by_role,
+        params={
+            "total": counts.total,
+            "active": counts.active,
+            "active_with_embedding": counts.active_with_embedding,
+        },
+        kv_note=kv_note,
     )

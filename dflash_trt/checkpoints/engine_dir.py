@@ -206,10 +206,17 @@ def load_engine(
 
     Raises:
         DFlashError: bad directory or manifest, a missing or corrupt rank file, an engine whose
-            tp_size differs from ``world_size``.
+            tp_size differs from ``world_size``, an engine of a mixture-of-experts target (its
+            checkpoints are for TensorRT-LLM; this runtime runs such a target from its HF checkpoint).
     """
     d = Path(engine_dir).expanduser()
     m = read_manifest(d)
+    if m.get("moe_split"):
+        family = (m.get("target") or {}).get("family", "mixture-of-experts")
+        raise DFlashError(
+            f"running an engine of a {family} (mixture-of-experts) target is not supported yet: "
+            f"serve {d / 'hf' / 'target'} with TensorRT-LLM (trtllm/llm_api.yaml) or run it with --target"
+        )
     tp = int(m.get("tp_size", 1))
     if tp != world_size and not (tp == 1 and world_size > 1):
         raise DFlashError(

@@ -65,6 +65,7 @@ def run_plan(args) -> None:
             raise DFlashError("--target-config plans a shape alone; drop --target / --drafter")
         from ..checkpoints.zlab import drafter_config_for
 
+        # (a mixture-of-experts target is planned from these shapes by builder/moe_plan.py)
         tcfg = TargetConfig.from_hf(read_json(Path(args.target_config), "target"))
         dcfg = drafter_config_for(tcfg, 5, bc.block_size, 0)  # a 5-layer drafter, the z-lab default
     else:
