@@ -210,6 +210,30 @@ class OracleProposer(DFlashProposer):
         return out
 
 
+def check_lossless_oracle_and_drafter(target, prompts: list[list[int]], new: int, name: str) -> None:
+    """DFlash on ``target`` (a loaded target with ``.model``) equals plain decoding token for
+    token over ``new`` tokens of each prompt: with :class:`OracleProposer` at batch 1 and in
+    flight (tau above 1.5: long acceptances and mid-block rejections), and with a random drafter
+    of block size 4 for all prompts at once."""
+    from dflash_trt.checkpoints.zlab import init_drafter
+
+    ref = plain_outputs(target, prompts, new)
+    drafter = init_drafter(target.model.cfg, 1, 4, 0, seed=0)
+    stats = LoopStats(4)
+    for i, p in enumerate(prompts):  # batch 1 (sequence ids are request indices within an engine)
+        OracleProposer.continuations = [p + ref[i]]
+        got = generate(target, drafter, [Request(p, new)], 4, stats, proposer_cls=OracleProposer)[0].output_ids
+        assert got == ref[i], i
+    OracleProposer.continuations = [p + r for p, r in zip(prompts, ref)]
+    reqs = [Request(p, new) for p in prompts]
+    in_flight = [o.output_ids for o in generate(target, drafter, reqs, 4, stats, proposer_cls=OracleProposer)]
+    drafted = [o.output_ids for o in generate(target, drafter, [Request(p, new) for p in prompts], 4)]
+    same = {"oracle": in_flight == ref, "drafter": drafted == ref}
+    print(f"\n{name}: oracle tau {stats.tau:.2f}; in flight, equal to plain decoding: {same}")
+    assert stats.tau > 1.5
+    assert in_flight == ref and drafted == ref
+
+
 def burst_share(times: list[float], window: float) -> float:
     """The largest share of a stream's chunks that arrived within ``window`` seconds of each other."""
     best, j = 0, 0

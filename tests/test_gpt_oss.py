@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from helpers import OracleProposer, generate, plain_outputs
+from helpers import check_lossless_oracle_and_drafter
 from test_models import PROMPTS, save_tiny
 
 from dflash_trt.checkpoints.loader import load_target
@@ -27,7 +27,6 @@ from dflash_trt.models.config import TargetConfig
 from dflash_trt.models.moe import MoEBlock
 from dflash_trt.runtime.attention_meta import plan_packed
 from dflash_trt.runtime.kv_cache import PagedKVCache
-from dflash_trt.runtime.request import LoopStats, Request
 
 transformers = pytest.importorskip("transformers")
 
@@ -389,22 +388,9 @@ def test_mxfp4_checkpoint_equals_transformers(gpt_oss_pair, sequences, smollm2, 
 def test_dflash_equals_plain_decoding(gpt_oss_pair, smollm2):
     _, target = gpt_oss_pair
     prompts = [smollm2.tokenizer(p)["input_ids"] for p in PROMPTS]
-    new = 16  # the sequences pass the sliding window many times over
-    ref = plain_outputs(target, prompts, new)
-    drafter = init_drafter(target.model.cfg, 1, 4, 0, seed=0)
-    stats = LoopStats(4)
-    for i, p in enumerate(prompts):  # batch 1
-        OracleProposer.continuations = [p + ref[i]]
-        got = generate(target, drafter, [Request(p, new)], 4, stats, proposer_cls=OracleProposer)[0].output_ids
-        assert got == ref[i], i
-    OracleProposer.continuations = [p + r for p, r in zip(prompts, ref)]
-    reqs = [Request(p, new) for p in prompts]
-    in_flight = [o.output_ids for o in generate(target, drafter, reqs, 4, stats, proposer_cls=OracleProposer)]
-    drafted = [o.output_ids for o in generate(target, drafter, [Request(p, new) for p in prompts], 4)]
-    same = {"oracle": in_flight == ref, "drafter": drafted == ref}
-    print(f"\ngpt_oss: oracle tau {stats.tau:.2f}; in flight, equal to plain decoding: {same}")
-    assert stats.tau > 1.5
-    assert in_flight == ref and drafted == ref
+    check_lossless_oracle_and_drafter(
+        target, prompts, 16, "gpt_oss"
+    )  # the sequences pass the sliding window many times over
 
 
 def test_bad_inputs_one_line(gpt_oss_pair, smollm2, tmp_path):

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import OracleProposer, generate, max_diff, plain_outputs
+from helpers import check_lossless_oracle_and_drafter, max_diff
 from test_models import PROMPTS, full_forward, save_tiny
 
 from dflash_trt.checkpoints.loader import load_target
-from dflash_trt.checkpoints.zlab import init_drafter
 from dflash_trt.models.moe import MoEBlock
-from dflash_trt.runtime.request import LoopStats, Request
 
 transformers = pytest.importorskip("transformers")
 
@@ -96,25 +94,7 @@ def test_logits_and_features_equal_transformers(moe_pair, smollm2):
 def test_dflash_equals_plain_decoding(moe_pair, smollm2):
     _, target = moe_pair
     prompts = [smollm2.tokenizer(p)["input_ids"] for p in PROMPTS]
-    new = 16
-    ref = plain_outputs(target, prompts, new)
-    # an oracle proposer (the reference with every 5th position wrong): long acceptances and
-    # mid-block rejections; sequence ids are request indices within an engine
-    drafter = init_drafter(target.model.cfg, 1, 4, 0, seed=0)
-    stats = LoopStats(4)
-    for i, p in enumerate(prompts):  # batch 1
-        OracleProposer.continuations = [p + ref[i]]
-        got = generate(target, drafter, [Request(p, new)], 4, stats, proposer_cls=OracleProposer)[0].output_ids
-        assert got == ref[i], i
-    OracleProposer.continuations = [p + r for p, r in zip(prompts, ref)]
-    reqs = [Request(p, new) for p in prompts]
-    in_flight = [o.output_ids for o in generate(target, drafter, reqs, 4, stats, proposer_cls=OracleProposer)]
-    # and the random drafter (its drafts mostly rejected), all prompts at once
-    drafted = [o.output_ids for o in generate(target, drafter, [Request(p, new) for p in prompts], 4)]
-    same = {"oracle": in_flight == ref, "drafter": drafted == ref}
-    print(f"\nqwen3_moe: oracle tau {stats.tau:.2f}; in flight, equal to plain decoding: {same}")
-    assert stats.tau > 1.5
-    assert in_flight == ref and drafted == ref
+    check_lossless_oracle_and_drafter(target, prompts, 16, "qwen3_moe")
 
 
 def test_tensor_parallel_splits_the_experts(moe_pair):

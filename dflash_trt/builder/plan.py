@@ -192,9 +192,23 @@ def memory_plan(bc: BuildConfig, tcfg: TargetConfig, dcfg: DrafterConfig | None)
         tw = weight_bytes(tspecs, spec_shapes(tspecs, tmodel), bc.target_quant, act, tp)
     dw, dkv = drafter_plan_bytes(bc, dcfg)
     tkv = 2 * tcfg.num_layers * (tcfg.num_kv_heads // tp) * tcfg.head_dim * kvb
-    q, k, v = trtllm.qkv_sizes(tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
-    per_token = ((q + k + v) // tp + q // tp + 2 * tcfg.intermediate_size // tp + 2 * tcfg.hidden_size) * act * 2
-    logits = bc.max_batch_size * bc.block_size * (trtllm.padded_vocab(tcfg.vocab_size, tp) // tp) * 4
+    mlp_act = 2 * tcfg.intermediate_size // tp
+    return _assemble(bc, tcfg, tw, dw, tkv, dkv, mlp_act)
+
+
+def _assemble(
+    bc: BuildConfig, shape, tw: float, dw: float, tkv: float, dkv: float, mlp_act: int, **extra
+) -> MemoryPlan:
+    """The :class:`MemoryPlan` of weights ``tw`` / ``dw`` bytes and KV ``tkv`` / ``dkv`` bytes per
+    token: the workspace estimate (one ``max_num_tokens`` forward's qkv, attention output,
+    ``mlp_act`` MLP activations and the residual stream, twice, + fp32 logits of
+    ``max_batch_size x block_size`` rows over the rank's vocabulary shard) and the KV token
+    capacity left. ``shape`` has ``num_heads``, ``num_kv_heads``, ``head_dim``, ``hidden_size``,
+    ``vocab_size``; ``extra`` goes to the plan's optional fields."""
+    tp, act = bc.tp_size, dtype_bytes(bc.dtype)
+    q, k, v = trtllm.qkv_sizes(shape.num_heads, shape.num_kv_heads, shape.head_dim)
+    per_token = ((q + k + v) // tp + q // tp + mlp_act + 2 * shape.hidden_size) * act * 2
+    logits = bc.max_batch_size * bc.block_size * (trtllm.padded_vocab(shape.vocab_size, tp) // tp) * 4
     work = bc.max_num_tokens * per_token + logits
     free = bc.memory_bytes - tw - dw - work
     cap = max(0, int(free // (tkv + dkv))) if free > 0 else 0
@@ -210,6 +224,7 @@ def memory_plan(bc: BuildConfig, tcfg: TargetConfig, dcfg: DrafterConfig | None)
         kv_token_capacity=cap,
         max_seq_len=bc.max_seq_len,
         max_batch_size=bc.max_batch_size,
+        **extra,
     )
 
 
@@ -253,14 +268,8 @@ def moe_memory_plan(bc: BuildConfig, shape, dcfg: DrafterConfig | None) -> Memor
     tw = sum(by_role.values())
     dw, dkv = drafter_plan_bytes(bc, dcfg)
     tkv = mp.kv_bytes_per_token(shape, tp, dtype_bytes(bc.kv_dtype), bc.max_seq_len, bc.block_size)
-    q, k, v = trtllm.qkv_sizes(shape.num_heads, shape.num_kv_heads, shape.head_dim)
     moe_act = shape.top_k * (2 * shape.expert_intermediate // mtp + shape.hidden_size)
     mlp_act = max(moe_act, 2 * shape.dense_intermediate // tp)
-    per_token = ((q + k + v) // tp + q // tp + mlp_act + 2 * shape.hidden_size) * act * 2
-    logits = bc.max_batch_size * bc.block_size * (trtllm.padded_vocab(shape.vocab_size, tp) // tp) * 4
-    work = bc.max_num_tokens * per_token + logits
-    free = bc.memory_bytes - tw - dw - work
-    cap = max(0, int(free // (tkv + dkv))) if free > 0 else 0
     counts = mp.param_counts(shape)
     dense = "" if all(shape.sparse) else " and dense MLPs"
     n_swa = sum(w is not None for w in shape.windows)
@@ -273,18 +282,14 @@ def moe_memory_plan(bc: BuildConfig, shape, dcfg: DrafterConfig | None) -> Memor
             f"(W {w}) hold min(max_seq_len, W + block_size) = {held} tokens per sequence "
             "(TensorRT-LLM max_attention_window), averaged into the KV per token above"
         )
-    return MemoryPlan(
-        gpu=bc.device.name,
-        tp_size=tp,
-        usable_bytes=bc.memory_bytes,
-        target_weight_bytes=tw,
-        drafter_weight_bytes=dw,
-        workspace_bytes=work,
-        target_kv_bytes_per_token=tkv,
-        drafter_kv_bytes_per_token=dkv,
-        kv_token_capacity=cap,
-        max_seq_len=bc.max_seq_len,
-        max_batch_size=bc.max_batch_size,
+    return _assemble(
+        bc,
+        shape,
+        tw,
+        dw,
+        tkv,
+        dkv,
+        mlp_act,
         moe_split=(
             f"{shape.family}: moe_tp_size {mtp} x moe_ep_size {mep}: {shape.num_experts // mep} of "
             f"{shape.num_experts} experts per rank, {shape.expert_intermediate // mtp} of {shape.expert_intermediate} "
