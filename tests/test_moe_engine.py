@@ -175,9 +175,11 @@ def test_two_rank_engine_equals_tp1(moe, reference, tmp_path, name, split):
     print(f"\n{name} engine (rank files, mpiexec -n 2): {2 * len(want) - ties}/{2 * len(want)} equal TP=1, {ties} ties")
 
 
-def test_bad_engines(moe, tmp_path):
-    """A missing rank file, MoE sizes that do not give the ranks or differ from the manifest,
-    and run-time MoE sizes other than the engine's: one line each."""
+def test_bad_engines(moe, tmp_path, capsys):
+    """A missing rank file (also from the CLI: one line, non-zero exit), MoE sizes that do not
+    give the ranks or differ from the manifest, and run-time MoE sizes other than the engine's:
+    one line each."""
+    from helpers import main_error
     from test_moe_parallel import Rank
 
     from dflash_trt.runtime.distributed import attach_engine_shard
@@ -193,6 +195,10 @@ def test_bad_engines(moe, tmp_path):
     (d / "target" / "rank1.safetensors").unlink()
     with pytest.raises(DFlashError, match="rank1.safetensors is missing"):
         load_engine(d, rank=1, world_size=2)
+    one = tmp_path / "tp1"
+    shutil.copytree(moe[4]("tp1"), one)
+    (one / "target" / "rank0.safetensors").unlink()
+    assert "rank0.safetensors is missing" in main_error(capsys, "generate", "--prompt", "hi", "--engine", str(one))
     cfg_path = d / "target" / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["mapping"]["moe_ep_size"] = 2  # 2 x 2 experts splits on 2 ranks
