@@ -440,11 +440,25 @@ def assert_same_weights(ours: dict, ref: dict) -> None:
             assert torch.equal(a, b), k
 
 
-def test_moe_engine_refused_at_run_time(moe_build):
+def test_moe_engine_loads_on_every_rank(moe_build):
+    """The NVFP4 tp 4 engine (moe_tp 2 x moe_ep 2) runs as 4 ranks only; each rank's sparse layers
+    hold its 4 experts (``expert_offset`` from the EP rank) and its half of each expert's width,
+    dequantized from its own rank file ([up; gate] rows back to [gate; up])."""
     from dflash_trt.checkpoints.engine_dir import load_engine
+    from dflash_trt.quantization.nvfp4 import dequantize_nvfp4
 
-    with pytest.raises(DFlashError, match="mixture-of-experts"):
-        load_engine(moe_build[2])
+    out = moe_build[2]
+    with pytest.raises(DFlashError, match="has tp_size 4: run it as 4 ranks"):
+        load_engine(out)
+    for rank in (1, 2):
+        t, _, _ = load_engine(out, rank=rank, world_size=4)
+        m = t.model.layers[0].mlp
+        assert t.model.engine_shard.moe == (2, 2) and m.expert_offset == (rank % 2) * E // 2
+        assert m.gate_up.shape == (E // 2, IM, H) and m.down.shape == (E // 2, H, IM // 2)
+        f = load_file(str(out / "target" / f"rank{rank}.safetensors"))
+        p = "transformer.layers.0.mlp.fc."
+        fc = dequantize_nvfp4(*(f[p + k][1] for k in ("weight", "weights_scaling_factor", "weights_scaling_factor_2")))
+        assert torch.equal(m.gate_up[1], torch.cat([fc[IM // 2 :], fc[: IM // 2]]))
 
 
 def test_build_bad_splits(moe_build, tmp_path, capsys):

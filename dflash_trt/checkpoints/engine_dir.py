@@ -5,6 +5,14 @@ weights are read by their format's module (:mod:`dflash_trt.quantization`): dequ
 compute dtype (plain torch, no ModelOpt), or kept as stored under that format's run-time linear
 (FP8 GEMMs with ``fp8_gemm``, packed int4 / int8 CPU GEMMs with ``packed``). A process reads only
 the rank file of its own TP rank.
+
+A Qwen3-MoE target's stacked experts (``mlp.fc`` = ``[up; gate]`` per expert, ``mlp.proj``, the
+fp32 ``mlp.router``; :mod:`.trtllm`) become the ``MoEBlock``'s ``gate_up`` (``[gate; up]``),
+``down`` and router in the compute dtype, quantized experts dequantized one expert at a time
+(they have no run-time linear here). A rank of a tp_size N engine holds the experts and the
+intermediate slice that the engine's ``mapping`` (``moe_tp_size`` x ``moe_ep_size`` in
+``target/config.json``) gives it, as TensorRT-LLM's ``Mapping`` does. A gpt-oss engine has no
+TensorRT-LLM rank files (only ``hf/target``) and is refused.
 """
 
 from __future__ import annotations
@@ -80,15 +88,44 @@ def dequantized(tensors: dict[str, torch.Tensor], name: str, dtype: torch.dtype)
     return fmt.dequantize(tensors, name[: -len(".weight")] if name.endswith(".weight") else name, dtype)
 
 
+def dequantized_experts(tensors: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
+    """Stacked expert tensor ``name`` (``[E, out, in]`` stored: ``mlp.fc`` / ``mlp.proj``) in
+    ``dtype``; a quantized one is dequantized one expert at a time, its per-expert tensors
+    (``[E, ...]``: weights, block scales, ``weights_scaling_factor(_2)`` ``[E, 1]``) indexed by the
+    expert and its ``[1]`` activation scale shared (:mod:`.trtllm`, quantized experts)."""
+    fmt = stored_format(tensors, name)
+    if fmt is None:
+        return tensors[name].to(dtype)
+    base = name[: -len(".weight")]
+    own = {k: v for k, v in tensors.items() if k.startswith(base + ".")}
+    return torch.stack(
+        [
+            fmt.dequantize({k: v[e] if v.dim() >= 2 else v for k, v in own.items()}, base, dtype)
+            for e in range(tensors[name].shape[0])
+        ]
+    )
+
+
 def state_dict_from_rank(
     specs: list[trtllm.TensorSpec], tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Our state dict (keys and shapes of ``own``) from one full rank's tensors (tp_size 1)."""
+    """Our state dict (keys and shapes of ``own``) from one rank's tensors: a full rank (tp_size 1),
+    or a rank's own (local) shapes when ``own`` has them. Stacked experts go back from
+    TensorRT-LLM's ``[up; gate]`` rows to our ``[gate; up]`` (:func:`.trtllm.swap_halves`).
+
+    Raises:
+        DFlashError: a tensor missing from the rank file, or of another shape than ``own``'s.
+    """
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for s in specs:
         if s.name not in tensors:
             raise DFlashError(f"engine rank file lacks {s.name}")
-        t = dequantized(tensors, s.name, dtype)
+        if s.split in (trtllm.EXPERT_FC, trtllm.EXPERT_PROJ):
+            t = dequantized_experts(tensors, s.name, dtype)
+            if s.swap_halves:
+                t = trtllm.swap_halves(t)
+        else:
+            t = dequantized(tensors, s.name, dtype)
         if s.split == trtllm.VOCAB:
             t = t[: own[s.source].shape[0]]
         pieces.setdefault(s.source, []).append((s.rows[0] if s.rows else 0, t))
@@ -110,7 +147,8 @@ def quantized_modules(
     """Swap every linear whose engine weight is stored in one of ``formats`` for that format's
     run-time linear over the engine's own bytes (:attr:`WeightFormat.runtime_linears`: FP8 GEMMs,
     packed int4 / int8 CPU GEMMs), instead of the dequantized copy. Fused tensors (q/k/v, fc/gate)
-    are joined by rows and split onto our modules; a module the format cannot run stays dense.
+    are joined by rows and split onto our modules; a module the format cannot run stays dense,
+    and so do a mixture-of-experts target's stacked experts.
 
     Returns:
         how many modules were swapped.
@@ -120,8 +158,8 @@ def quantized_modules(
     """
     groups: dict[str, list[tuple[int, str]]] = {}
     for sp in specs:
-        if not sp.name.endswith(".weight"):
-            continue
+        if not sp.name.endswith(".weight") or sp.split in (trtllm.EXPERT_FC, trtllm.EXPERT_PROJ):
+            continue  # stacked experts stay dequantized (MoEBlock has no quantized GEMMs)
         fmt = stored_format(tensors, sp.name)
         if fmt is not None and fmt.name in formats and fmt.runtime_linears is not None:
             module = sp.module or sp.source[: -len(".weight")]
@@ -163,14 +201,16 @@ def unshard_rank_files(
 
 @dataclass
 class EngineShard:
-    """What a rank of a tp_size > 1 engine holds besides its layers: its rank, the group size
-    and its own rows of the (padded, vocab-parallel) embedding. The
+    """What a rank of a tp_size > 1 engine holds besides its layers: its rank, the group size,
+    its own rows of the (padded, vocab-parallel) embedding and, for a mixture-of-experts target,
+    the engine's ``(moe_tp_size, moe_ep_size)`` (None for a dense one). The
     runtime (``runtime/distributed.attach_engine_shard``) gathers the embedding over the group
     and wires the all-reduces; before that the model cannot run."""
 
     rank: int
     tp_size: int
     embed_rows: torch.Tensor
+    moe: tuple[int, int] | None = None
 
 
 def load_engine(
@@ -185,8 +225,9 @@ def load_engine(
 
     A tp_size 1 engine gives complete models. A tp_size N > 1 engine must run as N ranks
     (``world_size``): rank r reads only ``target/rank{r}.safetensors`` and gets its target
-    shard (local heads, intermediate and LM-head rows; ``model.engine_shard`` holds its
-    embedding rows, see :class:`EngineShard`). The drafter is replicated by the runtime, so every
+    shard (local heads, intermediate and LM-head rows, a mixture-of-experts target's experts and
+    expert slice of the engine's ``moe_tp_size`` x ``moe_ep_size``; ``model.engine_shard`` holds
+    its embedding rows, see :class:`EngineShard`). The drafter is replicated by the runtime, so every
     rank reassembles it from the drafter's rank files (a few MB).
 
     Args:
@@ -206,16 +247,19 @@ def load_engine(
 
     Raises:
         DFlashError: bad directory or manifest, a missing or corrupt rank file, an engine whose
-            tp_size differs from ``world_size``, an engine of a mixture-of-experts target (its
-            checkpoints are for TensorRT-LLM; this runtime runs such a target from its HF checkpoint).
+            tp_size differs from ``world_size``, a mixture-of-experts engine whose expert split
+            (``moe_tp_size`` x ``moe_ep_size`` of ``target/config.json``) is not its tp_size or
+            not its manifest's ``moe_split``, a gpt-oss engine (no TensorRT-LLM rank files: it
+            runs from its HF checkpoint).
     """
     d = Path(engine_dir).expanduser()
     m = read_manifest(d)
-    if m.get("moe_split"):
+    if m.get("target_checkpoint") == "hf/target":
         family = (m.get("target") or {}).get("family", "mixture-of-experts")
         raise DFlashError(
-            f"running an engine of a {family} (mixture-of-experts) target is not supported yet: "
-            f"serve {d / 'hf' / 'target'} with TensorRT-LLM (trtllm/llm_api.yaml) or run it with --target"
+            f"engine {d}: running an engine of a {family} (mixture-of-experts) target is not supported: it has no "
+            f"TensorRT-LLM rank files; serve {d / 'hf' / 'target'} with TensorRT-LLM (trtllm/llm_api.yaml) or run "
+            f"the original checkpoint with --target"
         )
     tp = int(m.get("tp_size", 1))
     if tp != world_size and not (tp == 1 and world_size > 1):
@@ -224,7 +268,7 @@ def load_engine(
         )
     cdt = dtype or parse_dtype(m.get("dtype", "fp32"))
     formats = (("fp8",) if fp8_gemm else ()) + (("int4", "int8") if packed else ())
-    target = with_tokenizer(_load_target(d, tp, rank, cdt, formats), d / "hf" / "target")
+    target = with_tokenizer(_load_target(d, tp, rank, cdt, formats, m), d / "hf" / "target")
     return target, _load_drafter(d, tp, cdt, formats), m
 
 
@@ -235,10 +279,62 @@ def _hf_config(d: Path, model: str) -> dict:
     return cfg
 
 
-def _load_target(d: Path, tp: int, rank: int, dtype: torch.dtype, formats: tuple[str, ...]) -> TargetModel:
+def engine_moe_split(d: Path, tcfg: TargetConfig, tp: int, manifest: dict) -> tuple[int, int] | None:
+    """``(moe_tp_size, moe_ep_size)`` of a mixture-of-experts engine from its target's
+    TensorRT-LLM ``config.json`` ``mapping`` (what the builder writes, TensorRT-LLM's ``Mapping``
+    keys); None for a dense target.
+
+    Raises:
+        DFlashError: no or unreadable ``target/config.json``, sizes missing or whose product is not
+            ``tp``, sizes other than the manifest's ``moe_split``, or that do not divide the
+            experts / the expert intermediate size.
+    """
+    if not tcfg.num_experts:
+        return None
+    mapping = read_json(d / "target" / "config.json", "engine target TensorRT-LLM").get("mapping") or {}
+    mtp, mep = mapping.get("moe_tp_size"), mapping.get("moe_ep_size")
+    if not isinstance(mtp, int) or not isinstance(mep, int) or mtp < 1 or mep < 1 or mtp * mep != tp:
+        raise DFlashError(
+            f"engine {d}: target/config.json mapping moe_tp_size {mtp} x moe_ep_size {mep} does not give its "
+            f"tp_size {tp} ranks; rebuild the engine"
+        )
+    split = manifest.get("moe_split") or {}
+    if (split.get("moe_tp_size"), split.get("moe_ep_size")) != (mtp, mep):
+        raise DFlashError(
+            f"engine {d}: engine.json moe_split {split} differs from target/config.json's moe_tp_size {mtp} x "
+            f"moe_ep_size {mep}; rebuild the engine"
+        )
+    if tcfg.num_experts % mep or tcfg.moe_intermediate_size % mtp:
+        raise DFlashError(
+            f"engine {d}: moe_ep_size {mep} / moe_tp_size {mtp} do not divide the target's {tcfg.num_experts} "
+            f"experts / expert intermediate size {tcfg.moe_intermediate_size}; rebuild the engine"
+        )
+    return mtp, mep
+
+
+def _local_experts(model: TargetModel, tcfg: TargetConfig, rank: int, moe: tuple[int, int]) -> None:
+    """Give every sparse layer of ``model`` (built with the local ``moe_intermediate_size``) rank
+    ``rank``'s experts: ``gate_up`` / ``down`` of ``E / moe_ep_size`` experts starting at
+    ``expert_offset`` (TensorRT-LLM ``Mapping.ep_experts``; filled in by the rank file), the router
+    over all ``E`` experts (replicated)."""
+    mtp, mep = moe
+    _, ep_rank = trtllm.moe_ranks(rank, mep)
+    ne = tcfg.num_experts // mep
+    for i, layer in enumerate(model.layers):
+        if tcfg.is_moe_layer(i):
+            m = layer.mlp
+            m.gate_up = torch.nn.Parameter(m.gate_up.new_empty(ne, *m.gate_up.shape[1:]))
+            m.down = torch.nn.Parameter(m.down.new_empty(ne, *m.down.shape[1:]))
+            m.expert_offset = ep_rank * ne
+
+
+def _load_target(
+    d: Path, tp: int, rank: int, dtype: torch.dtype, formats: tuple[str, ...], manifest: dict
+) -> TargetModel:
     """The target (tp 1) or its rank-``rank`` shard, in ``dtype``, linears of ``formats`` run
     as their format's run-time linears (see :func:`load_engine`)."""
     tcfg = TargetConfig.from_hf(_hf_config(d, "target"))
+    moe = engine_moe_split(d, tcfg, tp, manifest)
     tt = load_safetensors_file(d / "target" / f"rank{rank if tp > 1 else 0}.safetensors", "engine target")
     specs = trtllm.target_specs(tcfg)
     if tp == 1:
@@ -253,15 +349,18 @@ def _load_target(d: Path, tp: int, rank: int, dtype: torch.dtype, formats: tuple
             num_heads=tcfg.num_heads // tp,
             num_kv_heads=tcfg.num_kv_heads // tp,
             intermediate_size=tcfg.intermediate_size // tp,
+            **({"moe_intermediate_size": tcfg.moe_intermediate_size // moe[0]} if moe else {}),
         )
         head = dequantized(tt, "lm_head.weight", dtype)
         with skip_random_init():  # every weight is loaded below
             model = TargetModel(local)
             model.lm_head = torch.nn.Linear(tcfg.hidden_size, head.shape[0], bias=False)  # unties a tied head
+            if moe:
+                _local_experts(model, tcfg, rank, moe)
         sd = state_dict_from_rank([sp for sp in specs if sp.split != trtllm.VOCAB], tt, model.state_dict(), dtype)
         sd["lm_head.weight"] = head
         sd["embed.weight"] = torch.zeros_like(model.embed.weight, dtype=dtype)  # gathered by the runtime
-        model.engine_shard = EngineShard(rank, tp, dequantized(tt, "transformer.vocab_embedding.weight", dtype))
+        model.engine_shard = EngineShard(rank, tp, dequantized(tt, "transformer.vocab_embedding.weight", dtype), moe)
     model.load_state_dict(sd, strict=True)
     model = model.to(dtype).eval()
     quantized_modules(model, specs, tt, formats)

@@ -66,7 +66,9 @@ its part of the routed experts' outputs, and the all-reduce after the MLP sums t
 Weights: from a tp 1 checkpoint or engine each rank loads everything and slices it
 (:func:`shard_target`; uneven splits allowed). An engine directory built with
 ``dflash-trt build --tp N`` (TensorRT-LLM layout, even splits, vocab padded) runs as N ranks,
-rank r reading only ``target/rank{r}.safetensors`` (``checkpoints.engine_dir.load_engine``);
+rank r reading only ``target/rank{r}.safetensors`` (``checkpoints.engine_dir.load_engine``; a
+mixture-of-experts engine's rank holds the experts and the intermediate slice of the engine's
+``moe_tp_size`` x ``moe_ep_size``, the same split as above);
 :func:`attach_engine_shard` gathers its vocab-split embedding once into the replicated one.
 
 Numerics: the row-parallel outputs are summed over ranks in another order than one GEMM sums
@@ -545,7 +547,8 @@ def tp_runner(
     K = config.speculative.block_size
     check_block_size(drafter, K)
     if getattr(target, "engine_shard", None) is not None:
-        attach_engine_shard(target, tp)  # a tp_size N engine: this rank read its own file
+        par = config.parallel  # a tp_size N engine: this rank read its own file
+        attach_engine_shard(target, tp, par.moe_tensor_parallel_size, par.moe_expert_parallel_size)
     elif getattr(target, "tp", None) is None:  # a tp_size 1 checkpoint: split it here
         par = config.parallel
         shard_target(target, tp, par.moe_tensor_parallel_size, par.moe_expert_parallel_size)
@@ -602,19 +605,35 @@ class TPEngines:
 
 
 @torch.no_grad()
-def attach_engine_shard(model: TargetModel, tp: TPGroup) -> TargetModel:
+def attach_engine_shard(
+    model: TargetModel, tp: TPGroup, moe_tp_size: int | None = None, moe_ep_size: int | None = None
+) -> TargetModel:
     """Make a target shard read from a tp_size N engine (``load_engine(..., rank=r,
     world_size=N)``: rank r's own file only) runnable on the group: the vocab-parallel
     embedding rows are gathered into a full, replicated embedding (as :func:`shard_target`
-    keeps it), every layer all-reduces after ``o`` and ``down``, and the LM head's local rows
-    are gathered to full logits (the vocabulary padding trimmed). Returns ``model``.
+    keeps it), every layer all-reduces after ``o`` and ``down`` (a sparse layer after its
+    experts, whose split the engine fixed), and the LM head's local rows are gathered to full
+    logits (the vocabulary padding trimmed). Returns ``model``.
+
+    Args:
+        moe_tp_size, moe_ep_size: the run's MoE sizes (``ParallelConfig``), None when not set; a
+            mixture-of-experts engine's rank files fix its split, so set ones must be the engine's.
 
     Raises:
         DFlashError: the shard was written for another rank or group size.
+        ConfigError: MoE sizes set for the run that are not the engine's.
     """
     sh = model.engine_shard
     if (sh.rank, sh.tp_size) != (tp.rank, tp.size):
         raise DFlashError(f"engine shard of rank {sh.rank}/{sh.tp_size} loaded on rank {tp.rank}/{tp.size}")
+    if sh.moe is not None and (moe_tp_size, moe_ep_size) != (None, None):
+        want = moe_parallel_sizes(tp.size, moe_tp_size, moe_ep_size)
+        if want != sh.moe:
+            raise ConfigError(
+                "moe_expert_parallel_size",
+                f"{want[1]} x moe_tensor_parallel_size {want[0]} differs from the engine's moe_ep_size {sh.moe[1]} "
+                f"x moe_tp_size {sh.moe[0]} (its rank files fix the split): leave both unset or rebuild the engine",
+            )
     rows = sh.embed_rows.to(tp.device)
     full = tp.all_gather_last(rows.t().contiguous()).t()[: model.cfg.vocab_size]
     model.embed.weight.copy_(full)
