@@ -21,9 +21,17 @@ alpha 1.702). The checkpoint's interleaved gate/up columns are split into [gate;
 The forward groups the tokens by expert and runs one pair of GEMMs per expert that any token
 picked, in increasing expert id, adding into the output in that order (transformers' order, so
 fp32 outputs agree with its eager path to rounding). Picking the experts reads the routing on
-the host: CUDA graphs and torch.compile do not cover this layer yet. On CUDA, a rank that holds
-every expert runs them all in one grouped GEMM pair instead (``kernels/moe_grouped.py``: no host
-read; a token's expert outputs added in slot order in fp32). Under tensor or expert
+the host, which neither torch.compile nor a CUDA graph can follow; so while torch.compile traces
+the forward (``--compile``), while a CUDA graph captures it, and on the CUDA-graph path's static
+buffers (:func:`static_experts`, ``runtime/cuda_graphs.py``; on the CPU too, uncaptured) the
+layer takes a static-shape path instead (:meth:`MoEBlock.forward_static`): every expert this
+rank holds over every token (``E_local / top_k`` times the routed FLOPs: meant for decode and
+verify steps and small targets), then each token's picks weighted and added in increasing expert
+id as above; its outputs equal the eager path's to rounding. On CUDA, a rank that holds every
+expert runs them all in one grouped GEMM pair instead, eager, compiled or captured
+(``kernels/moe_grouped.py``: no host read; a token's expert outputs added in slot order in fp32;
+its torch reference, which reads the host, gives way to the static path when compiling or
+capturing). Under tensor or expert
 parallelism (``runtime/distributed.shard_target``) a rank holds a slice of each expert, or the
 experts ``[expert_offset, expert_offset + len(gate_up))`` only, and skips the others.
 
@@ -32,17 +40,43 @@ the expert GEMMs run through ``dflash_cpu::bi_linear_packed`` (each expert's wei
 its first use), whose per-row arithmetic does not depend
 on the other rows; the routing is row-wise and a token's expert outputs are added in expert-id
 order whatever else is in the batch, so a token's output does not depend on the batch either.
+The static path keeps that property: its GEMMs are ``dflash_cpu::bi_linear`` over the unpacked
+weights (no packing inside a compiled graph).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .batch_invariant import weight_identity
+
+#: set inside :func:`static_experts`
+_STATIC = False
+
+
+@contextmanager
+def static_experts() -> Iterator[None]:
+    """Within it, MoE layers take their static-shape path (:meth:`MoEBlock.forward_static`) even
+    when eager: the CUDA-graph path's forwards (``runtime/cuda_graphs.py``), captured or not."""
+    global _STATIC
+    before, _STATIC = _STATIC, True
+    try:
+        yield
+    finally:
+        _STATIC = before
+
+
+def _static_wanted(h: torch.Tensor) -> bool:
+    """torch.compile is tracing, a CUDA graph is capturing, or :func:`static_experts` is on."""
+    # is_compiling first: dynamo then reads no global (no guard on _STATIC)
+    if torch.compiler.is_compiling() or _STATIC:
+        return True
+    return h.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class MoEBlock(nn.Module):
@@ -167,11 +201,57 @@ class MoEBlock(nn.Module):
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
+    def forward_static(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The experts of routed rows with static shapes and no host read (module docstring):
+        ``h [N, hidden]``, ``weights [N, top_k]`` in ``h.dtype`` and ``ids`` int64 ``[N, top_k]``
+        (:meth:`route`) to ``[N, hidden]`` in ``h.dtype``. Every expert this rank holds runs
+        over all ``N`` rows (batched GEMMs, or in batch-invariant mode on the CPU
+        ``dflash_cpu::bi_linear``); a token's picks among them are weighted in ``h.dtype`` and
+        added to zeros in increasing expert id (the eager loop's ``index_add_`` order); other
+        ranks' experts add nothing. Memory: ``[E_local, N, 2 * intermediate]`` activations."""
+        n, k = ids.shape
+        first, local, inter = self.expert_offset, self.gate_up.shape[0], self.intermediate
+        if self.batch_invariant and h.device.type == "cpu":
+            op = torch.ops.dflash_cpu.bi_linear  # row-wise: each row's outputs whatever the rows
+            gu_bias = None if self.gate_up_bias is None else self.gate_up_bias.reshape(-1)
+            gu = op(h, self.gate_up.reshape(-1, h.shape[1]), gu_bias).view(n, local, 2 * inter).transpose(0, 1)
+            mid = self.act(gu[..., :inter], gu[..., inter:])
+            dn_bias = [None] * local if self.down_bias is None else self.down_bias
+            y = torch.stack([op(mid[e].contiguous(), self.down[e], dn_bias[e]) for e in range(local)])
+        else:
+            hb = h.expand(local, n, h.shape[1])
+            if self.gate_up_bias is None:
+                gu = torch.bmm(hb, self.gate_up.transpose(1, 2))
+            else:
+                gu = torch.baddbmm(self.gate_up_bias[:, None], hb, self.gate_up.transpose(1, 2))
+            mid = self.act(gu[..., :inter], gu[..., inter:])
+            if self.down_bias is None:
+                y = torch.bmm(mid, self.down.transpose(1, 2))
+            else:
+                y = torch.baddbmm(self.down_bias[:, None], mid, self.down.transpose(1, 2))
+        # y [E_local, N, hidden]: each expert's output for every row
+        lid, perm = torch.sort(ids - first, dim=-1)  # each token's experts in increasing id
+        w = weights.gather(1, perm)
+        mine = (lid >= 0) & (lid < local)
+        rows = torch.arange(n, device=h.device)
+        out = torch.zeros_like(h)
+        for j in range(k):
+            yj = y[lid[:, j].clamp(0, local - 1), rows] * w[:, j, None]
+            out = out + torch.where(mine[:, j, None], yj, 0.0)
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])
         weights, ids = self.route(h)
+        static = _static_wanted(h)
         if h.device.type == "cuda" and self.gate_up.shape[0] == self.gate.out_features:
-            return self._grouped(h, weights, ids).view(x.shape)
+            from ..kernels.moe_grouped import pick_impl
+
+            # the grouped kernels read no host value; their torch reference does
+            if not static or pick_impl(h.device, h.dtype, h.shape[1], self.intermediate) != "torch":
+                return self._grouped(h, weights, ids).view(x.shape)
+        if static:
+            return self.forward_static(h, weights, ids).view(x.shape)
         invariant = self.batch_invariant and h.device.type == "cpu"
         out = torch.zeros_like(h)
         first, local = self.expert_offset, self.gate_up.shape[0]

@@ -30,6 +30,11 @@ buffers, and each "replay" runs the forward on those buffers and copies its resu
 output buffers, so everything but the capture itself (padding, bucket choice, buffer reuse and
 the copies out) is tested on the CPU against eager decoding.
 
+Mixture-of-experts targets (Qwen3-MoE, gpt-oss) run their expert layers on the static-shape
+path of ``models/moe.py`` inside the graphs (:func:`~dflash_trt.models.moe.static_experts`:
+no host read of the routing), on the CPU too; gpt-oss's sliding-window layers read the padded
+``sliding_mask`` (:func:`pad_decode_meta`).
+
 Limits: the drafter's forward is not captured (its context length varies per iteration); no
 graphs under tensor parallelism (the CLI refuses the combination).
 """
@@ -43,6 +48,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models.layers import AttentionMetadata
+from ..models.moe import static_experts
 from ..models.target import TargetOutput
 from .attention_meta import MetaPlan
 
@@ -94,9 +100,14 @@ def pad_decode_meta(
     fully masked. ``max_position`` is ``keys - 1``: the RoPE tables are sized for the bucket
     once, so a replay never rebuilds them.
 
+    A target with sliding-window layers (gpt-oss) has ``meta.sliding_mask`` (and ``window``)
+    planned too (``plan_packed``'s ``target_window``): it is padded the same way into
+    ``sliding_mask`` bool ``[batch, 1, q, keys]`` (``out`` must then have one).
+
     Returns:
         metadata with ``positions`` / ``write_slots`` int64 ``[1, batch * q]``, ``read_slots``
-        int64 ``[batch, keys]``, ``mask`` bool ``[batch, 1, q, keys]``, ``uniform`` True.
+        int64 ``[batch, keys]``, ``mask`` bool ``[batch, 1, q, keys]``, ``uniform`` True, and
+        ``sliding_mask`` / ``window`` when ``meta`` has them.
 
     Raises:
         ValueError: ``meta`` is not uniform, or is larger than the bucket.
@@ -117,6 +128,8 @@ def pad_decode_meta(
             max_position=keys - 1,
             uniform=True,
         )
+        if meta.sliding_mask is not None:
+            out.sliding_mask, out.window = torch.ones_like(out.mask), meta.window
     else:
         out.positions.zero_()
         out.write_slots.fill_(spare_slot)
@@ -127,6 +140,12 @@ def pad_decode_meta(
     out.read_slots[:seqs, :cols] = meta.read_slots
     out.mask[:seqs] = False
     out.mask[:seqs, :, :, :cols] = meta.mask
+    if meta.sliding_mask is not None:  # the same padding (padded sequences see all their keys)
+        if out.sliding_mask is None or out.window != meta.window:
+            raise ValueError(f"the graph's metadata has no sliding-window mask for window {meta.window}")
+        out.sliding_mask.fill_(True)
+        out.sliding_mask[:seqs] = False
+        out.sliding_mask[:seqs, :, :, :cols] = meta.sliding_mask
     return out
 
 
@@ -171,7 +190,9 @@ class _Graph:
         self.tables = (target.rope.cos_table, target.rope.sin_table)
 
     def _forward(self) -> TargetOutput:
-        return self.forward(self.ids, self.meta, self.pools, self.capture, hidden_only=True)
+        # MoE layers take their static-shape expert path (no host read of the routing: capturable)
+        with static_experts():
+            return self.forward(self.ids, self.meta, self.pools, self.capture, hidden_only=True)
 
     def replay(self, ids: torch.Tensor, meta: AttentionMetadata) -> TargetOutput:
         """Write the padded ids and the unpadded ``meta`` into the static buffers (padding them
