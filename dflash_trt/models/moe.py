@@ -27,7 +27,8 @@ buffers (:func:`static_experts`, ``runtime/cuda_graphs.py``; on the CPU too, unc
 layer takes a static-shape path instead (:meth:`MoEBlock.forward_static`): every expert this
 rank holds over every token (``E_local / top_k`` times the routed FLOPs: meant for decode and
 verify steps and small targets), then each token's picks weighted and added in increasing expert
-id as above; its outputs equal the eager path's to rounding. On CUDA, a rank that holds every
+id as above; its outputs equal the eager path's to rounding (bit for bit in the batch-invariant
+mode, eager: ``tests/test_moe_graphs.py``). On CUDA, a rank that holds every
 expert runs them all in one grouped GEMM pair instead, eager, compiled or captured
 (``kernels/moe_grouped.py``: no host read; a token's expert outputs added in slot order in fp32;
 its torch reference, which reads the host, gives way to the static path when compiling or
