@@ -91,20 +91,21 @@ def _static_calls(monkeypatch) -> list[int]:
 
 def test_compiled_path_equals_eager(target, monkeypatch):
     """Batch 1 (the in-flight compiled path is the dense targets' subject, test_compiled.py;
-    every batch shape is more graphs for dynamo to trace)."""
+    every batch shape is more graphs for dynamo to trace). The eager expert loop would break
+    dynamo's graph at every MoE layer (``torch.unique(...).tolist()``): no graph break means the
+    static path was traced."""
     prompts = _prompts()[1:]
     drafter = init_drafter(target.cfg, 1, 4, MASK, seed=0)
     ref = plain_outputs(target, prompts, NEW, stop_token_ids=())  # fp32: batch-invariant mode on
     monkeypatch.setattr(compiled_module, "BACKEND", "eager")
     breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
-    calls = _static_calls(monkeypatch)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         plain = plain_outputs(target, prompts, NEW, compile=True, stop_token_ids=())
         reqs = [Request(p, NEW) for p in prompts]
         dflash = [o.output_ids for o in generate(target, drafter, reqs, 4, compile=True, stop_token_ids=())]
     compiled_graphs = counters["stats"]["unique_graphs"] - graphs
-    print(f"\n{target.cfg.family} compiled: {compiled_graphs} graphs, static expert calls traced {calls[0]}")
-    assert compiled_graphs > 0 and calls[0] > 0, "the compiled path compiled nothing"
+    print(f"\n{target.cfg.family} compiled: {compiled_graphs} graphs")
+    assert compiled_graphs > 0, "the compiled path compiled nothing"
     assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
     assert all(len(r) == NEW for r in ref)
     assert plain == ref and dflash == ref
