@@ -77,10 +77,10 @@ SIZES_FULL_ENDS = [2, 0, 0, 9, 4]  # the first and the last expert non-empty, E 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("act", ["none", "swiglu", "clamped_swiglu_oai"])
+@pytest.mark.parametrize("act", ["none", "swiglu", "clamped_swiglu"])
 @pytest.mark.parametrize("sizes", [SIZES, SIZES_FULL_ENDS], ids=["empty-ends", "full-ends"])
 def test_triton_grouped_gemm_matches_definition(sizes, dtype, act, record_property):
-    bias = act == "clamped_swiglu_oai"
+    bias = act == "clamped_swiglu"
     x, ends, w, b = ragged(sizes, 72, 80, dtype, seed=len(act), bias=bias)  # K: 2 tiles of 64, out: 2 of 64
     want = definition_rows(x, ends, w, b, act)
     tri = mg.grouped_gemm_triton(x, ends, w, b, act, ALPHA, LIMIT)
@@ -93,9 +93,9 @@ def test_triton_grouped_gemm_matches_definition(sizes, dtype, act, record_proper
 
 
 @pytest.mark.parametrize("dtype", grouped_mm_dtypes(), ids=str)
-@pytest.mark.parametrize("act", ["swiglu", "clamped_swiglu_oai"])
+@pytest.mark.parametrize("act", ["swiglu", "clamped_swiglu"])
 def test_grouped_mm_expert_mlp_matches_definition(dtype, act):
-    bias = act == "clamped_swiglu_oai"
+    bias = act == "clamped_swiglu"
     x, ends, gate_up, gb = ragged(SIZES, 64, 2 * 48, dtype, seed=7, bias=bias)
     g = torch.Generator().manual_seed(8)
     down = (torch.randn(len(SIZES), 64, 48, generator=g) * 48**-0.5).to(dtype).to(DEVICE)
@@ -189,7 +189,7 @@ def test_clamped_swiglu_with_biases_equals_transformers_gpt_oss_experts():
         gate_up_bias = torch.cat([gb[..., ::2], gb[..., 1::2]], -1)
         down = hf.down_proj.detach().transpose(1, 2).contiguous()  # [E, H, I]
         db = hf.down_proj_bias.detach()
-        args = dict(gate_up_bias=gate_up_bias, down_bias=db, act="clamped_swiglu_oai", alpha=ALPHA, limit=LIMIT)
+        args = dict(gate_up_bias=gate_up_bias, down_bias=db, act="clamped_swiglu", alpha=ALPHA, limit=LIMIT)
         h = x @ gu[0]
         assert (h.abs() > LIMIT).any(), "the clamp must bite somewhere"
         for impl in ("torch", "triton") + (("grouped_mm",) if not CUDA else ()):

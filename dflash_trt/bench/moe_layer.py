@@ -36,10 +36,10 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from ..models.moe import expert_activation
 from .moe_speedup import PRESETS, MoETarget, expected_experts_touched
 
 #: expert weight formats :class:`MoELayer` builds
@@ -155,13 +155,10 @@ class MoELayer(nn.Module):
         return linear_bytes(self.gate_up[0]) + linear_bytes(self.down[0])
 
     def _act(self, gu: torch.Tensor) -> torch.Tensor:
-        if self.target.activation == "gpt_oss":
-            gate, up = gu[:, ::2], gu[:, 1::2]
-            gate = gate.clamp(max=SWIGLU_LIMIT)
-            up = up.clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
-            return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
+        if self.target.activation == "gpt_oss":  # interleaved rows: even gate, odd up
+            return expert_activation(gu[:, ::2], gu[:, 1::2], "clamped_swiglu", SWIGLU_ALPHA, SWIGLU_LIMIT)
         gate, up = gu.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return expert_activation(gate, up, "swiglu", SWIGLU_ALPHA, SWIGLU_LIMIT)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ Weights are stacked per expert in ``nn.Linear`` orientation, as ``models/moe.py`
 ``gate_up_bias [E, 2I]`` and ``down_bias [E, H]`` (gpt-oss). Activations (``act``):
 
 - ``"swiglu"``: ``silu(gate) * up`` (Qwen3-MoE, transformers' ``Qwen3MoeMLP``);
-- ``"clamped_swiglu_oai"``: ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
+- ``"clamped_swiglu"``: ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
   ``(up + 1) * gate * sigmoid(alpha * gate)`` (gpt-oss: OpenAI's reference ``swiglu``,
   transformers' ``GptOssExperts``; alpha 1.702, limit 7.0).
 
@@ -50,7 +50,7 @@ try:
 except ImportError:  # pragma: no cover - the references need no triton
     triton = None
 
-ACTS = {"none": 0, "swiglu": 1, "clamped_swiglu_oai": 2}
+ACTS = {"none": 0, "swiglu": 1, "clamped_swiglu": 2}
 IMPLS = ("auto", "grouped_mm", "triton", "torch")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -101,14 +101,11 @@ def combine_slots(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Te
 
 # ------------------------------------------------------------------------------- activations
 def activation(gate: torch.Tensor, up: torch.Tensor, act: str, alpha: float, limit: float) -> torch.Tensor:
-    """The gated activation of the module docstring, in the inputs' dtype (fp32 in, fp32 out)."""
-    if act == "swiglu":
-        return F.silu(gate) * up
-    if act == "clamped_swiglu_oai":
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-        return (up + 1) * gate * torch.sigmoid(gate * alpha)
-    raise DFlashError(f"unknown MoE activation {act!r}; choose from swiglu, clamped_swiglu_oai")
+    """The gated activation of the module docstring, in the inputs' dtype (fp32 in, fp32 out):
+    the model's own (:func:`~dflash_trt.models.moe.expert_activation`)."""
+    from ..models.moe import expert_activation
+
+    return expert_activation(gate, up, act, alpha, limit)
 
 
 # --------------------------------------------------------------------------- the torch paths
@@ -283,9 +280,9 @@ def grouped_gemm_triton(
         w: ``[E, out, K]`` in ``x_sorted``'s dtype (``nn.Linear`` orientation per expert).
         bias: optional ``[E, out]``.
         act: ``"none"``: result ``x @ w[e].T (+ bias[e])``, ``[N, out]``; ``"swiglu"`` or
-            ``"clamped_swiglu_oai"``: ``w``'s rows are [gate; up], the result is the activation,
+            ``"clamped_swiglu"``: ``w``'s rows are [gate; up], the result is the activation,
             ``[N, out / 2]``.
-        alpha, limit: of ``"clamped_swiglu_oai"``.
+        alpha, limit: of ``"clamped_swiglu"``.
         out_dtype: result dtype (default ``x_sorted``'s).
 
     Returns:
@@ -386,7 +383,7 @@ def expert_mlp(
 def _check(x, expert_ids, weights, gate_up, down, gate_up_bias, down_bias, act, impl) -> None:
     """One-line :class:`DFlashError` for inputs :func:`grouped_experts` cannot take."""
     if act not in ACTS or act == "none":
-        raise DFlashError(f"unknown MoE activation {act!r}; choose from swiglu, clamped_swiglu_oai")
+        raise DFlashError(f"unknown MoE activation {act!r}; choose from swiglu, clamped_swiglu")
     if impl not in IMPLS:
         raise DFlashError(f"unknown MoE implementation {impl!r}; choose from {', '.join(IMPLS)}")
     if x.dim() != 2:
@@ -457,7 +454,7 @@ def grouped_experts(
         weights: float ``[T, k]`` routing weights (any float dtype; used in fp32).
         gate_up: ``[E, 2I, H]`` ([gate; up] rows), ``down``: ``[E, H, I]``, in ``x``'s dtype
             and on its device; ``gate_up_bias [E, 2I]``, ``down_bias [E, H]`` optional.
-        act: ``"swiglu"`` or ``"clamped_swiglu_oai"`` (``alpha``, ``limit``; module docstring).
+        act: ``"swiglu"`` or ``"clamped_swiglu"`` (``alpha``, ``limit``; module docstring).
         impl: ``"auto"`` (:func:`pick_impl`), ``"grouped_mm"``, ``"triton"`` or ``"torch"``.
 
     Returns:

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import DFlashError
 from .batch_invariant import weight_identity
 
 #: set inside :func:`static_experts`
@@ -70,6 +71,24 @@ def static_experts() -> Iterator[None]:
         yield
     finally:
         _STATIC = before
+
+
+def expert_activation(gate: torch.Tensor, up: torch.Tensor, kind: str, alpha: float, limit: float) -> torch.Tensor:
+    """An expert's gated activation, in the inputs' dtype: ``"swiglu"`` ``silu(gate) * up``
+    (Qwen3-MoE), or ``"clamped_swiglu"`` (gpt-oss: OpenAI's reference ``swiglu``, transformers'
+    ``GptOssExperts``) ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``,
+    ``(u + 1) * g * sigmoid(alpha * g)`` (alpha 1.702, limit 7.0).
+
+    Raises:
+        DFlashError: another ``kind``.
+    """
+    if kind == "swiglu":
+        return F.silu(gate) * up
+    if kind == "clamped_swiglu":
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    raise DFlashError(f"unknown MoE activation {kind!r}; choose from swiglu, clamped_swiglu")
 
 
 def _static_wanted(h: torch.Tensor) -> bool:
@@ -180,7 +199,6 @@ class MoEBlock(nn.Module):
         in slot order in fp32."""
         from ..kernels.moe_grouped import grouped_experts
 
-        act = "swiglu" if self.activation == "swiglu" else "clamped_swiglu_oai"
         return grouped_experts(
             h,
             ids,
@@ -189,18 +207,14 @@ class MoEBlock(nn.Module):
             self.down,
             gate_up_bias=self.gate_up_bias,
             down_bias=self.down_bias,
-            act=act,
+            act=self.activation,
             alpha=self.alpha,
             limit=self.limit,
         )
 
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """The experts' activation: ``silu(gate) * up``, or gpt-oss's clamped SwiGLU (module docstring)."""
-        if self.activation == "swiglu":
-            return F.silu(gate) * up
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        """The experts' activation (:func:`expert_activation` with this block's settings)."""
+        return expert_activation(gate, up, self.activation, self.alpha, self.limit)
 
     def forward_static(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The experts of routed rows with static shapes and no host read (module docstring):
