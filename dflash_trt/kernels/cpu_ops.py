@@ -148,6 +148,4 @@ def bi_attention(
         ``[S, H, T, D]`` fp32 (a query with no visible key gets zeros).
     """
     load()
-    if sinks is None:
-        return torch.ops.dflash_cpu.bi_attention(q, k, v, mask, scale)
     return torch.ops.dflash_cpu.bi_attention(q, k, v, mask, scale, sinks)
