@@ -89,6 +89,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoints.trtllm import moe_ranks
 from ..errors import ConfigError, DFlashError
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
@@ -467,7 +468,8 @@ def _moe_shard(model: TargetModel, n: int, r: int, moe_tp: int | None, moe_ep: i
             f"{moe_tp} does not divide the {cfg.family} target's expert intermediate size {inter}",
         )
     ne, ni = E // moe_ep, inter // moe_tp
-    return (r % moe_ep) * ne, ne, (r // moe_ep) * ni, ni
+    tp_rank, ep_rank = moe_ranks(r, moe_ep)
+    return ep_rank * ne, ne, tp_rank * ni, ni
 
 
 def _shard_experts(m, e0: int, ne: int, i0: int, ni: int) -> None:
