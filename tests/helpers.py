@@ -210,15 +210,15 @@ class OracleProposer(DFlashProposer):
         return out
 
 
-def check_lossless_oracle_and_drafter(target, prompts: list[list[int]], new: int, name: str) -> None:
+def check_lossless_oracle_and_drafter(target, prompts: list[list[int]], new: int, name: str, drafter=None) -> None:
     """DFlash on ``target`` (a loaded target with ``.model``) equals plain decoding token for
     token over ``new`` tokens of each prompt: with :class:`OracleProposer` at batch 1 and in
-    flight (tau above 1.5: long acceptances and mid-block rejections), and with a random drafter
-    of block size 4 for all prompts at once."""
+    flight (tau above 1.5: long acceptances and mid-block rejections), and with ``drafter``
+    (block size 4; default a random 1-layer one) for all prompts at once."""
     from dflash_trt.checkpoints.zlab import init_drafter
 
     ref = plain_outputs(target, prompts, new)
-    drafter = init_drafter(target.model.cfg, 1, 4, 0, seed=0)
+    drafter = drafter or init_drafter(target.model.cfg, 1, 4, 0, seed=0)
     stats = LoopStats(4)
     for i, p in enumerate(prompts):  # batch 1 (sequence ids are request indices within an engine)
         OracleProposer.continuations = [p + ref[i]]

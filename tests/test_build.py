@@ -274,6 +274,24 @@ def test_engine_directory_layout(built, smollm2):
         [] if plugins["tokens_per_block"] == 32 else [f"tokens_per_block {plugins['tokens_per_block']}"]
     )
     assert [u.split(":")[0] for u in plugins["unsupported"]] == expect_unsupported
+    from dflash_trt.checkpoints.zlab import load_drafter
+
+    shipped = load_drafter(default_drafter_path(smollm2, True)).cfg
+    assert plugins["layer_windows"] == [shipped.sliding_window or 0] * shipped.num_layers
+
+
+def test_plugins_name_the_drafter_layers_the_kernels_cannot_run():
+    """A drafter of z-lab's gpt-oss layout (a causal sliding layer, a full one): the plugins get
+    each layer's window, and the causal layer is listed as unsupported (the torch runtime drafts it)."""
+    from test_zlab import make_drafter, tiny_target
+
+    from dflash_trt.builder.builder import plugins_json
+    from dflash_trt.builder.config import BuildConfig
+
+    dcfg = make_drafter(tiny_target(), layers=2, block=8, sliding_window=12, layout="gpt-oss").cfg
+    plugins = json.loads(json.dumps(plugins_json(BuildConfig(name="t", block_size=8), dcfg)))
+    assert plugins["layer_windows"] == [12, 0] and plugins["sliding_window"] == 12
+    assert any(u.startswith("causal drafter layers") for u in plugins["unsupported"])
 
 
 def test_tp_shards_reassemble_to_modelopt_quantization(built, smollm2):

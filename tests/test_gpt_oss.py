@@ -386,11 +386,15 @@ def test_mxfp4_checkpoint_equals_transformers(gpt_oss_pair, sequences, smollm2, 
 
 
 def test_dflash_equals_plain_decoding(gpt_oss_pair, smollm2):
+    """The sequences pass the target's sliding window many times over; the drafter has z-lab's
+    gpt-oss layout (a causal sliding layer, window 6, then a full one)."""
+    from test_zlab import with_layout
+
     _, target = gpt_oss_pair
     prompts = [smollm2.tokenizer(p)["input_ids"] for p in PROMPTS]
-    check_lossless_oracle_and_drafter(
-        target, prompts, 16, "gpt_oss"
-    )  # the sequences pass the sliding window many times over
+    drafter = with_layout(init_drafter(target.model.cfg, 2, 4, 0, seed=0, sliding_window=6), "gpt-oss")
+    assert drafter.cfg.layer_kinds == ((True, 6), (False, None))
+    check_lossless_oracle_and_drafter(target, prompts, 16, "gpt_oss", drafter)
 
 
 def test_bad_inputs_one_line(gpt_oss_pair, smollm2, tmp_path):
@@ -450,16 +454,22 @@ ZLAB_GPT_OSS_20B = {
 def test_zlab_gpt_oss_drafter_config():
     """A gpt-oss drafter config means what transformers' ``GptOssConfig`` makes of it: its RoPE
     (YaRN, never written in the file) equals transformers' bitwise, ``num_target_layers`` may be
-    absent, ``model_type`` survives a round trip; a file without ``layer_types`` (so mixed
-    sliding and full layers by default) is refused in one line."""
+    absent, ``model_type`` survives a round trip; a file without ``layer_types`` gets
+    ``GptOssConfig``'s (sliding and full layers in turn), each layer's window and causality read
+    as z-lab's own attention layer reads them from that config."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from dflash_trt.checkpoints.zlab import drafter_config_from_json, drafter_config_to_json
     from dflash_trt.models.layers import RotaryEmbedding
 
-    with pytest.raises(DFlashError, match="mixes full and sliding .*GptOssConfig default") as e:
-        drafter_config_from_json(ZLAB_GPT_OSS_20B)
-    assert "\n" not in str(e.value)
+    zlab = pytest.importorskip("dflash.model", reason="needs the z-lab reference: pip install --no-deps dflash==0.1.0")
+    mixed = drafter_config_from_json(ZLAB_GPT_OSS_20B)
+    small = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    hf = transformers.GptOssConfig(**{k: v for k, v in ZLAB_GPT_OSS_20B.items() if k != "model_type"} | small)
+    theirs = [zlab.Qwen3DFlashAttention(hf, i) for i in range(hf.num_hidden_layers)]
+    assert mixed.layer_kinds == tuple((a.is_causal, a.sliding_window) for a in theirs)
+    assert {w for _, w in mixed.layer_kinds} == {None, 128} and any(c for c, _ in mixed.layer_kinds)
+    assert drafter_config_from_json(drafter_config_to_json(mixed)) == mixed
     raw = ZLAB_GPT_OSS_20B | {"layer_types": ["full_attention"] * 8}
     d = drafter_config_from_json(raw)
     skip = ("architectures", "model_type", "dflash_config")

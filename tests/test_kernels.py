@@ -206,11 +206,14 @@ def recorded_drafts(smollm2, drafter, reqs, mode: str, monkeypatch) -> tuple[lis
     return calls, hidden, [engine.result(i).output_ids for i in ids]
 
 
-@pytest.mark.parametrize("window", [None, 12])
-def test_runtime_drafts_through_kernels_equal_torch_modules(smollm2, window, monkeypatch):
+@pytest.mark.parametrize("window,layout", [(None, None), (12, None), (12, "alternating")])
+def test_runtime_drafts_through_kernels_equal_torch_modules(smollm2, window, layout, monkeypatch):
     """Same drafts, same drafter hidden states (fp32, to 1e-4) and same outputs through
     :meth:`DFlashDrafter.forward_paged` and the kernels as through the torch modules; chunked
-    prefill, requests joining and leaving, a sliding window and a draft vocabulary included."""
+    prefill, requests joining and leaving, a sliding window (on every layer, or on every other
+    one) and a draft vocabulary included."""
+    from test_zlab import with_layout
+
     from dflash_trt.checkpoints.loader import default_mask_token_id
     from dflash_trt.checkpoints.zlab import init_drafter
     from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
@@ -219,6 +222,7 @@ def test_runtime_drafts_through_kernels_equal_torch_modules(smollm2, window, mon
     mask = default_mask_token_id(smollm2.tokenizer, smollm2.model.cfg.vocab_size)
     d2t = torch.arange(0, 4096) * 3 if window else None  # a draft vocabulary on one of the two
     drafter = init_drafter(smollm2.model.cfg, 2, 8, mask, seed=5, sliding_window=window, draft_token_ids=d2t)
+    drafter = with_layout(drafter, layout)
     reqs = [Request(chat_prompt_ids(smollm2.tokenizer, t), 10) for t in mixed_prompts(3)]
     torch_calls, torch_hidden, torch_out = recorded_drafts(smollm2, drafter, reqs, "torch", monkeypatch)
     kern_calls, kern_hidden, kern_out = recorded_drafts(smollm2, drafter, reqs, "triton", monkeypatch)

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import engine_config, full_features, generate
+from test_zlab import draft_metas, with_layout
 
 from dflash_trt.checkpoints.loader import default_mask_token_id
 from dflash_trt.checkpoints.zlab import init_drafter, load_drafter
@@ -73,9 +74,11 @@ def mask_id(smollm2) -> int:
     return default_mask_token_id(smollm2.tokenizer, smollm2.model.cfg.vocab_size)
 
 
-def rough_drafter(smollm2, layers: int, block: int, seed: int, sliding_window: int | None = None):
-    """A random drafter far from the identity (std 0.02 would hide attention/masking bugs)."""
+def rough_drafter(smollm2, layers: int, block: int, seed: int, sliding_window: int | None = None, layout=None):
+    """A random drafter far from the identity (std 0.02 would hide attention/masking bugs);
+    ``layout``: a ``test_zlab.LAYOUTS`` name."""
     model = init_drafter(smollm2.model.cfg, layers, block, mask_id(smollm2), seed=seed, sliding_window=sliding_window)
+    model = with_layout(model, layout)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -94,21 +97,16 @@ def inference_hidden(drafter, block_embeds, feats, anchor):
     cache = KVCache(c.num_layers, 1, c.num_kv_heads, c.head_dim, anchor + B, torch.float32)
     ctx_pos = torch.arange(anchor).unsqueeze(0)
     block_pos = anchor + torch.arange(B).unsqueeze(0)
-    kv_len = anchor + B
-    mask = (torch.arange(kv_len).view(1, 1, 1, -1) < kv_len).expand(1, 1, B, kv_len)
-    if c.sliding_window is not None:  # slot at position q sees keys p with q - p < W
-        mask = mask & (block_pos.view(1, 1, B, 1) - torch.arange(kv_len).view(1, 1, 1, -1) < c.sliding_window)
     pos = torch.cat([ctx_pos, block_pos], 1)
+    metas = draft_metas(c, pos, pos, torch.tensor([anchor]), B)
     with torch.inference_mode():
-        return drafter(
-            block_embeds, feats[:anchor].unsqueeze(0), AttentionMetadata(pos, pos, mask, kv_len), cache.layers
-        )
+        return drafter(block_embeds, feats[:anchor].unsqueeze(0), metas, cache.layers)
 
 
-@pytest.mark.parametrize("window", [None, 12])
-def test_forward_train_equals_inference(smollm2, samples, window):
+@pytest.mark.parametrize("window,layout", [(None, None), (12, None), (12, "gpt-oss")])
+def test_forward_train_equals_inference(smollm2, samples, window, layout):
     target = smollm2.model
-    drafter = rough_drafter(smollm2, 2, 8, seed=3, sliding_window=window).eval()
+    drafter = rough_drafter(smollm2, 2, 8, seed=3, sliding_window=window, layout=layout).eval()
     B, H = drafter.cfg.block_size, target.cfg.hidden_size
     capture = drafter.cfg.target_layer_ids
     seqs = [samples[0].input_ids, samples[5].input_ids]
@@ -164,7 +162,8 @@ def test_forward_train_equals_inference(smollm2, samples, window):
             assert got == target.lm_head(batched[i, j, 1:]).argmax(-1).tolist()
             tokens_checked += B - 1
     print(
-        f"\nforward_train vs inference forward, fp32, 2 layers, B={B}, window {window}: max abs diff {worst:.3g} "
+        f"\nforward_train vs inference forward, fp32, 2 layers, B={B}, window {window} ({layout or 'every layer'}): "
+        f"max abs diff {worst:.3g} "
         f"({tokens_checked} draft tokens equal to the runner's proposer); feature pass diff {fd:.3g}"
     )
     assert worst < 1e-4

@@ -58,13 +58,41 @@ def tiny_target(**kw) -> TargetConfig:
     return TargetConfig(**base)
 
 
+#: the attention layouts a z-lab drafter may have besides one kind for every layer: gpt-oss's
+#: (sliding and full layers in turn, z-lab's ``is_causal`` unset so the sliding ones are causal)
+#: and the same kinds all non-causal (``is_causal: false``)
+LAYOUTS = {
+    "gpt-oss": lambda n: (tuple(("sliding_attention", "full_attention")[i % 2] for i in range(n)), True),
+    "alternating": lambda n: (tuple(("sliding_attention", "full_attention")[i % 2] for i in range(n)), False),
+}
+
+
+def with_layout(model: DFlashDrafter, layout: str | None) -> DFlashDrafter:
+    """``model`` with the :data:`LAYOUTS` ``layout`` (a new model with its weights), or
+    ``model`` itself for None."""
+    if layout is None:
+        return model
+    types, causal_sliding = LAYOUTS[layout](model.cfg.num_layers)
+    causal = tuple(causal_sliding and t == "sliding_attention" for t in types)
+    out = DFlashDrafter(dataclasses.replace(model.cfg, layer_types=types, causal_layers=causal))
+    out.load_state_dict(model.state_dict())
+    return out
+
+
 def make_drafter(
-    target: TargetConfig, layers: int = 3, block: int = 8, seed: int = 0, sliding_window: int | None = None
+    target: TargetConfig,
+    layers: int = 3,
+    block: int = 8,
+    seed: int = 0,
+    sliding_window: int | None = None,
+    layout: str | None = None,
 ) -> DFlashDrafter:
-    """A random drafter with non-trivial norms (unit norms would hide a missing norm)."""
+    """A random drafter with non-trivial norms (unit norms would hide a missing norm); ``layout``
+    a :data:`LAYOUTS` name (its sliding layers slide with ``sliding_window``)."""
     model = init_drafter(
         target, layers, block, mask_token_id=target.vocab_size - 1, seed=seed, sliding_window=sliding_window
     )
+    model = with_layout(model, layout)
     g = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -80,24 +108,35 @@ def fresh_cache(model: DFlashDrafter, batch: int, capacity: int) -> KVCache:
     return KVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, capacity, torch.float32)
 
 
+def draft_metas(cfg, pos, slots, start: torch.Tensor, K: int) -> list[AttentionMetadata]:
+    """Contiguous-cache metadata of one draft of ``n`` blocks at ``start`` (int64 ``[n]``), one
+    per drafter layer, written out from the z-lab rule: slot j visible to the query at position q
+    iff j < start + K (causal layers: j <= q), and in a sliding layer of window W iff q - j < W."""
+    n = start.numel()
+    kv_len = int(start.max()) + K
+    keys = torch.arange(kv_len).view(1, 1, 1, -1)
+    query = (start.unsqueeze(1) + torch.arange(K)).view(n, 1, K, 1)
+    metas = {}
+    for causal, w in set(cfg.layer_kinds):
+        mask = keys <= query if causal else (keys < (start + K).view(-1, 1, 1, 1)).expand(n, 1, K, kv_len)
+        if w is not None:
+            mask = mask & (query - keys < w)
+        metas[causal, w] = AttentionMetadata(pos, slots, mask, kv_len)
+    return [metas[kind] for kind in cfg.layer_kinds]
+
+
 def draft_call(model, cache, block, ctx, ctx_pos, start, ctx_valid=None):
     """One drafter call the way the runner's proposer builds it (positions ``ctx_pos`` then
-    ``start..start+K-1``; slot j visible iff j < start + K, and with a sliding window W iff
-    the query position minus j is < W; invalid context -> trash slot)."""
+    ``start..start+K-1``, :func:`draft_metas`; invalid context -> trash slot)."""
     n, K, _ = block.shape
     start = torch.as_tensor(start).view(-1).expand(n)
     block_pos = start.unsqueeze(1) + torch.arange(K)
     if ctx_valid is None:
         ctx_valid = torch.ones_like(ctx_pos, dtype=torch.bool)
-    kv_len = int(start.max()) + K
     pos = torch.cat([ctx_pos, block_pos], 1)
     slots = torch.cat([torch.where(ctx_valid, ctx_pos, cache.trash_slot), block_pos], 1)
-    keys = torch.arange(kv_len).view(1, 1, 1, -1)
-    mask = (keys < (start + K).view(-1, 1, 1, 1)).expand(n, 1, K, kv_len)
-    if model.cfg.sliding_window is not None:
-        mask = mask & (block_pos.view(n, 1, K, 1) - keys < model.cfg.sliding_window)
     with torch.inference_mode():
-        return model(block, ctx, AttentionMetadata(pos, slots, mask, kv_len), cache.layers)
+        return model(block, ctx, draft_metas(model.cfg, pos, slots, start, K), cache.layers)
 
 
 def max_diff(a, b) -> float:
@@ -123,10 +162,17 @@ def zlab_model(ours: DFlashDrafter):
     return ref
 
 
-@pytest.mark.parametrize("rope,window", [(None, None), ("llama3", None), (None, 12)])
-def test_drafter_matches_zlab_reference(rope, window):
+@pytest.mark.parametrize(
+    "rope,window,layout",
+    [(None, None, None), ("llama3", None, None), (None, 12, None), (None, 12, "gpt-oss"), (None, 12, "alternating")],
+)
+def test_drafter_matches_zlab_reference(rope, window, layout):
+    """Also the layouts z-lab's model reads from ``layer_types`` and ``is_causal`` (sliding and
+    full layers mixed, causal sliding layers): each changes the output, our config file of it
+    reads back equal."""
     target = tiny_target(rope_scaling=dict(LLAMA3_ROPE) if rope else None)
-    ours = make_drafter(target, layers=3, block=8, seed=1, sliding_window=window)
+    ours = make_drafter(target, layers=3, block=8, seed=1, sliding_window=window, layout=layout)
+    assert drafter_config_from_json(drafter_config_to_json(ours.cfg)) == ours.cfg
     ref = zlab_model(ours)
     if rope:
         inv = ref.rotary_emb.inv_freq.float()
@@ -142,12 +188,19 @@ def test_drafter_matches_zlab_reference(rope, window):
         want = ref(position_ids=pos, noise_embedding=noise, target_hidden=ctx, past_key_values=None, use_cache=False)
     got = draft_call(ours, fresh_cache(ours, 1, N + K), noise, ctx, pos[:, :N], N)
     d = max_diff(got, want)
-    if window:  # the window must matter: the same weights without it give other outputs
-        full = DFlashDrafter(dataclasses.replace(ours.cfg, sliding_window=None))
-        full.load_state_dict(ours.state_dict())
-        assert max_diff(draft_call(full, fresh_cache(full, 1, N + K), noise, ctx, pos[:, :N], N), want) > 1e-3
+    # the window and the layout must matter: the same weights without each give other outputs
+    others = [dataclasses.replace(ours.cfg, sliding_window=None, layer_types=(), causal_layers=())] if window else []
+    if layout:
+        others += [dataclasses.replace(ours.cfg, layer_types=(), causal_layers=())]
+    if ours.cfg.causal_layers:
+        others += [dataclasses.replace(ours.cfg, causal_layers=())]
+    for cfg in others:
+        other = DFlashDrafter(cfg)
+        other.load_state_dict(ours.state_dict())
+        assert max_diff(draft_call(other, fresh_cache(other, 1, N + K), noise, ctx, pos[:, :N], N), want) > 1e-3
     print(
-        f"\ndrafter vs z-lab DFlashDraftModel (rope={rope or 'default'}, window={window}, N={N}, K={K}): "
+        f"\ndrafter vs z-lab DFlashDraftModel (rope={rope or 'default'}, window={window}, layout={layout}, "
+        f"N={N}, K={K}): "
         f"max abs diff {d:.3g} "
         f"(max |out| {float(want.abs().max()):.2f})"
     )
@@ -155,8 +208,8 @@ def test_drafter_matches_zlab_reference(rope, window):
     assert d < 1e-4
 
 
-@pytest.mark.parametrize("window", [None, 9])
-def test_drafter_matches_zlab_with_cache_rounds(window):
+@pytest.mark.parametrize("window,layout", [(None, None), (9, None), (9, "gpt-oss")])
+def test_drafter_matches_zlab_with_cache_rounds(window, layout):
     """Several rounds as in z-lab's ``dflash_generate``: its DynamicCache is cropped to the
     committed length and receives only the newly accepted context; ours is indexed by position
     and gets the same new context. Block outputs agree every round (also with z-lab's
@@ -165,7 +218,7 @@ def test_drafter_matches_zlab_with_cache_rounds(window):
     from dflash.model import _crop_to, _make_cache
 
     target = tiny_target()
-    ours = make_drafter(target, layers=2, block=6, seed=3, sliding_window=window)
+    ours = make_drafter(target, layers=2, block=6, seed=3, sliding_window=window, layout=layout)
     ref = zlab_model(ours)
     H, K = target.hidden_size, ours.cfg.block_size
     F = len(ours.cfg.target_layer_ids) * H
@@ -518,10 +571,7 @@ def test_load_weights_not_matching_config(saved):
     "extra",
     [
         {"architectures": ["DFlash2DraftModel"]},
-        {"layer_types": ["full_attention", "sliding_attention"]},
-        {"layer_types": ["sliding_attention"], "sliding_window": 32},  # z-lab: sliding means causal by default
         {"layer_types": ["chunked_attention"]},
-        {"is_causal": True},
         {"input_embedding_scale": 2.0},
         {"dflash_config": {"mask_token_id": 0, "output_multiplier": 0.5}},
         {"final_logit_softcapping": 30.0},
@@ -545,3 +595,43 @@ def test_unsupported_zlab_variants_are_refused(extra):
     drafter_config_from_json(cfg)  # the plain config is fine
     with pytest.raises(DFlashError, match="not supported"):
         drafter_config_from_json({**cfg, **extra})
+
+
+def test_attention_layouts_read_as_zlab_reads_them():
+    """``layer_types``, ``is_causal``, ``use_sliding_window`` and ``sliding_window`` become each
+    layer's ``(causal, window)`` the way z-lab's attention layer reads them (its defaults: a
+    sliding layer is causal unless ``is_causal`` says otherwise; Qwen3Config keeps the window only
+    with ``use_sliding_window``); inconsistent files get one line."""
+    from dflash_trt.checkpoints.zlab import drafter_config_from_json
+
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 100,
+        "num_target_layers": 4,
+        "dflash_config": {"mask_token_id": 0},
+        "use_sliding_window": True,
+        "sliding_window": 32,
+    }
+    mixed = {"layer_types": ["full_attention", "sliding_attention"]}
+    for extra, kinds in (
+        (mixed, ((False, None), (True, 32))),
+        (mixed | {"is_causal": False}, ((False, None), (False, 32))),
+        (mixed | {"is_causal": True}, ((True, None), (True, 32))),
+        ({"layer_types": ["sliding_attention"] * 2, "is_causal": False}, ((False, 32),) * 2),
+        (mixed | {"use_sliding_window": False}, ((False, None),) * 2),  # no window: every layer sees all
+        ({"is_causal": True}, ((True, None),) * 2),
+    ):
+        assert drafter_config_from_json(cfg | extra).layer_kinds == kinds, extra
+    for extra, message in (
+        ({"layer_types": ["full_attention"]}, "layer_types lists 1 layers for its num_hidden_layers 2"),
+        (mixed | {"sliding_window": None}, "sliding_attention layers but no sliding_window"),
+    ):
+        with pytest.raises(DFlashError, match=message) as e:
+            drafter_config_from_json(cfg | extra)
+        assert "\n" not in str(e.value)

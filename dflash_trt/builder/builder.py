@@ -261,6 +261,8 @@ def drafter_trtllm_config(cfg: DrafterConfig, bc: BuildConfig) -> dict:
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
         "sliding_window": cfg.sliding_window,
+        "layer_types": [("full_attention", "sliding_attention")[w is not None] for _, w in cfg.layer_kinds],
+        "causal_layers": [c for c, _ in cfg.layer_kinds],
         "dflash_config": {
             "block_size": cfg.block_size,
             "mask_token_id": cfg.mask_token_id,
@@ -390,6 +392,8 @@ def plugins_json(bc: BuildConfig, dcfg: DrafterConfig) -> dict:
         abi.ACCEPT_VARIANT,
     ]
     unsupported = [f"kernel variant {k} is not compiled ahead of time" for k in kernels if k not in abi.variant_names()]
+    if dcfg.causal_layers:
+        unsupported.append("causal drafter layers: dflash::block_attention attends non-causally")
     if bc.tokens_per_block != abi.AOT_TOKENS_PER_BLOCK:
         unsupported.append(
             f"tokens_per_block {bc.tokens_per_block}: the AOT kernels read {abi.AOT_TOKENS_PER_BLOCK} per KV block"
@@ -401,6 +405,8 @@ def plugins_json(bc: BuildConfig, dcfg: DrafterConfig) -> dict:
         "kernels_dir": "DFLASH_TRT_KERNELS_DIR (from: dflash-trt kernels-aot --out DIR)",
         "tokens_per_block": bc.tokens_per_block,
         "sliding_window": dcfg.sliding_window or 0,
+        # per layer: the window block_attention gets (0: the whole context)
+        "layer_windows": [w or 0 for _, w in dcfg.layer_kinds],
         "rms_norm_eps": dcfg.rms_norm_eps,
         "unsupported": unsupported,
     }

@@ -41,37 +41,39 @@ from .sources import load_safetensors_dir, read_json
 _PARSED_KEYS = ("dflash_config", "layer_types", "sliding_window", "use_sliding_window", "is_causal", "draft_vocab_size")
 
 
-def _attention_window(cfg: dict, d: dict, implied_types: bool = False) -> int | None:
+def _attention_layers(cfg: dict, d: dict) -> tuple[int | None, tuple[str, ...], tuple[bool, ...]]:
     """Refuse z-lab variants our drafter does not implement (they would draft badly, silently)
-    and return the sliding window W when every layer is a non-causal ``sliding_attention``
-    layer, else None.
+    and return its attention layout: the sliding window W (None: no sliding layer), the
+    per-layer ``layer_types`` and the per-layer causal flags, as z-lab's ``DFlashDraftModel``
+    reads them (``dflash/model.py``: a layer is causal when ``is_causal`` says so, or, with
+    ``is_causal`` unset, when it is a ``sliding_attention`` layer).
 
     The window is read the way z-lab's torch model sees it through transformers' ``Qwen3Config``:
     it exists only with ``use_sliding_window: true`` (otherwise the layers attend to everything);
-    through ``GptOssConfig`` it always does. ``implied_types``: ``layer_types`` is
-    ``GptOssConfig``'s default, not the file's (said in the error).
+    through ``GptOssConfig`` it always does (and ``layer_types`` defaults there to sliding and
+    full layers in turn: ``models.config.gpt_oss_config_defaults``).
     """
     arch = cfg.get("architectures") or []
     if any("DFlash2" in a for a in arch):
         raise DFlashError(f"drafter architecture {arch} (DFlash2) is not supported; only DFlashDraftModel")
     value = lambda k: d.get(k, cfg.get(k))  # noqa: E731  (z-lab reads dflash_config first)
-    types = list(value("layer_types") or [])
-    if types and len(set(types)) > 1:
-        implied = " (transformers' GptOssConfig default: the file lists none)" if implied_types else ""
-        raise DFlashError(
-            f"drafter mixes full and sliding attention layers (layer_types{implied}), which is not supported"
-        )
-    if any(t not in ("full_attention", "sliding_attention") for t in types):
+    n = int(cfg["num_hidden_layers"])
+    types = tuple(value("layer_types") or ["full_attention"] * n)
+    if len(types) != n:
+        raise DFlashError(f"drafter layer_types lists {len(types)} layers for its num_hidden_layers {n}")
+    if set(types) - {"full_attention", "sliding_attention"}:
         raise DFlashError(f"drafter layer_types {sorted(set(types))} are not supported")
-    sliding = bool(types) and types[0] == "sliding_attention"
-    if sliding and value("sliding_window") in (None, 0):
-        raise DFlashError("drafter has sliding_attention layers but no sliding_window")
-    # z-lab: sliding layers are causal unless is_causal says otherwise; causal drafting is not DFlash
-    if value("is_causal") or (sliding and value("is_causal") is None):
-        raise DFlashError(
-            "drafter attention is causal (is_causal, or sliding layers without is_causal: false); "
-            "DFlash draft attention is non-causal and causal drafters are not supported"
-        )
+    # transformers' Qwen3Config keeps sliding_window only with use_sliding_window; GptOssConfig always does
+    use = cfg.get("use_sliding_window", cfg.get("model_type") == "gpt_oss")
+    window = value("sliding_window") if use else None
+    if not use or window in (None, 0):
+        if use and "sliding_attention" in types:
+            raise DFlashError("drafter has sliding_attention layers but no sliding_window")
+        types, window = ("full_attention",) * n, None  # z-lab's layers then see everything
+    if "sliding_attention" not in types:
+        window = None  # the full layers ignore it
+    is_causal = value("is_causal")
+    causal = tuple(t == "sliding_attention" if is_causal is None else bool(is_causal) for t in types)
     for key in ("input_embedding_scale", "output_multiplier"):
         if value(key) not in (None, 1, 1.0):
             raise DFlashError(f"drafter sets {key}={value(key)}, which is not supported")
@@ -85,9 +87,7 @@ def _attention_window(cfg: dict, d: dict, implied_types: bool = False) -> int | 
     width = value("target_hidden_size")
     if width not in (None, cfg.get("hidden_size")):
         raise DFlashError(f"drafter target_hidden_size {width} differs from its hidden_size, which is not supported")
-    # transformers' Qwen3Config keeps sliding_window only with use_sliding_window; GptOssConfig always does
-    use = cfg.get("use_sliding_window", cfg.get("model_type") == "gpt_oss")
-    return int(value("sliding_window")) if sliding and use else None
+    return (None if window is None else int(window)), types, causal
 
 
 def drafter_config_from_json(cfg: dict) -> DrafterConfig:
@@ -100,7 +100,6 @@ def drafter_config_from_json(cfg: dict) -> DrafterConfig:
     if not any("DFlash" in a for a in arch):
         raise DFlashError(f"not a DFlash drafter config (architectures={arch})")
     d = cfg.get("dflash_config") or {}
-    implied_types = cfg.get("model_type") == "gpt_oss" and cfg.get("layer_types") is None and "layer_types" not in d
     if cfg.get("model_type") == "gpt_oss":
         cfg = gpt_oss_config_defaults(cfg)
 
@@ -110,7 +109,7 @@ def drafter_config_from_json(cfg: dict) -> DrafterConfig:
             raise DFlashError(f"drafter config.json lacks {name!r}")
         return value
 
-    window = _attention_window(cfg, d, implied_types)
+    window, types, causal = _attention_layers(cfg, d)
     try:
         heads = int(cfg["num_attention_heads"])
         layers = int(cfg["num_hidden_layers"])
@@ -142,6 +141,8 @@ def drafter_config_from_json(cfg: dict) -> DrafterConfig:
             max_position_embeddings=max_pos,
             attention_bias=bool(cfg.get("attention_bias", False)),
             sliding_window=window,
+            layer_types=types,
+            causal_layers=causal,
             draft_vocab_size=int(cfg["draft_vocab_size"]) if cfg.get("draft_vocab_size") is not None else None,
             extra={k: v for k, v in cfg.items() if k not in _PARSED_KEYS},
         )
@@ -185,13 +186,20 @@ def drafter_config_to_json(cfg: DrafterConfig) -> dict:
         out["rope_scaling"] = dict(cfg.rope_scaling)
     if cfg.draft_vocab_size is not None:
         out["draft_vocab_size"] = cfg.draft_vocab_size
-    if cfg.sliding_window is None and out["model_type"] == "gpt_oss":
-        out["layer_types"] = ["full_attention"] * cfg.num_layers  # else GptOssConfig's default mixes them
+    types = [("full_attention", "sliding_attention")[w is not None] for _, w in cfg.layer_kinds]
+    if cfg.sliding_window is not None or out["model_type"] == "gpt_oss":
+        out["layer_types"] = types  # else GptOssConfig's default would mix the kinds
+    causal = list(cfg.causal_layers) or [False] * cfg.num_layers
+    if all(causal):
+        out["is_causal"] = True
+    elif any(causal):  # z-lab's is_causal default: exactly the sliding layers are causal
+        if causal != [t == "sliding_attention" for t in types]:
+            raise DFlashError("drafter causal_layers other than all, none or the sliding layers have no z-lab form")
+    elif cfg.sliding_window is not None:
+        out["is_causal"] = False
     if cfg.sliding_window is not None:
-        out["layer_types"] = ["sliding_attention"] * cfg.num_layers
         out["use_sliding_window"] = True  # transformers' Qwen3Config drops sliding_window without it
         out["sliding_window"] = cfg.sliding_window
-        out["is_causal"] = False
     return out
 
 

@@ -304,10 +304,17 @@ class DrafterConfig:
         num_target_layers: layer count of the target the drafter was made for (None: its
             config does not say, as z-lab's gpt-oss drafter configs; ``target_layer_ids`` are
             then only range-checked against the target).
-        sliding_window: None (every layer sees the whole context), or W: every layer is a
-            z-lab ``sliding_attention`` layer with ``is_causal: false`` — the slot at position
-            ``q`` sees context positions ``p`` with ``q - p < W`` (so slot ``k`` of a block
-            anchored at ``a`` sees the last ``W - 1 - k`` context positions) and its whole block.
+        sliding_window: None (no sliding layers: every layer sees the whole context), or W:
+            the window of the z-lab ``sliding_attention`` layers (every layer, unless
+            ``layer_types`` says which) — the slot at position ``q`` sees context positions
+            ``p`` with ``q - p < W`` (so slot ``k`` of a block anchored at ``a`` sees the last
+            ``W - 1 - k`` context positions) and its block.
+        layer_types: z-lab's ``layer_types``, one ``"full_attention"`` / ``"sliding_attention"``
+            per layer, when they differ (gpt-oss drafters alternate them); empty when every
+            layer is the same kind (normalised so: equal configs compare equal).
+        causal_layers: per layer, whether its block attends causally (slot ``k`` sees the
+            block's slots ``<= k``; z-lab's ``is_causal``, which defaults to true on sliding
+            layers); empty when no layer is causal.
         draft_vocab_size: None (drafts over the target's whole vocabulary), or N: the drafter
             drafts over N target tokens only (EAGLE-3 / vLLM speculators convention: its
             weights hold ``d2t`` int64 ``[N]``, draft id ``i`` is target id ``i + d2t[i]``), the
@@ -332,6 +339,8 @@ class DrafterConfig:
     attention_bias: bool = False
     sliding_window: int | None = None
     draft_vocab_size: int | None = None
+    layer_types: tuple[str, ...] = ()
+    causal_layers: tuple[bool, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -342,3 +351,38 @@ class DrafterConfig:
             raise DFlashError(
                 f"drafter sliding_window {self.sliding_window} is smaller than its block size {self.block_size}"
             )
+        types, causal = tuple(self.layer_types), tuple(bool(c) for c in self.causal_layers)
+        for name, per_layer in (("layer_types", types), ("causal_layers", causal)):
+            if per_layer and len(per_layer) != self.num_layers:
+                raise DFlashError(f"drafter {name} lists {len(per_layer)} layers for its {self.num_layers}")
+        if set(types) - {"full_attention", "sliding_attention"}:
+            raise DFlashError(f"drafter layer_types {sorted(set(types))} are not supported")
+        if "sliding_attention" in types and self.sliding_window is None:
+            raise DFlashError("drafter has sliding_attention layers but no sliding_window")
+        if types and len(set(types)) == 1:  # one kind: sliding_window alone says it
+            if types[0] == "full_attention" and self.sliding_window is not None:
+                raise DFlashError("drafter sets sliding_window but every layer is full_attention")
+            types = ()
+        object.__setattr__(self, "layer_types", types)
+        object.__setattr__(self, "causal_layers", causal if any(causal) else ())
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer ``i`` (None: it sees the whole context)."""
+        if self.layer_types and self.layer_types[i] == "full_attention":
+            return None
+        return self.sliding_window
+
+    def layer_causal(self, i: int) -> bool:
+        """Whether layer ``i``'s block attends causally (z-lab ``is_causal``)."""
+        return bool(self.causal_layers) and self.causal_layers[i]
+
+    @property
+    def layer_kinds(self) -> tuple[tuple[bool, int | None], ...]:
+        """``(causal, window)`` of every layer: the attention masks a draft needs."""
+        return tuple((self.layer_causal(i), self.layer_window(i)) for i in range(self.num_layers))
+
+    @property
+    def context_window(self) -> int | None:
+        """W when every layer slides with window W (no draft ever reads context older than
+        ``W - 1`` positions before its anchor), else None (some layer reads all of it)."""
+        return None if self.layer_types else self.sliding_window

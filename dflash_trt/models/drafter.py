@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import DFlashError
 from ..quantization.packed import PackedLinear, packed_rows, packed_stack
 from .batch_invariant import BatchInvariantLinear
 from .config import DrafterConfig
@@ -185,10 +186,11 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rope(block_positions.view(1, -1), block_embeds.dtype, max_position)
         if ctx_features.shape[0]:
             self.write_context_kv(ctx_features, ctx_positions, ctx_slots, k_pools, v_pools)
+        if self.cfg.causal_layers:
+            raise DFlashError("the drafter kernels attend non-causally; a drafter with causal layers drafts in torch")
         x = block_embeds
-        window = self.cfg.sliding_window or 0
         for i, layer in enumerate(self.layers):
-            x = layer.forward_paged(x, cos, sin, k_pools[i], v_pools[i], paged, window)
+            x = layer.forward_paged(x, cos, sin, k_pools[i], v_pools[i], paged, self.cfg.layer_window(i) or 0)
         return self.norm(x)
 
     def write_context_kv(
@@ -301,7 +303,7 @@ class DFlashDrafter(nn.Module):
         self,
         block_embeds: torch.Tensor,
         ctx_features: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """Draft one block.
@@ -313,17 +315,20 @@ class DFlashDrafter(nn.Module):
                 write to the trash slot).
             meta: ``positions`` / ``write_slots`` cover the ``N + K`` context-then-block tokens;
                 ``mask`` is ``[B, 1, K, kv_len]`` (non-causal: a block sees all committed
-                context and the whole block).
+                context and the whole block). A drafter whose layers differ in window or
+                causality (``cfg.layer_kinds``) takes one metadata per layer, each with that
+                layer's mask (the same positions and slots).
             kv_cache: one ``(k, v)`` buffer pair per drafter layer.
 
         Returns:
             ``[B, K, hidden]`` final normed hidden states of the block.
         """
+        metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
         ctx = self.hidden_norm(self.fc(ctx_features))
-        cos, sin = self.rope(meta.positions, block_embeds.dtype, meta.max_position)
+        cos, sin = self.rope(metas[0].positions, block_embeds.dtype, metas[0].max_position)
         x = block_embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, cos, sin, kv_cache[i], meta)
+            x = layer(x, ctx, cos, sin, kv_cache[i], metas[i])
         return self.norm(x)
 
     def forward_train(
@@ -366,39 +371,48 @@ class DFlashDrafter(nn.Module):
         dtype = block_embeds.dtype
         cos_c, sin_c = self.rope(ctx_positions, dtype) if S else (None, None)
         cos_b, sin_b = self.rope(block_pos, dtype)
-        W = self.cfg.sliding_window
-        index = None
-        if W is not None and S:
-            # a block anchored at a sees context positions a - W + 1 .. a - 1 only: gather those
-            # W - 1 per block instead of scoring all S (contexts are positions 0 .. S - 1 here)
-            dev = anchors.device
-            index = anchors.unsqueeze(-1) - (W - 1) + torch.arange(W - 1, device=dev)  # [N, nb, W-1]
-            inside = index >= 0
-            index = index.clamp(min=0)
-            if ctx_valid is not None:
-                inside = inside & torch.gather(ctx_valid, 1, index.flatten(1)).view_as(index)
-            query = anchors[..., None, None] + torch.arange(B, device=dev)[:, None]  # [N, nb, B, 1]
-            visible = inside.unsqueeze(2) & sliding_visible(query, index.unsqueeze(2), W)  # [N, nb, B, W-1]
-        else:
-            visible = ctx_positions.unsqueeze(1) < anchors.unsqueeze(-1)  # [N, nb, S]
-            if ctx_valid is not None:
-                visible = visible & ctx_valid.unsqueeze(1)
-            visible = visible.unsqueeze(2)  # [N, nb, 1, S]
+        seen = {w: _train_visibility(anchors, ctx_positions, ctx_valid, w, B, S) for _, w in set(self.cfg.layer_kinds)}
         ctx = self.hidden_norm(self.fc(ctx_features))
         x = block_embeds.reshape(N, nb * B, H)
-        for layer in self.layers:
+        for layer, (causal, w) in zip(self.layers, self.cfg.layer_kinds):
             h = layer.input_layernorm(x)
-            x = x + _train_attention(layer.self_attn, h, ctx, cos_c, sin_c, cos_b, sin_b, visible, nb, B, index)
+            visible, index = seen[w]
+            attn = layer.self_attn
+            x = x + _train_attention(attn, h, ctx, cos_c, sin_c, cos_b, sin_b, visible, nb, B, index, causal)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         out = self.norm(x).view(N, nb, B, H)
         return out[0] if single else out
 
 
-def _train_attention(attn: DrafterAttention, h, ctx, cos_c, sin_c, cos_b, sin_b, visible, nb: int, B: int, index=None):
+def _train_visibility(anchors, ctx_positions, ctx_valid, W: int | None, B: int, S: int):
+    """Which context keys each block's queries see in :meth:`DFlashDrafter.forward_train`:
+    ``(visible, None)`` with ``visible`` bool ``[N, nb, 1, S]`` (no window: the context before
+    the anchor), or with a window W ``(visible [N, nb, B, W-1], index [N, nb, W-1])``: a block
+    anchored at ``a`` sees context positions ``a - W + 1 .. a - 1`` only, gathered (``index``)
+    instead of scoring all S (contexts are positions ``0 .. S - 1`` there)."""
+    if W is not None and S:
+        dev = anchors.device
+        index = anchors.unsqueeze(-1) - (W - 1) + torch.arange(W - 1, device=dev)  # [N, nb, W-1]
+        inside = index >= 0
+        index = index.clamp(min=0)
+        if ctx_valid is not None:
+            inside = inside & torch.gather(ctx_valid, 1, index.flatten(1)).view_as(index)
+        query = anchors[..., None, None] + torch.arange(B, device=dev)[:, None]  # [N, nb, B, 1]
+        return inside.unsqueeze(2) & sliding_visible(query, index.unsqueeze(2), W), index
+    visible = ctx_positions.unsqueeze(1) < anchors.unsqueeze(-1)  # [N, nb, S]
+    if ctx_valid is not None:
+        visible = visible & ctx_valid.unsqueeze(1)
+    return visible.unsqueeze(2), None
+
+
+def _train_attention(
+    attn: DrafterAttention, h, ctx, cos_c, sin_c, cos_b, sin_b, visible, nb: int, B: int, index=None, causal=False
+):
     """Attention of ``nb`` blocks of ``B`` queries over ``[shared context ; own block]``.
 
     Scores against the context are one GEMM for all blocks (masked by ``visible``
-    ``[N, nb, 1 or B, S]``), scores within each block a batched ``B x B`` GEMM; one softmax over both.
+    ``[N, nb, 1 or B, S]``), scores within each block a batched ``B x B`` GEMM (``causal``:
+    slot ``k`` sees the block's slots ``<= k`` only); one softmax over both.
     With ``index`` (int64 ``[N, nb, L]``, a sliding window's context positions per block) each
     block scores only its ``L`` gathered context keys (``visible`` is then ``[N, nb, B, L]``).
     Grouped-query heads are handled by viewing the queries as ``[N, Hkv, group, T, D]``
@@ -415,6 +429,8 @@ def _train_attention(attn: DrafterAttention, h, ctx, cos_c, sin_c, cos_b, sin_b,
     vb = attn.v_proj(h).view(N, T, hkv, d).transpose(1, 2).reshape(N, hkv, 1, nb, B, d)
     scale = d**-0.5
     s_blk = (q @ kb.transpose(-1, -2)) * scale  # [N, hkv, g, nb, B, B]
+    if causal:
+        s_blk = s_blk.masked_fill(torch.ones(B, B, dtype=torch.bool, device=h.device).triu(1), float("-inf"))
     if S:
         kc = attn.k_norm(attn.k_proj(ctx).view(N, S, hkv, d)).transpose(1, 2)
         kc = apply_rope(kc, cos_c, sin_c).unsqueeze(2)  # [N, hkv, 1, S, d]

@@ -125,12 +125,9 @@ class MetaPlan:
         valid = t < ql[:, None]  # [S_g, tq]
         qpos = torch.where(valid, (e - ql)[:, None] + t, 0)
         k3, q3 = keys[:, None, :], qpos[:, :, None]
-        if self.causal:
-            mask = k3 <= q3
-        else:
-            mask = k3 < e[:, None, None]
-            if self.window is not None:
-                mask = mask & sliding_visible(q3, k3, self.window)
+        mask = k3 <= q3 if self.causal else k3 < e[:, None, None]
+        if self.window is not None:
+            mask = mask & sliding_visible(q3, k3, self.window)
         sliding = None
         if self.causal and self.target_window is not None:  # the target's sliding-window layers
             sliding = (mask & (q3 - k3 < self.target_window) | ~valid[:, :, None]).unsqueeze(1)
@@ -164,9 +161,9 @@ def plan_packed(
     Sequence ``i`` writes positions ``starts[i] .. starts[i] + lengths[i] - 1`` (to its slots);
     its queries are its last ``query_len`` tokens, whose index in the query tensor starts at
     ``query_from[i]``. Keys are positions ``0 .. starts[i] + lengths[i] - 1`` of the sequence;
-    causal: a query at ``p`` sees keys ``<= p``; non-causal: all of them (minus the sliding
-    ``window`` rule, z-lab's, when set; a windowed sequence reads only from the first key its
-    first query can see, so it reads O(window + block) keys however long its context). When
+    causal: a query at ``p`` sees keys ``<= p``; non-causal: all of them; minus, either way, the
+    sliding ``window`` rule, z-lab's, when set (a windowed sequence reads only from the first key
+    its first query can see, so it reads O(window + block) keys however long its context). When
     short (verify, ``<= SHORT_QUERIES``) and long (prompt-chunk) query runs are mixed, they
     become two attention groups. ``pre``: positions and slots (int64 ``[P]``) written before
     every sequence's own tokens. ``target_window`` (causal only): each group also gets the

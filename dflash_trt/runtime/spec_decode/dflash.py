@@ -66,8 +66,8 @@ class DFlashProposer:
         )
         #: target layers whose outputs the drafter reads (HF ``hidden_states[i + 1]``)
         self.capture: tuple[int, ...] = tuple(dc.target_layer_ids)
-        # a sliding-window drafter's window: context before it is never ingested nor read
-        self.window = dc.sliding_window
+        # the window of a drafter whose every layer slides: context before it is never ingested nor read
+        self.window = dc.context_window
         self.forward = compiled_forward(drafter) if compile else drafter
         # per sequence: (first position, chunks of target features [n_i, F], end position) not yet in
         # the drafter's cache
@@ -77,7 +77,8 @@ class DFlashProposer:
         self._drafted: dict[int, tuple[int, int]] = {}
         # the drafter kernels (dflash_trt.kernels) on CUDA, or when forced by DFLASH_TRT_KERNELS=triton
         # (interpreted on the CPU); else the torch modules
-        self.kernels = kernels_wanted(self.device)
+        # (non-causal layers only: a drafter with causal layers drafts through the torch modules)
+        self.kernels = kernels_wanted(self.device) and not dc.causal_layers
 
     # ---- target features waiting for the drafter (public so a test can seed a context) ----
     def store_features(self, seq_id: int, start: int, feats: torch.Tensor) -> None:
@@ -218,19 +219,25 @@ class DFlashProposer:
         if self.kernels:
             hidden = self._forward_kernels(ids, feats, ctx_pos, ctx_slots, tables, starts, block)
         else:
-            plan = plan_packed(
-                starts,
-                [block] * len(items),
-                [i * block for i in range(len(items))],
-                block,
-                tables,
-                self.tpb,
-                self.spare_slot,
-                d.cfg.sliding_window,
-                causal=False,
-                pre=(ctx_pos, ctx_slots),  # the context rows are written before the blocks
-            )
-            meta, ids = upload_meta(self.device, plan, ids)
+            # one metadata per kind of layer (window, causality): most drafters have one kind
+            metas = {}
+            for causal, window in d.cfg.layer_kinds:
+                if (causal, window) not in metas:
+                    plan = plan_packed(
+                        starts,
+                        [block] * len(items),
+                        [i * block for i in range(len(items))],
+                        block,
+                        tables,
+                        self.tpb,
+                        self.spare_slot,
+                        window,
+                        causal=causal,
+                        pre=(ctx_pos, ctx_slots),  # the context rows are written before the blocks
+                    )
+                    metas[causal, window], up_ids = upload_meta(self.device, plan, ids)
+            ids = up_ids
+            meta = [metas[kind] for kind in d.cfg.layer_kinds] if len(metas) > 1 else next(iter(metas.values()))
             embeds = self.target.embed(ids.view(-1))  # [S * B, hidden]
             hidden = self.forward(embeds.unsqueeze(0), feats.unsqueeze(0), meta, self.cache.layers)
         drafts = d.propose(hidden.view(len(items), block, -1)[:, 1:], self.target.lm_head, self.tp is not None)
