@@ -567,6 +567,21 @@ def test_load_weights_not_matching_config(saved):
         load_drafter(saved)
 
 
+#: a small z-lab drafter config.json, every layer full attention
+SMALL_CONFIG = {
+    "architectures": ["DFlashDraftModel"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 100,
+    "num_target_layers": 4,
+    "dflash_config": {"mask_token_id": 0},
+}
+
+
 @pytest.mark.parametrize(
     "extra",
     [
@@ -580,18 +595,7 @@ def test_load_weights_not_matching_config(saved):
 def test_unsupported_zlab_variants_are_refused(extra):
     from dflash_trt.checkpoints.zlab import drafter_config_from_json
 
-    cfg = {
-        "architectures": ["DFlashDraftModel"],
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "vocab_size": 100,
-        "num_target_layers": 4,
-        "dflash_config": {"mask_token_id": 0},
-    }
+    cfg = SMALL_CONFIG | {"num_hidden_layers": 1}
     drafter_config_from_json(cfg)  # the plain config is fine
     with pytest.raises(DFlashError, match="not supported"):
         drafter_config_from_json({**cfg, **extra})
@@ -604,20 +608,7 @@ def test_attention_layouts_read_as_zlab_reads_them():
     with ``use_sliding_window``); inconsistent files get one line."""
     from dflash_trt.checkpoints.zlab import drafter_config_from_json
 
-    cfg = {
-        "architectures": ["DFlashDraftModel"],
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "vocab_size": 100,
-        "num_target_layers": 4,
-        "dflash_config": {"mask_token_id": 0},
-        "use_sliding_window": True,
-        "sliding_window": 32,
-    }
+    cfg = SMALL_CONFIG | {"use_sliding_window": True, "sliding_window": 32}
     mixed = {"layer_types": ["full_attention", "sliding_attention"]}
     for extra, kinds in (
         (mixed, ((False, None), (True, 32))),
