@@ -49,7 +49,8 @@ class EngineArgs:
     device: str | None = arg("cpu | cuda | cuda:N (default: cuda when a GPU is visible)")
     weights: str | None = arg(
         "CPU: weight-only packed int4 (group 32; a Q4_1 GGUF's own blocks) or int8 linears, activations "
-        "in --dtype; an int4/int8 engine needs no flag",
+        "in --dtype; an int4/int8 engine needs no flag. mxfp4: a gpt-oss checkpoint's MXFP4 experts kept "
+        "packed, decoded per GEMM (any device)",
         choices=WEIGHT_FORMATS,
     )
     fp8_gemm: bool = arg("with an FP8 engine: run its linears as FP8 GEMMs (torch._scaled_mm)", default=False)

@@ -11,6 +11,7 @@ and in flight; bad inputs give one line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -383,6 +384,76 @@ def test_mxfp4_checkpoint_equals_transformers(gpt_oss_pair, sequences, smollm2, 
     d = float((got - ref).abs().max() / ref.abs().max())
     print(f"\nMXFP4 tiny gpt_oss vs transformers (dequantized): max relative logit difference {d:.2g}")
     assert d < 1e-4
+
+
+def test_mxfp4_kept_packed_equals_dequantized(gpt_oss_pair, sequences, smollm2, tmp_path):
+    """``--weights mxfp4``: the experts stay MXFP4 codes (4.25 bits a weight) decoded per GEMM,
+    and give the logits of the checkpoint dequantized at load bit for bit: the eager expert loop,
+    the batch-invariant mode, the static (graph) path, every schedule of the reference test; an
+    expert-parallel and a tensor-parallel rank's slices of the codes give the dense slices'
+    (a tensor-parallel split inside a 32-element block gets one line); DFlash on it equals
+    plain decoding; a checkpoint without MXFP4 tensors gets one line."""
+    import copy
+
+    from dflash_trt.models.moe import static_experts
+    from dflash_trt.quantization.mxfp4 import MXFP4Experts
+    from dflash_trt.runtime.distributed import _shard_experts
+
+    _mxfp4_checkpoint(gpt_oss_pair[0], tmp_path / "mxfp4", smollm2.tokenizer)
+    dense = load_target(str(tmp_path / "mxfp4")).model
+    packed_target = load_target(str(tmp_path / "mxfp4"), weights="mxfp4")
+    packed = packed_target.model
+    moe = list(zip(*([m for m in model.modules() if isinstance(m, MoEBlock)] for model in (dense, packed))))
+    assert len(moe) == 4 and all(isinstance(p.gate_up, MXFP4Experts) for _, p in moe)
+    size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    dense_b = size(t for d, _ in moe for t in (d.gate_up, d.down))
+    packed_b = size(t for _, p in moe for t in p.buffers())
+    print(f"\nMXFP4 experts kept packed: {packed_b} bytes against {dense_b} dequantized (fp32)")
+    assert packed_b * 7 < dense_b
+
+    seqs, cfg = sequences[0], dense.cfg
+    blocks = [-(-len(x) // TPB) for x in seqs]
+    tables = [list(range(sum(blocks[:i]), sum(blocks[: i + 1]))) for i in range(len(seqs))]
+    for invariant, static in ((False, False), (True, False), (False, True), (True, True)):
+        rows = []
+        for model in (dense, packed):
+            set_batch_invariant(model, invariant)
+            try:
+                with static_experts() if static else contextlib.nullcontext():
+                    for steps in _schedules(seqs).values():
+                        shape = (cfg.num_layers, sum(blocks), TPB, cfg.num_kv_heads, cfg.head_dim)
+                        cache = PagedKVCache(*shape, torch.float32)
+                        rows.append(_paged_forwards(model, steps, cache, tables, cfg.sliding_window))
+            finally:
+                set_batch_invariant(model, False)
+        half = len(rows) // 2
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(rows[:half], rows[half:]) for k in a), (invariant, static)
+
+    # an expert-parallel rank: half the experts
+    h = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    E, inter = cfg.num_experts, cfg.moe_intermediate_size
+    d, p = copy.deepcopy(moe[0][0]), copy.deepcopy(moe[0][1])
+    _shard_experts(d, E // 2, E // 2, 0, inter)
+    _shard_experts(p, E // 2, E // 2, 0, inter)
+    with torch.no_grad():
+        assert torch.equal(d(h), p(h))
+    # a tensor-parallel rank's slices of the codes (rows anywhere, columns on 32-element blocks)
+    g = torch.Generator().manual_seed(1)
+    codes = MXFP4Experts(
+        torch.randint(0, 256, (4, 6, 3, 16), dtype=torch.uint8, generator=g),
+        torch.randint(118, 124, (4, 6, 3), dtype=torch.uint8, generator=g),
+    )
+    rows = torch.tensor([0, 1, 4])
+    assert torch.equal(codes.select(slice(1, 3), rows, slice(32, 96)).dense(), codes.dense()[1:3][:, rows][..., 32:96])
+    with pytest.raises(DFlashError, match="columns 16..32: not on 32-element blocks") as e:
+        _shard_experts(copy.deepcopy(moe[0][1]), 0, E, inter // 2, inter // 2)  # I = 32 split in two
+    assert "\n" not in str(e.value)
+
+    prompts = [smollm2.tokenizer(x)["input_ids"] for x in PROMPTS]
+    check_lossless_oracle_and_drafter(packed_target, prompts, 8, "gpt_oss, MXFP4 experts kept packed")
+    with pytest.raises(DFlashError, match="has no MXFP4 expert weights") as e:
+        load_target(str(gpt_oss_pair[1].path), weights="mxfp4")
+    assert "\n" not in str(e.value)
 
 
 def test_dflash_equals_plain_decoding(gpt_oss_pair, smollm2):

@@ -433,7 +433,7 @@ def load_models(
     from .loader import check_weights, load_pair
 
     check_weights(weights, device)
-    if weights and world_size > 1:
+    if weights and weights != "mxfp4" and world_size > 1:
         raise DFlashError(f"--weights {weights} runs on one rank (packed CPU GEMMs are not sharded); drop mpiexec")
     if fp8_gemm and engine_dir is None:
         raise DFlashError("--fp8-gemm needs --engine (an FP8 engine from dflash-trt build)")

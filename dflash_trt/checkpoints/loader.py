@@ -20,7 +20,9 @@ from ..models.config import TargetConfig
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
 from ..models.uninitialized import skip_random_init
-from .mxfp4 import dequantize_mxfp4_experts, has_mxfp4
+from ..quantization import WEIGHT_FORMATS
+from ..quantization.mxfp4 import pack_experts
+from .mxfp4 import dequantize_mxfp4_experts, has_mxfp4, mxfp4_pairs
 from .sources import cache_root, load_safetensors_dir, read_json, resolve_target
 from .zlab import init_drafter, load_drafter, save_drafter, validate_pair
 
@@ -91,8 +93,6 @@ def dtype_bytes(name: str) -> int:
     return 1 if name == "fp8" else parse_dtype(name).itemsize
 
 
-#: ``--weights``: weight-only packed-integer linears on the CPU (:mod:`..quantization.packed`)
-WEIGHT_FORMATS = ("int4", "int8")
 #: int4 group size of the packed path (GGUF Q4_1 / Q4_0 blocks are 32 wide)
 DEFAULT_GROUP_SIZE = 32
 #: the LM head's format under ``--weights`` (docs/engine-format.md; int8: a quarter of the bf16
@@ -102,13 +102,13 @@ DEFAULT_HEAD = {"int4": "int8", "int8": "int8"}
 
 
 def check_weights(weights: str | None, device: torch.device | str = "cpu") -> None:
-    """Validate ``--weights``: None, ``int4`` or ``int8``, on the CPU.
+    """Validate ``--weights``: None, ``int4`` or ``int8`` on the CPU, or ``mxfp4`` anywhere.
 
     Raises:
-        DFlashError: another name, or a non-CPU device (torch's packed int GEMMs used here are
-            CPU kernels; a CUDA run takes a dense ``--dtype``).
+        DFlashError: another name, or int4 / int8 on a non-CPU device (torch's packed int GEMMs
+            used here are CPU kernels; a CUDA run takes a dense ``--dtype``).
     """
-    if weights is None:
+    if weights is None or weights == "mxfp4":
         return
     if weights not in WEIGHT_FORMATS:
         raise DFlashError(f"unknown --weights {weights!r}; choose from {', '.join(WEIGHT_FORMATS)}")
@@ -184,16 +184,22 @@ def load_target(
             device with it.
     """
     check_weights(weights, device)
-    if weights is not None:
+    if weights is not None and weights != "mxfp4":
         return _load_packed_target(spec, dtype, weights, DEFAULT_HEAD[weights] if head is None else head)
     path = resolve_target(spec)
     hf = read_json(path / "config.json", "target")
     cfg = TargetConfig.from_hf(hf)
     sd = load_safetensors_dir(path, "target")
-    if has_mxfp4(sd):  # gpt-oss's official expert weights: dequantized exactly (bf16 holds them too)
+    packed = weights == "mxfp4"
+    if packed and not has_mxfp4(sd):
+        raise DFlashError(f"--weights mxfp4: target {path} has no MXFP4 expert weights (*_blocks / *_scales)")
+    if has_mxfp4(sd) and not packed:  # gpt-oss's official expert weights: dequantized exactly (bf16 holds them too)
         sd = dequantize_mxfp4_experts(sd, cfg, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
     with skip_random_init():  # every weight is loaded next
         model = TargetModel(cfg)
+    if packed:
+        mxfp4_pairs(sd, cfg)  # checked (one line for a bad tensor) before it is loaded
+        pack_experts(model)
     try:
         model.load_hf_state_dict(sd)
     except KeyError as e:

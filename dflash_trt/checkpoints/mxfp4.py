@@ -1,20 +1,13 @@
-"""MXFP4 expert weights of the official gpt-oss checkpoints, dequantized on load.
+"""MXFP4 expert weights of the official gpt-oss checkpoints: checked, then dequantized on load
+or kept packed (``--weights mxfp4``: :class:`~dflash_trt.quantization.mxfp4.MXFP4Experts`).
 
-Format (OCP Microscaling Formats (MX) v1.0, as transformers' ``integrations/mxfp4.py`` and OpenAI's
-``gpt_oss/torch/weights.py`` decode it): a weight ``W [E, out, in]`` is stored as
-
-- ``{name}_blocks``: uint8 ``[E, out, in / 32, 16]``: 32 consecutive elements along ``in`` per
-  block, two 4-bit FP4 E2M1 codes per byte, the **low nibble the even element**, the high nibble
-  the odd one; code -> value ``[+0, .5, 1, 1.5, 2, 3, 4, 6, -0, -.5, -1, -1.5, -2, -3, -4, -6]``
-  (bit 3 the sign);
-- ``{name}_scales``: uint8 ``[E, out, in / 32]``: one E8M0 exponent per block, value ``2^(s - 127)``.
-
+The format is :mod:`dflash_trt.quantization.mxfp4`'s: a weight ``W [E, out, in]`` is stored as
+``{name}_blocks`` uint8 ``[E, out, in / 32, 16]`` and ``{name}_scales`` uint8 ``[E, out, in / 32]``.
 gpt-oss stores ``mlp.experts.gate_up_proj`` (``in`` = hidden, ``out`` = 2 * intermediate, gate and
 up interleaved) and ``mlp.experts.down_proj`` (``in`` = intermediate, ``out`` = hidden) this way;
 everything else is bf16. Dequantized, a tensor takes transformers' in-memory layout
-``[E, in, out]`` (``GptOssExperts``), which ``TargetModel.load_hf_state_dict`` reads. Every
-``+-{0, .5, 1, 1.5, 2, 3, 4, 6} * 2^k`` has at most two significant bits, so the decoding is exact in
-fp32 and bf16: bitwise what transformers' ``convert_moe_packed_tensors`` gives.
+``[E, in, out]`` (``GptOssExperts``), which ``TargetModel.load_hf_state_dict`` reads; the decoding
+is bitwise what transformers' ``convert_moe_packed_tensors`` gives.
 """
 
 from __future__ import annotations
@@ -23,15 +16,12 @@ import torch
 
 from ..errors import DFlashError
 from ..models.config import TargetConfig
-
-#: FP4 E2M1 code -> value
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-#: elements per MXFP4 block (one scale each), bytes per block
-BLOCK, BLOCK_BYTES = 32, 16
+from ..quantization.mxfp4 import BLOCK, BLOCK_BYTES, decode_mxfp4
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Decode one MXFP4 tensor (module docstring).
+    """Decode one MXFP4 tensor (:func:`~dflash_trt.quantization.mxfp4.decode_mxfp4`) into
+    transformers' layout.
 
     Args:
         blocks: uint8 ``[E, out, G, 16]``.
@@ -41,15 +31,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     Returns:
         ``[E, G * 32, out]`` in ``dtype`` (transformers' ``[E, in, out]`` layout), contiguous.
     """
-    lut = torch.tensor(FP4_VALUES, dtype=dtype)
-    e, out, g, _ = blocks.shape
-    b = (blocks if blocks.dtype == torch.uint8 else blocks.view(torch.uint8)).reshape(-1, BLOCK_BYTES)
-    w = torch.empty(b.shape[0], BLOCK, dtype=dtype)
-    w[:, 0::2] = lut[(b & 0x0F).long()]
-    w[:, 1::2] = lut[(b >> 4).long()]
-    s = scales if scales.dtype == torch.uint8 else scales.view(torch.uint8)
-    w = torch.ldexp(w, s.to(torch.int32).reshape(-1, 1) - 127)  # value * 2^(s - 127)
-    return w.view(e, out, g * BLOCK).transpose(1, 2).contiguous()
+    return decode_mxfp4(blocks, scales, dtype).transpose(1, 2).contiguous()
 
 
 def _expected(cfg: TargetConfig, name: str) -> tuple[int, int]:
@@ -66,20 +48,17 @@ def has_mxfp4(sd: dict[str, torch.Tensor]) -> bool:
     return any(k.endswith("_blocks") for k in sd)
 
 
-def dequantize_mxfp4_experts(
-    sd: dict[str, torch.Tensor], cfg: TargetConfig, dtype: torch.dtype = torch.float32
-) -> dict[str, torch.Tensor]:
-    """``sd`` with every ``{name}_blocks`` / ``{name}_scales`` pair replaced by ``{name}``
-    dequantized (:func:`dequantize_mxfp4`), the other tensors as they are.
+def mxfp4_pairs(sd: dict[str, torch.Tensor], cfg: TargetConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every ``{name}_blocks`` / ``{name}_scales`` pair of ``sd`` by ``name``, checked.
 
     Raises:
         DFlashError: (one line) a blocks tensor without its scales or the reverse, a family
             other than gpt-oss, or shapes other than blocks ``[E, out, in / 32, 16]`` and
             scales ``[E, out, in / 32]`` for this config's E, in and out.
     """
-    out = {k: v for k, v in sd.items() if not k.endswith(("_blocks", "_scales"))}
     names = {k.removesuffix("_blocks") for k in sd if k.endswith("_blocks")}
     names |= {k.removesuffix("_scales") for k in sd if k.endswith("_scales")}
+    out = {}
     for name in sorted(names):
         blocks, scales = sd.get(name + "_blocks"), sd.get(name + "_scales")
         if blocks is None or scales is None:
@@ -98,5 +77,20 @@ def dequantize_mxfp4_experts(
             raise DFlashError(
                 f"MXFP4 tensor {name}: blocks and scales must be uint8, not {blocks.dtype} / {scales.dtype}"
             )
+        out[name] = (blocks, scales)
+    return out
+
+
+def dequantize_mxfp4_experts(
+    sd: dict[str, torch.Tensor], cfg: TargetConfig, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """``sd`` with every ``{name}_blocks`` / ``{name}_scales`` pair replaced by ``{name}``
+    dequantized (:func:`dequantize_mxfp4`), the other tensors as they are.
+
+    Raises:
+        DFlashError: see :func:`mxfp4_pairs`.
+    """
+    out = {k: v for k, v in sd.items() if not k.endswith(("_blocks", "_scales"))}
+    for name, (blocks, scales) in mxfp4_pairs(sd, cfg).items():
         out[name] = dequantize_mxfp4(blocks, scales, dtype)
     return out

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import DFlashError
+from ..quantization.mxfp4 import MXFP4Experts
 from .batch_invariant import weight_identity
 
 #: set inside :func:`static_experts`
@@ -181,8 +182,10 @@ class MoEBlock(nn.Module):
         over those slices packed once (``dflash_cpu::bi_pack``) and again when the parameters change."""
         gu_bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
         dn_bias = None if self.down_bias is None else self.down_bias[e]
-        if not invariant:
-            return (lambda t: F.linear(t, self.gate_up[e], gu_bias)), (lambda t: F.linear(t, self.down[e], dn_bias))
+        if not invariant or isinstance(self.gate_up, MXFP4Experts):
+            # MXFP4 experts (kept packed): decoded for each call, never cached in a wider form
+            op = torch.ops.dflash_cpu.bi_linear if invariant else F.linear
+            return (lambda t: op(t, self.gate_up[e], gu_bias)), (lambda t: op(t, self.down[e], dn_bias))
         key = (weight_identity(self.gate_up), weight_identity(self.down))
         if self._packed_of != key:
             self._packed, self._packed_of = {}, key
@@ -203,14 +206,20 @@ class MoEBlock(nn.Module):
             h,
             ids,
             weights,
-            self.gate_up,
-            self.down,
+            *self.expert_weights(),
             gate_up_bias=self.gate_up_bias,
             down_bias=self.down_bias,
             act=self.activation,
             alpha=self.alpha,
             limit=self.limit,
         )
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gate_up [E, 2 * I, hidden], down [E, hidden, I])``: the parameters, or MXFP4
+        experts decoded (for this forward only)."""
+        if isinstance(self.gate_up, MXFP4Experts):
+            return self.gate_up.dense(), self.down.dense()
+        return self.gate_up, self.down
 
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The experts' activation (:func:`expert_activation` with this block's settings)."""
@@ -226,24 +235,25 @@ class MoEBlock(nn.Module):
         ranks' experts add nothing. Memory: ``[E_local, N, 2 * intermediate]`` activations."""
         n, k = ids.shape
         first, local, inter = self.expert_offset, self.gate_up.shape[0], self.intermediate
+        gate_up_w, down_w = self.expert_weights()
         if self.batch_invariant and h.device.type == "cpu":
             op = torch.ops.dflash_cpu.bi_linear  # row-wise: each row's outputs whatever the rows
             gu_bias = None if self.gate_up_bias is None else self.gate_up_bias.reshape(-1)
-            gu = op(h, self.gate_up.reshape(-1, h.shape[1]), gu_bias).view(n, local, 2 * inter).transpose(0, 1)
+            gu = op(h, gate_up_w.reshape(-1, h.shape[1]), gu_bias).view(n, local, 2 * inter).transpose(0, 1)
             mid = self.act(gu[..., :inter], gu[..., inter:])
             dn_bias = [None] * local if self.down_bias is None else self.down_bias
-            y = torch.stack([op(mid[e].contiguous(), self.down[e], dn_bias[e]) for e in range(local)])
+            y = torch.stack([op(mid[e].contiguous(), down_w[e], dn_bias[e]) for e in range(local)])
         else:
             hb = h.expand(local, n, h.shape[1])
             if self.gate_up_bias is None:
-                gu = torch.bmm(hb, self.gate_up.transpose(1, 2))
+                gu = torch.bmm(hb, gate_up_w.transpose(1, 2))
             else:
-                gu = torch.baddbmm(self.gate_up_bias[:, None], hb, self.gate_up.transpose(1, 2))
+                gu = torch.baddbmm(self.gate_up_bias[:, None], hb, gate_up_w.transpose(1, 2))
             mid = self.act(gu[..., :inter], gu[..., inter:])
             if self.down_bias is None:
-                y = torch.bmm(mid, self.down.transpose(1, 2))
+                y = torch.bmm(mid, down_w.transpose(1, 2))
             else:
-                y = torch.baddbmm(self.down_bias[:, None], mid, self.down.transpose(1, 2))
+                y = torch.baddbmm(self.down_bias[:, None], mid, down_w.transpose(1, 2))
         # y [E_local, N, hidden]: each expert's output for every row
         lid, perm = torch.sort(ids - first, dim=-1)  # each token's experts in increasing id
         w = weights.gather(1, perm)

@@ -170,7 +170,9 @@ class TargetModel(nn.Module):
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load HF Llama/Qwen2/Qwen3/Qwen3-MoE/gpt-oss weights (``model.layers.N.self_attn.q_proj.weight``
         ...; gpt-oss experts dense, as transformers keeps them in memory and saves them:
-        ``checkpoints/mxfp4.py`` decodes an MXFP4 checkpoint's to that first).
+        ``checkpoints/mxfp4.py`` decodes an MXFP4 checkpoint's to that first; or, into a model
+        whose experts are :class:`~dflash_trt.quantization.mxfp4.MXFP4Experts`, their
+        ``*_blocks`` / ``*_scales`` as they are).
 
         Raises:
             KeyError: a required tensor is missing.
@@ -261,11 +263,17 @@ def _hf_gpt_oss_experts(sd: dict[str, torch.Tensor], hf: str, ours: str, num_exp
         KeyError: a missing tensor (its HF name).
     """
     x = hf + "experts."
-    return {
+    out = {
         ours + "gate.weight": sd[hf + "router.weight"],
         ours + "gate.bias": sd[hf + "router.bias"],
-        ours + "gate_up": _deinterleave(sd[x + "gate_up_proj"].transpose(1, 2)),
         ours + "gate_up_bias": _deinterleave(sd[x + "gate_up_proj_bias"]),
-        ours + "down": sd[x + "down_proj"].transpose(1, 2),
         ours + "down_bias": sd[x + "down_proj_bias"],
     }
+    if x + "gate_up_proj_blocks" in sd:  # MXFP4 kept packed: [E, out, in / 32, 16] codes, out interleaved
+        for part in ("blocks", "scales"):
+            out[f"{ours}gate_up.{part}"] = _deinterleave(sd[f"{x}gate_up_proj_{part}"])
+            out[f"{ours}down.{part}"] = sd[f"{x}down_proj_{part}"]
+        return out
+    out[ours + "gate_up"] = _deinterleave(sd[x + "gate_up_proj"].transpose(1, 2))
+    out[ours + "down"] = sd[x + "down_proj"].transpose(1, 2)
+    return out

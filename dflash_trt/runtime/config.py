@@ -22,13 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..quantization import WEIGHT_FORMATS
 
 #: KV positions of an engine when neither the user nor an engine directory's memory plan says
 DEFAULT_KV_CAPACITY = 65536
 #: compute dtypes by name (``auto``: an engine directory's build dtype, else the checkpoint's)
 DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
-#: packed weight-only formats of the CPU path
-WEIGHT_FORMATS = ("int4", "int8")
 #: speculative methods; ``none`` is plain autoregressive decoding
 SPEC_METHODS = ("dflash", "none")
 #: prompt tokens per iteration when a server runs on a CPU (``SchedulerConfig.max_prefill_tokens``):
@@ -75,7 +74,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPE_NAMES, "dtype", f"{self.dtype!r} is unknown; choose from auto, fp32, bf16, fp16")
-        _check(self.weights in (None, *WEIGHT_FORMATS), "weights", f"{self.weights!r} is unknown; choose int4 or int8")
+        known = ", ".join(WEIGHT_FORMATS)
+        _check(self.weights in (None, *WEIGHT_FORMATS), "weights", f"{self.weights!r} is unknown; choose from {known}")
         _check(not (self.engine_dir and self.target), "engine", "holds the target; drop the target checkpoint")
         _check(not self.fp8_gemm or bool(self.engine_dir), "fp8_gemm", "needs an FP8 engine directory")
         _check(not (self.cuda_graphs and self.batch_invariant), "cuda_graphs", "runs without the batch-invariant mode")

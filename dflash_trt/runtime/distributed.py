@@ -93,6 +93,7 @@ from ..checkpoints.trtllm import moe_ranks
 from ..errors import ConfigError, DFlashError
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
+from ..quantization.mxfp4 import MXFP4Experts
 from .config import EngineConfig, moe_parallel_sizes
 from .engine import LLMEngine, check_block_size
 from .model_runner import ModelRunner, StepPlan
@@ -482,8 +483,12 @@ def _shard_experts(m, e0: int, ne: int, i0: int, ni: int) -> None:
     ``down_proj_bias`` on one rank)."""
     inter = m.intermediate
     rows = torch.cat([torch.arange(i0, i0 + ni), inter + torch.arange(i0, i0 + ni)]).to(m.gate_up.device)
-    m.gate_up = _param(m.gate_up[e0 : e0 + ne, rows], m.gate_up)
-    m.down = _param(m.down[e0 : e0 + ne, :, i0 : i0 + ni], m.down)
+    if isinstance(m.gate_up, MXFP4Experts):  # kept packed: the same slices of the codes and scales
+        m.gate_up = m.gate_up.select(slice(e0, e0 + ne), rows=rows)
+        m.down = m.down.select(slice(e0, e0 + ne), cols=slice(i0, i0 + ni))
+    else:
+        m.gate_up = _param(m.gate_up[e0 : e0 + ne, rows], m.gate_up)
+        m.down = _param(m.down[e0 : e0 + ne, :, i0 : i0 + ni], m.down)
     if m.gate_up_bias is not None:
         m.gate_up_bias = _param(m.gate_up_bias[e0 : e0 + ne, rows], m.gate_up_bias)
     if m.down_bias is not None:
