@@ -74,23 +74,25 @@ def waves(smollm2):
     return prompts, longer, refs
 
 
-@pytest.mark.parametrize("drafter_kind", ["plain", "full", "full-undrafted", "window"])
+@pytest.mark.parametrize("drafter_kind", ["plain", "full", "full-undrafted", "window", "window-undrafted"])
 def test_engine_reuses_prompt_blocks_and_stays_lossless(smollm2, random_drafter, waves, drafter_kind):
     """Two waves of the same chat prompts (the second after the first has ended, plus longer
     prompts that start with the first wave's): the second wave prefills only what the cache
     lacks and every output equals plain decoding's without a cache. ``full-undrafted``: the
     first wave never drafts (``max_draft_tokens=0``, as when the adaptive controller decodes
     plainly), so only the target features written into the drafter's pool as those requests
-    end give the second wave the drafter's context of the cached blocks."""
+    end give the second wave the drafter's context of the cached blocks; ``window-undrafted``:
+    the same with a sliding-window drafter, which keeps no features older than its window, so
+    the prompt's last window is written into the drafter's pool when the prompt is prefilled."""
     prompts, longer, refs = waves
-    first = [Request(p, 12, max_draft_tokens=0 if drafter_kind == "full-undrafted" else None) for p in prompts]
+    undrafted = drafter_kind.endswith("-undrafted")
+    first = [Request(p, 12, max_draft_tokens=0 if undrafted else None) for p in prompts]
     second = [Request(p, 12) for p in prompts + longer]
     drafter = {
         "plain": None,
         "full": random_drafter,
-        "full-undrafted": random_drafter,
         "window": init_drafter(smollm2.model.cfg, 1, 4, random_drafter.cfg.mask_token_id, seed=1, sliding_window=16),
-    }[drafter_kind]
+    }[drafter_kind.removesuffix("-undrafted")]
     engine = make_engine(smollm2, drafter, 1 if drafter is None else 4, second, kv_capacity=8192)
     got1 = [o.output_ids for o in engine.generate(first)]
     assert got1 == refs[:4]

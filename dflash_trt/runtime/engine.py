@@ -287,9 +287,14 @@ class LLMEngine:
             callback(seq.on_finish, seq.seq_id, self.result(seq.seq_id))
 
     def _drafter_context(self, seq: Sequence) -> tuple[int, int] | None:
-        """The positions of ending ``seq`` whose drafter K/V its blocks will hold: those its
-        drafting steps wrote, and, with the prefix cache on, the full blocks' waiting target
-        features, queued for the runner to write (:attr:`StepPlan.ingest`) before it drops them."""
+        """The positions of ``seq`` (its prompt just prefilled, or ending) whose drafter K/V its
+        blocks will hold: those its drafting steps wrote, and, with the prefix cache on, the full
+        blocks' waiting target features, queued for the runner to write (:attr:`StepPlan.ingest`,
+        KV injection without drafting) before it drops them. At the prompt's end that is the
+        prompt's last drafter window (a sliding-window drafter keeps no older features): a
+        sequence that then decodes without drafting (the adaptive controller's plain iterations)
+        leaves prompt blocks that a repeat of the prompt takes whole instead of prefilling their
+        last window again."""
         proposer = self.runner.proposer
         if proposer is None:
             return None
@@ -506,6 +511,8 @@ class LLMEngine:
                 s.commit(out.choice[i][:1])
                 if s.finished:
                     self._finish(s, done)
+                elif self.blocks.prefix_caching:  # the prompt's full blocks serve repeats from now on
+                    self.blocks.cache_prefix(s.seq_id, s.tokens, s.num_cached, self._drafter_context(s))
 
         n_drafting = sum(bool(out.drafts[n_prefill + j]) for j in range(len(sched.decode)))
 
