@@ -181,13 +181,17 @@ class DFlashDrafter(nn.Module):
 
         Returns:
             ``[S * B, hidden]`` final normed hidden states.
+
+        Raises:
+            DFlashError: a drafter with causal layers (the kernels attend non-causally; nothing
+                is written then).
         """
+        if self.cfg.causal_layers:
+            raise DFlashError("the drafter kernels attend non-causally; a drafter with causal layers drafts in torch")
         # first: it moves RoPE's tables and inv_freq to the device once (no copy per draft)
         cos, sin = self.rope(block_positions.view(1, -1), block_embeds.dtype, max_position)
         if ctx_features.shape[0]:
             self.write_context_kv(ctx_features, ctx_positions, ctx_slots, k_pools, v_pools)
-        if self.cfg.causal_layers:
-            raise DFlashError("the drafter kernels attend non-causally; a drafter with causal layers drafts in torch")
         x = block_embeds
         for i, layer in enumerate(self.layers):
             x = layer.forward_paged(x, cos, sin, k_pools[i], v_pools[i], paged, self.cfg.layer_window(i) or 0)
