@@ -261,7 +261,7 @@ def drafter_trtllm_config(cfg: DrafterConfig, bc: BuildConfig) -> dict:
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
         "sliding_window": cfg.sliding_window,
-        "layer_types": [("full_attention", "sliding_attention")[w is not None] for _, w in cfg.layer_kinds],
+        "layer_types": cfg.layer_type_names,
         "causal_layers": [c for c, _ in cfg.layer_kinds],
         "dflash_config": {
             "block_size": cfg.block_size,

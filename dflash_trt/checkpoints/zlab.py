@@ -186,7 +186,7 @@ def drafter_config_to_json(cfg: DrafterConfig) -> dict:
         out["rope_scaling"] = dict(cfg.rope_scaling)
     if cfg.draft_vocab_size is not None:
         out["draft_vocab_size"] = cfg.draft_vocab_size
-    types = [("full_attention", "sliding_attention")[w is not None] for _, w in cfg.layer_kinds]
+    types = cfg.layer_type_names
     if cfg.sliding_window is not None or out["model_type"] == "gpt_oss":
         out["layer_types"] = types  # else GptOssConfig's default would mix the kinds
     causal = list(cfg.causal_layers) or [False] * cfg.num_layers

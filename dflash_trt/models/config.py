@@ -382,6 +382,12 @@ class DrafterConfig:
         return tuple((self.layer_causal(i), self.layer_window(i)) for i in range(self.num_layers))
 
     @property
+    def layer_type_names(self) -> list[str]:
+        """z-lab's ``layer_types`` written out for every layer (``"full_attention"`` /
+        ``"sliding_attention"``), also where every layer is the same kind."""
+        return [("full_attention", "sliding_attention")[w is not None] for _, w in self.layer_kinds]
+
+    @property
     def context_window(self) -> int | None:
         """W when every layer slides with window W (no draft ever reads context older than
         ``W - 1`` positions before its anchor), else None (some layer reads all of it)."""
