@@ -28,6 +28,7 @@ from ..models.config import TargetConfig
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
 from ..models.uninitialized import skip_random_init
+from ..quantization import INT_WEIGHT_FORMATS
 from ..quantization.common import replace_module, stored_format
 from . import trtllm
 from .loader import LoadedTarget, parse_dtype, with_tokenizer
@@ -433,7 +434,7 @@ def load_models(
     from .loader import check_weights, load_pair
 
     check_weights(weights, device)
-    if weights and weights != "mxfp4" and world_size > 1:
+    if weights in INT_WEIGHT_FORMATS and world_size > 1:
         raise DFlashError(f"--weights {weights} runs on one rank (packed CPU GEMMs are not sharded); drop mpiexec")
     if fp8_gemm and engine_dir is None:
         raise DFlashError("--fp8-gemm needs --engine (an FP8 engine from dflash-trt build)")

@@ -20,7 +20,7 @@ from ..models.config import TargetConfig
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
 from ..models.uninitialized import skip_random_init
-from ..quantization import WEIGHT_FORMATS
+from ..quantization import INT_WEIGHT_FORMATS, WEIGHT_FORMATS
 from ..quantization.mxfp4 import pack_experts
 from .mxfp4 import dequantize_mxfp4_experts, has_mxfp4, mxfp4_pairs
 from .sources import cache_root, load_safetensors_dir, read_json, resolve_target
@@ -108,11 +108,9 @@ def check_weights(weights: str | None, device: torch.device | str = "cpu") -> No
         DFlashError: another name, or int4 / int8 on a non-CPU device (torch's packed int GEMMs
             used here are CPU kernels; a CUDA run takes a dense ``--dtype``).
     """
-    if weights is None or weights == "mxfp4":
-        return
-    if weights not in WEIGHT_FORMATS:
+    if weights is not None and weights not in WEIGHT_FORMATS:
         raise DFlashError(f"unknown --weights {weights!r}; choose from {', '.join(WEIGHT_FORMATS)}")
-    if torch.device(device).type != "cpu":
+    if weights in INT_WEIGHT_FORMATS and torch.device(device).type != "cpu":
         raise DFlashError(f"--weights {weights} runs torch's packed CPU GEMMs; use --device cpu")
 
 
@@ -184,7 +182,7 @@ def load_target(
             device with it.
     """
     check_weights(weights, device)
-    if weights is not None and weights != "mxfp4":
+    if weights in INT_WEIGHT_FORMATS:
         return _load_packed_target(spec, dtype, weights, DEFAULT_HEAD[weights] if head is None else head)
     path = resolve_target(spec)
     hf = read_json(path / "config.json", "target")

@@ -5,4 +5,5 @@ and int8 share), :mod:`.calibrate` (activation ranges with ModelOpt)."""
 
 #: ``--weights``: weight-only packed-integer linears on the CPU (:mod:`.packed`), or a gpt-oss
 #: checkpoint's MXFP4 experts kept packed (:mod:`.mxfp4`)
-WEIGHT_FORMATS = ("int4", "int8", "mxfp4")
+INT_WEIGHT_FORMATS = ("int4", "int8")
+WEIGHT_FORMATS = (*INT_WEIGHT_FORMATS, "mxfp4")
