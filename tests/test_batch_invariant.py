@@ -203,3 +203,55 @@ def test_without_a_compiler(tmp_path):
     bad = subprocess.run(CLI + args + ["--batch-invariant"], env=env, capture_output=True, text=True, timeout=300)
     assert "could not be built (needs a C++ compiler, g++)" in error_line(bad)
     assert not list((tmp_path / "ext").rglob("*.so"))
+
+
+def test_runner_puts_the_drafter_linears_on_the_kernel(smollm2, monkeypatch):
+    """On the CPU in fp32 the runner runs the drafter's dense linears through the packed kernel
+    (``model_runner.drafter_kernel_linears``: for speed, drafts never change the output): each
+    becomes a :class:`BatchInvariantLinear` over the same weight (the state dict unchanged), and
+    the drafts and final hidden states of draft calls on a real answer's context are those of
+    the same drafter (the shipped one) through ``nn.Linear`` (hidden states within fp32 summation-order
+    differences). The compiled path gets ``nn.Linear`` back."""
+    from helpers import full_features, plain_outputs
+
+    from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
+    from dflash_trt.checkpoints.zlab import load_drafter
+    from dflash_trt.runtime import model_runner
+    from dflash_trt.runtime.model_runner import ModelRunner, StepItem, cpu_weight_layout
+
+    model = smollm2.model
+    ids = chat_prompt_ids(smollm2.tokenizer, mixed_prompts(1)[0])
+    ids = ids + plain_outputs(smollm2, [ids], 24)[0]
+    nb = -(-(len(ids) + 8) // 16)
+    runs = {}
+    for kernel in (True, False):
+        drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32)
+        before = {k: v.clone() for k, v in drafter.state_dict().items()}
+        monkeypatch.setattr(model_runner, "drafter_kernel_linears", lambda d, on=kernel: on)
+        runner = ModelRunner(model, drafter, engine_config(block_size=4, kv_capacity=nb * 16).with_defaults(4))
+        linears = [m for m in drafter.modules() if isinstance(m, nn.Linear)]
+        assert linears and all(isinstance(m, BatchInvariantLinear) == kernel for m in linears)
+        assert drafter.state_dict().keys() == before.keys()
+        assert all(torch.equal(drafter.state_dict()[k], v) for k, v in before.items())
+        proposer, hidden, drafts = runner.proposer, [], []
+        forward = proposer.forward
+        proposer.forward = lambda *a, f=forward, h=hidden: h.append(f(*a).clone()) or h[-1]
+        feats = full_features(model, ids, drafter.cfg.target_layer_ids)
+        for anchor in range(len(ids) - 12, len(ids) - 4):  # a first call ingests the context so far
+            proposer.store_features(0, anchor - 1 if drafts else 0, feats[(anchor - 1 if drafts else 0) : anchor])
+            item = StepItem(0, [ids[anchor]], anchor, list(range(nb)), num_draft=3)
+            with runner.grad_mode():
+                drafts.append(proposer.propose([item], 4)[0].tolist())
+        runs[kernel] = hidden, drafts
+    (hk, dk), (hd, dd) = runs[True], runs[False]
+    diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(hk, hd))
+    print(f"drafter through the kernel vs nn.Linear: max relative difference {diff:.2g}; drafts {dk}")
+    assert dk == dd
+    assert 0 < diff < 1e-5  # not the same arithmetic, the same result
+    monkeypatch.undo()
+    drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32)
+    cpu_weight_layout(model, drafter, False, False, True)
+    assert model_runner.drafter_kernel_linears(drafter)
+    assert all(isinstance(m, BatchInvariantLinear) for m in drafter.modules() if isinstance(m, nn.Linear))
+    cpu_weight_layout(model, drafter, False, True, True)  # compiled: inductor lowers plain linears
+    assert all(type(m) is nn.Linear for m in drafter.modules() if isinstance(m, nn.Linear))
