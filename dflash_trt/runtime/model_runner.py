@@ -19,9 +19,10 @@ from itertools import accumulate
 
 import torch
 
-from ..errors import ConfigError
-from ..models.batch_invariant import resolve_batch_invariant, set_batch_invariant
-from ..models.cpu_linear import pack_linears, unpack_linears
+from ..errors import ConfigError, DFlashError
+from ..kernels.cpu_ops import load
+from ..models.batch_invariant import INVARIANT_DTYPES, resolve_batch_invariant, set_batch_invariant
+from ..models.cpu_linear import onednn_available, pack_linears, unpack_linears
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
 from .attention_meta import plan_packed
@@ -165,11 +166,6 @@ def drafter_kernel_linears(drafter: DFlashDrafter) -> bool:
     and 0.32-0.56x in fp32; the shipped drafter's forward at block 8 in bf16 went from ~24 to
     ~8 ms as the adaptive controller measures it (load bench, concurrency 1), and its choice
     at concurrency 1 from 0.05 to 0.81 draft tokens per step."""
-    from ..errors import DFlashError
-    from ..kernels.cpu_ops import load
-    from ..models.batch_invariant import INVARIANT_DTYPES
-    from ..models.cpu_linear import onednn_available
-
     w = next(drafter.parameters())
     if w.device.type != "cpu" or w.dtype not in INVARIANT_DTYPES:
         return False
