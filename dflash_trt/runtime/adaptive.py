@@ -20,7 +20,8 @@ best ``k`` is taken, unless it drafts and beats ``k = 0`` by less than ``min_gai
 
 Exploration keeps both options measured, at a bounded cost:
 - while plain decoding wins, every ``probe`` iterations (doubling up to ``max_probe`` while
-  drafting keeps losing) a drafting iteration runs, alternately ONE sequence drafting (the
+  drafting keeps losing, and only once the probes so far rule out an acceptance at which
+  drafting would win: see ``evidence_z``) a drafting iteration runs, alternately ONE sequence drafting (the
   acceptance of the draft positions stays current) and EVERY sequence drafting one token (the
   drafter's and the verify's costs at this batch size stay current). A one-sequence probe
   drafts only as far as drafts are likely to be accepted (``1 + 2 * (E(max) - 1)`` rounded up:
@@ -198,6 +199,13 @@ class DraftLengthController:
         explore, max_explore: while drafting wins, iterations between plain-decoding iterations.
         guard_margin: the achieved-rate guard overrides the model when the predicted choice
             achieved this much less (relative) than the other option at the same batch size.
+        evidence_z: while plain decoding wins, probes stay at the shortest interval as long as
+            drafting would come within half the guard margin of plain decoding at the upper end
+            of the first position's acceptance that the probes so far allow (Wilson score bound,
+            this many standard deviations, on the decayed counts). A handful of rejected probes
+            says little: at acceptance 0.41, five first positions are all rejected 7 % of the
+            time; backing off on them (to one probe in 256 iterations) locked a winning drafter
+            out of whole runs. A useless drafter is ruled out after ~8 rejections.
         min_gain: the model drafts only when the predicted rate beats plain decoding's by this
             much (relative). Near a tie, what the model leaves out decides, and it goes against
             drafting: drafting sequences finish at different times, so waiting prompts are
@@ -217,6 +225,7 @@ class DraftLengthController:
         explore: int = 16,
         max_explore: int = 256,
         guard_margin: float = 0.1,
+        evidence_z: float = 1.5,
         min_gain: float = 0.03,
     ):
         self.max_draft = max_draft
@@ -234,6 +243,7 @@ class DraftLengthController:
         self.since_draft = 0
         self.since_plain = 0
         self.guard_margin = guard_margin
+        self.evidence_z = evidence_z
         self.min_gain = min_gain
         self.realised = _Realised()
         self.iteration = 0
@@ -253,21 +263,35 @@ class DraftLengthController:
             out.append(m)
         return out
 
-    def expected_committed(self, k: int) -> float:
-        """E(tokens committed per sequence) with ``k`` drafts (bonus token included)."""
+    def plausible_acceptance(self) -> list[float]:
+        """:meth:`acceptance` with the first position's raised to the Wilson score upper bound
+        (``evidence_z`` standard deviations) of its decayed counts: as high as the probes so far
+        allow (1.0 before any)."""
+        q = self.acceptance()
+        n, z2 = self.reached[0], self.evidence_z**2
+        if n <= 0:
+            return [1.0] + q[1:]
+        p = min(self.accepted[0] / n, 1.0)
+        upper = (p + z2 / (2 * n) + self.evidence_z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))) / (1 + z2 / n)
+        return [max(q[0], min(upper, 1.0))] + q[1:]
+
+    def expected_committed(self, k: int, acceptance: list[float] | None = None) -> float:
+        """E(tokens committed per sequence) with ``k`` drafts (bonus token included), at the
+        current acceptance estimates or at ``acceptance``."""
         e, p = 1.0, 1.0
-        for q in self.acceptance()[:k]:
+        for q in (self.acceptance() if acceptance is None else acceptance)[:k]:
             p *= q
             e += p
         return e
 
-    def rate(self, k: int, seqs: int, optimistic: bool = False) -> float:
-        """Predicted committed tokens per second of an iteration with ``k`` drafts; with
-        ``optimistic`` a drafting iteration is charged the lowest plausible drafter and host
-        costs instead (the one-sequence drafter cost, plain decoding's host cost)."""
+    def rate(self, k: int, seqs: int, optimistic: bool = False, acceptance: list[float] | None = None) -> float:
+        """Predicted committed tokens per second of an iteration with ``k`` drafts (at
+        ``acceptance`` when given); with ``optimistic`` a drafting iteration is charged the
+        lowest plausible drafter and host costs instead (the one-sequence drafter cost, plain
+        decoding's host cost)."""
         draft, host = (1, False) if optimistic else (seqs, k > 0)
         cost = self.target_cost(seqs * (k + 1)) + (self.draft_cost(draft) if k else 0.0) + self.host_cost[host](seqs)
-        return seqs * self.expected_committed(k) / max(cost, 1e-9)
+        return seqs * self.expected_committed(k, acceptance) / max(cost, 1e-9)
 
     def choose(self, seqs: int, token_budget: int | None = None) -> tuple[int, bool]:
         """``(draft tokens per sequence, probe)`` for this iteration; ``seqs`` sequences are
@@ -316,7 +340,11 @@ class DraftLengthController:
             # a drafter predicted within half the guard margin of plain decoding keeps being
             # probed often (such a probe costs little, and the estimate it refines may flip the
             # choice); one further behind is probed ever more rarely
-            close = max(rates[1:]) >= (1 - self.guard_margin / 2) * rates[0]
+            # so is one that would be that close at a plausible acceptance while few probes
+            # back the estimate (see ``evidence_z``)
+            plausible = self.plausible_acceptance()
+            best_plausible = max(self.rate(k, seqs, acceptance=plausible) for k in range(1, top + 1))
+            close = max(max(rates[1:]), best_plausible) >= (1 - self.guard_margin / 2) * rates[0]
             self.probe_every = self.min_probe if close else min(2 * self.probe_every, self.max_probe)
             self.probes += 1
             if self.probes % 2 or seqs == 1 or not may_win:
