@@ -20,8 +20,8 @@ best ``k`` is taken, unless it drafts and beats ``k = 0`` by less than ``min_gai
 
 Exploration keeps both options measured, at a bounded cost:
 - while plain decoding wins, every ``probe`` iterations (doubling up to ``max_probe`` while
-  drafting keeps losing, and only once the probes so far rule out an acceptance at which
-  drafting would win: see ``evidence_z``) a drafting iteration runs, alternately ONE sequence drafting (the
+  drafting keeps losing, once the probes so far rule out an acceptance at which drafting would
+  win: ``evidence_z``) a drafting iteration runs, alternately ONE sequence drafting (the
   acceptance of the draft positions stays current) and EVERY sequence drafting one token (the
   drafter's and the verify's costs at this batch size stay current). A one-sequence probe
   drafts only as far as drafts are likely to be accepted (``1 + 2 * (E(max) - 1)`` rounded up:
@@ -205,7 +205,7 @@ class DraftLengthController:
             this many standard deviations, on the decayed counts). A handful of rejected probes
             says little: at acceptance 0.41, five first positions are all rejected 7 % of the
             time; backing off on them (to one probe in 256 iterations) locked a winning drafter
-            out of whole runs. A useless drafter is ruled out after ~8 rejections.
+            out of whole runs. A useless drafter is ruled out after ~8-10 rejections.
         min_gain: the model drafts only when the predicted rate beats plain decoding's by this
             much (relative). Near a tie, what the model leaves out decides, and it goes against
             drafting: drafting sequences finish at different times, so waiting prompts are
