@@ -342,9 +342,10 @@ class DraftLengthController:
             # choice); one further behind is probed ever more rarely
             # so is one that would be that close at a plausible acceptance while few probes
             # back the estimate (see ``evidence_z``)
+            # (the plausible acceptance is at least the estimate, so this covers ``rates`` too)
             plausible = self.plausible_acceptance()
             best_plausible = max(self.rate(k, seqs, acceptance=plausible) for k in range(1, top + 1))
-            close = max(max(rates[1:]), best_plausible) >= (1 - self.guard_margin / 2) * rates[0]
+            close = best_plausible >= (1 - self.guard_margin / 2) * rates[0]
             self.probe_every = self.min_probe if close else min(2 * self.probe_every, self.max_probe)
             self.probes += 1
             if self.probes % 2 or seqs == 1 or not may_win:

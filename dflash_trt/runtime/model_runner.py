@@ -19,9 +19,8 @@ from itertools import accumulate
 
 import torch
 
-from ..errors import ConfigError, DFlashError
-from ..kernels.cpu_ops import load
-from ..models.batch_invariant import INVARIANT_DTYPES, resolve_batch_invariant, set_batch_invariant
+from ..errors import ConfigError
+from ..models.batch_invariant import resolve_batch_invariant, set_batch_invariant
 from ..models.cpu_linear import onednn_available, pack_linears, unpack_linears
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
@@ -135,7 +134,7 @@ def cpu_weight_layout(
     without it they leave that mode, and bf16 CPU linears are oneDNN-prepacked for the eager
     path (:func:`~dflash_trt.models.cpu_linear.pack_linears`), plain ``nn.Linear`` for the
     compiled one (inductor lowers only weights it froze itself: a prepacked one fails there).
-    Kept as ``nn.Linear`` on the eager path: the drafter's k/v projections (stacked into one
+    Kept as ``nn.Linear`` when oneDNN-prepacked: the drafter's k/v projections (stacked into one
     context-K/V GEMM in :meth:`DFlashDrafter.forward`) and, under tensor parallelism, the
     target's LM head (it carries the vocab-parallel all-gather hook).
 
@@ -158,24 +157,19 @@ def cpu_weight_layout(
 def drafter_kernel_linears(drafter: DFlashDrafter) -> bool:
     """Whether the drafter's dense linears should run through ``dflash_cpu::bi_linear_packed``
     (:class:`~dflash_trt.models.batch_invariant.BatchInvariantLinear`) rather than ``F.linear``:
-    CPU weights in fp32, or in bf16 where oneDNN lacks bf16 (torch's fallback bf16 GEMM is
-    slow), and the kernels build here.
+    where the target's mode would be on by default (CPU, fp32 / bf16, the kernels build here;
+    :func:`~dflash_trt.models.batch_invariant.resolve_batch_invariant`), except bf16 where
+    oneDNN has bf16 (its prepacked GEMM stays).
 
     Measured (2-core AMD EPYC, AVX2 without AVX512-BF16, torch 2.13, 2 threads, 8 rows,
     ``bench/bi_linear.py --rows 8``): the kernel takes 0.14-0.22x ``F.linear``'s time in bf16
-    and 0.32-0.56x in fp32; the shipped drafter's forward at block 8 in bf16 went from ~24 to
-    ~8 ms as the adaptive controller measures it (load bench, concurrency 1), and its choice
-    at concurrency 1 from 0.05 to 0.81 draft tokens per step."""
+    and 0.32-0.56x in fp32; the shipped drafter's forward at block 8 in bf16, as the adaptive
+    controller fits it in the load bench, went from 10.4 / 32.3 to 6.3 / 16.6 ms at 1 / 4
+    sequences (docs/peers.md)."""
     w = next(drafter.parameters())
-    if w.device.type != "cpu" or w.dtype not in INVARIANT_DTYPES:
-        return False
     if w.dtype == torch.bfloat16 and onednn_available():
         return False
-    try:
-        load()
-    except DFlashError:
-        return False
-    return True
+    return resolve_batch_invariant(None, w.device, w.dtype)
 
 
 class ModelRunner:
