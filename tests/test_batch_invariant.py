@@ -24,8 +24,9 @@ from torch import nn
 
 from dflash_trt.checkpoints.loader import load_pair
 from dflash_trt.errors import DFlashError
-from dflash_trt.kernels.cpu_ops import bi_attention, bi_linear
+from dflash_trt.kernels.cpu_ops import bi_attention, bi_linear, rms_norm
 from dflash_trt.models.batch_invariant import BatchInvariantLinear, check_batch_invariant, set_batch_invariant
+from dflash_trt.models.layers import RMSNorm
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
 from dflash_trt.quantization.packed import PackedLinear
 from dflash_trt.runtime.engine import LLMEngine
@@ -65,6 +66,37 @@ def test_bi_linear_rows_independent(wdt, xdt):
             assert torch.equal(mod(x), full) and torch.equal(mod(x[3:4]), full[3:4])
             mod.weight.mul_(2)
             assert torch.equal(mod(x), bi_linear(x, w * 2, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_kernel_equals_torch_and_rows_independent(dtype):
+    """``dflash_cpu::rms_norm`` against the torch path of :class:`RMSNorm` (``weight *
+    F.rms_norm``): the same bits in bf16 (one rounding after the fp32 normalization, one after
+    the weight), within 2 fp32 ulps of the output's scale in fp32 (the mean square summed in
+    another order); each row the same bits alone, among others, and from a strided view (the
+    q/k norms read heads out of a fused QKV output); the module switches with ``cpu_kernel``."""
+    for d in (576, 64, 37):  # a hidden size, a head size, a tail shorter than a vector
+        w = (1 + 0.1 * torch.randn(d)).to(dtype)
+        x = (3 * torch.randn(40, d)).to(dtype)
+        ref = w * F.rms_norm(x, (d,), eps=1e-5)
+        got = rms_norm(x, w, 1e-5)
+        assert got.dtype == dtype and got.shape == x.shape
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, ref)
+        else:
+            assert (got - ref).abs().max().item() <= 2 * torch.finfo(dtype).eps * ref.abs().max().item()
+        for r in (0, 7, 39):
+            assert torch.equal(rms_norm(x[r : r + 1], w, 1e-5), got[r : r + 1])
+        for m in (1, 3, 17):
+            assert torch.equal(rms_norm(x[:m], w, 1e-5), got[:m])
+        wide = torch.cat([x, x], 1).view(40, 2, d)[:, 1]  # every other row of d: not contiguous
+        assert torch.equal(rms_norm(wide, w, 1e-5), got)
+        norm = RMSNorm(d, 1e-5).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(w)
+            assert torch.equal(norm(x.view(4, 10, d)).view(40, d), ref)
+            norm.cpu_kernel = True
+            assert torch.equal(norm(x.view(4, 10, d)).view(40, d), got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -253,5 +285,12 @@ def test_runner_puts_the_drafter_linears_on_the_kernel(smollm2, monkeypatch):
     cpu_weight_layout(model, drafter, False, False, True)
     assert model_runner.drafter_kernel_linears(drafter)
     assert all(isinstance(m, BatchInvariantLinear) for m in drafter.modules() if isinstance(m, nn.Linear))
+    # the target's norms on the one-call kernel, the drafter's on torch's (bit-equal to z-lab's)
+    norms = {
+        name: [m.cpu_kernel for m in mod.modules() if isinstance(m, RMSNorm)]
+        for name, mod in (("target", model), ("drafter", drafter))
+    }
+    assert norms["target"] and all(norms["target"]) and norms["drafter"] and not any(norms["drafter"])
     cpu_weight_layout(model, drafter, False, True, True)  # compiled: inductor lowers plain linears
     assert all(type(m) is nn.Linear for m in drafter.modules() if isinstance(m, nn.Linear))
+    assert not any(m.cpu_kernel for m in model.modules() if isinstance(m, RMSNorm))  # and fuses the norms

@@ -1,6 +1,7 @@
 """The batch-invariant CPU kernels (``cpu/batch_invariant.cpp``) as torch ops
 ``dflash_cpu::bi_linear`` (with ``bi_pack`` / ``bi_linear_packed``, the same arithmetic over a
-weight packed once) and ``dflash_cpu::bi_attention``, built once per machine.
+weight packed once), ``dflash_cpu::bi_attention`` and ``dflash_cpu::rms_norm``, built once per
+machine.
 
 The C++ source is compiled with the machine's own compiler on first use
 (``torch.utils.cpp_extension``, ``-O3 -march=native -ffp-contract=off``; ~15-60 s on 2 cores) into
@@ -110,6 +111,10 @@ def _register_fakes() -> None:
     def _(q, k, v, mask, scale, sinks=None):
         return q.new_empty(q.shape, dtype=torch.float32)
 
+    @torch.library.register_fake("dflash_cpu::rms_norm")
+    def _(x, w, eps):
+        return x.new_empty(x.shape)
+
 
 def bi_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` with a per-row order of summation fixed whatever the rows.
@@ -149,3 +154,19 @@ def bi_attention(
     """
     load()
     return torch.ops.dflash_cpu.bi_attention(q, k, v, mask, scale, sinks)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Llama's RMSNorm in one call: ``round(weight * round(x * rsqrt(mean(x^2) + eps)))``,
+    the mean in fp32, each row alone (the same bits whatever the other rows).
+
+    Args:
+        x: ``[..., D]`` fp32 or bf16 (CPU).
+        weight: ``[D]``, ``x``'s dtype.
+        eps: added to the mean square.
+
+    Returns:
+        ``[..., D]`` in ``x``'s dtype.
+    """
+    load()
+    return torch.ops.dflash_cpu.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)

@@ -23,6 +23,7 @@ from ..errors import ConfigError
 from ..models.batch_invariant import resolve_batch_invariant, set_batch_invariant
 from ..models.cpu_linear import onednn_available, pack_linears, unpack_linears
 from ..models.drafter import DFlashDrafter
+from ..models.layers import set_cpu_norm_kernel
 from ..models.target import TargetModel
 from .attention_meta import plan_packed
 from .compiled import compiled_forward
@@ -141,8 +142,14 @@ def cpu_weight_layout(
     The drafter's dense linears run through the batch-invariant kernel on the eager CPU path
     in fp32, and in bf16 where oneDNN has no bf16 GEMM (:func:`drafter_kernel_linears`): not
     for invariance (drafts never change the output) but because the kernel is the fastest CPU
-    GEMM here at draft sizes."""
+    GEMM here at draft sizes.
+
+    The target's RMSNorms run through the one-call ``dflash_cpu::rms_norm`` on the eager CPU
+    path in fp32 / bf16 where the kernels build (:func:`~dflash_trt.models.layers.set_cpu_norm_kernel`);
+    the drafter's keep torch's (its outputs stay bit-equal to the z-lab reference's)."""
     set_batch_invariant(target, batch_invariant)
+    w = target.embed.weight
+    set_cpu_norm_kernel(target, not compile and resolve_batch_invariant(None, w.device, w.dtype))
     if drafter is not None:
         set_batch_invariant(drafter, not compile and drafter_kernel_linears(drafter))
     for model, skip in ((target, ("lm_head",) if tensor_parallel else ()), (drafter, ("k_proj", "v_proj"))):

@@ -32,6 +32,13 @@
 //     vector (transformers' GptOssAttention: softmax over [scores, sink], the sink column dropped).
 //     Without sinks the arithmetic is the same as before they existed.
 //
+// dflash_cpu::rms_norm(x [M, D], w [D], eps) -> [M, D] in x's dtype (fp32 or bf16, w the same):
+//     per row alone: ss = sum_d x[d]^2 in fp32 (VL-lane FMA chunks in order from zero, lanes
+//     summed 0..VL-1, then a scalar tail), r = 1 / sqrt(ss / D + eps), y = round(x * r) to x's
+//     dtype, out = round(w * y): HF Llama's RMSNorm (normalize in fp32, round to the input
+//     dtype, scale by the weight) in one call instead of torch's seven-op composite (~20-60 us a
+//     call on one thread against ~2-5 us here; a decode step of a 30-layer target runs 61).
+//
 // Vectors are GCC vector extensions as wide as the machine's registers (16 fp32 lanes with
 // AVX-512, 8 with AVX2); every multiply-add is an explicit FMA (fmav, std::fma). Built once per
 // machine by dflash_trt/kernels/cpu_ops.py.
@@ -411,6 +418,48 @@ at::Tensor bi_attention(const at::Tensor& q, const at::Tensor& k, const at::Tens
   return out;
 }
 
+template <typename T>
+void rms_norm_impl(const T* x, const T* w, int64_t M, int64_t D, float eps, T* out) {
+  // rows are independent: threads take whole rows (>= ~64K elements a task, so a decode step's
+  // few rows run on the calling thread)
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, D));
+  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const T* xr = x + m * D;
+      vf acc = {};
+      int64_t d = 0;
+      for (; d + VL <= D; d += VL) {
+        const vf v = loadv(xr + d);
+        acc = fmav(v, v, acc);
+      }
+      float ss = D >= VL ? hsum(acc) : 0.f;
+      for (; d < D; ++d) ss = std::fma(to_float(xr[d]), to_float(xr[d]), ss);
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+      T* o = out + m * D;
+      for (int64_t e = 0; e < D; ++e) {
+        const T y = static_cast<T>(to_float(xr[e]) * r);
+        store(o + e, to_float(w[e]) * to_float(y));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0), "rms_norm: x [M, D] and w [D] expected");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: x and w dtypes differ");
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == at::kBFloat16) {
+    rms_norm_impl(xc.data_ptr<c10::BFloat16>(), wc.data_ptr<c10::BFloat16>(), x.size(0), x.size(1),
+                  static_cast<float>(eps), out.data_ptr<c10::BFloat16>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "rms_norm: fp32 or bf16 expected");
+    rms_norm_impl(xc.data_ptr<float>(), wc.data_ptr<float>(), x.size(0), x.size(1), static_cast<float>(eps),
+                  out.data_ptr<float>());
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dflash_cpu, m) {
@@ -418,6 +467,7 @@ TORCH_LIBRARY(dflash_cpu, m) {
   m.def("bi_pack(Tensor w) -> Tensor");
   m.def("bi_linear_packed(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor");
   m.def("bi_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor? sinks=None) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) {
@@ -425,4 +475,5 @@ TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) {
   m.impl("bi_pack", &bi_pack);
   m.impl("bi_linear_packed", &linear_packed);
   m.impl("bi_attention", &bi_attention);
+  m.impl("rms_norm", &rms_norm);
 }
