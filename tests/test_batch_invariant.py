@@ -293,4 +293,5 @@ def test_runner_puts_the_drafter_linears_on_the_kernel(smollm2, monkeypatch):
     assert norms["target"] and all(norms["target"]) and norms["drafter"] and not any(norms["drafter"])
     cpu_weight_layout(model, drafter, False, True, True)  # compiled: inductor lowers plain linears
     assert all(type(m) is nn.Linear for m in drafter.modules() if isinstance(m, nn.Linear))
-    assert not any(m.cpu_kernel for m in model.modules() if isinstance(m, RMSNorm))  # and fuses the norms
+    # the norms stay on the kernel: one opaque call in the compiled graph, the eager path's bits
+    assert all(m.cpu_kernel for m in model.modules() if isinstance(m, RMSNorm))

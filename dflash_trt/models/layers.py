@@ -48,11 +48,12 @@ class RMSNorm(nn.Module):
     """RMSNorm over the last dimension (``x * rsqrt(mean(x^2) + eps) * weight``): normalized in
     fp32, rounded to the input dtype, then scaled by the weight, as HF Llama/Qwen do.
 
-    :attr:`cpu_kernel` (set by ``runtime/model_runner.cpu_weight_layout`` for the target's
-    eager CPU path in fp32 / bf16) computes the same formula in one ``dflash_cpu::rms_norm`` call
+    :attr:`cpu_kernel` (set by ``runtime/model_runner.cpu_weight_layout`` for CPU targets in
+    fp32 / bf16) computes the same formula in one ``dflash_cpu::rms_norm`` call
     (:func:`~dflash_trt.kernels.cpu_ops.rms_norm`) instead of torch's composite ``F.rms_norm``
     and a multiply (~25-60 us a call on one thread, measured on a 2-core AMD EPYC, torch 2.13;
-    ~61 calls a decode step of a 30-layer target)."""
+    ~61 calls a decode step of a 30-layer target). Under ``torch.compile`` the op is one opaque
+    call in the graph, so the compiled path's norms give the eager path's bits."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -61,7 +62,7 @@ class RMSNorm(nn.Module):
         self.cpu_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_kernel and x.device.type == "cpu" and not torch.compiler.is_compiling():
+        if self.cpu_kernel and x.device.type == "cpu":
             return torch.ops.dflash_cpu.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         # torch's fused kernel; for bf16 / fp16 input it accumulates in fp32 and rounds once, as
         # the upcast-normalize-downcast of HF does (equal bits on 200 random bf16 rows of 576)

@@ -144,12 +144,13 @@ def cpu_weight_layout(
     for invariance (drafts never change the output) but because the kernel is the fastest CPU
     GEMM here at draft sizes.
 
-    The target's RMSNorms run through the one-call ``dflash_cpu::rms_norm`` on the eager CPU
-    path in fp32 / bf16 where the kernels build (:func:`~dflash_trt.models.layers.set_cpu_norm_kernel`);
-    the drafter's keep torch's (its outputs stay bit-equal to the z-lab reference's)."""
+    The target's RMSNorms run through the one-call ``dflash_cpu::rms_norm`` on the CPU in fp32 /
+    bf16 where the kernels build, eager and compiled alike (one opaque call in the graph, so both
+    paths get the same bits; :func:`~dflash_trt.models.layers.set_cpu_norm_kernel`); the
+    drafter's keep torch's (its outputs stay bit-equal to the z-lab reference's)."""
     set_batch_invariant(target, batch_invariant)
     w = target.embed.weight
-    set_cpu_norm_kernel(target, not compile and resolve_batch_invariant(None, w.device, w.dtype))
+    set_cpu_norm_kernel(target, resolve_batch_invariant(None, w.device, w.dtype))
     if drafter is not None:
         set_batch_invariant(drafter, not compile and drafter_kernel_linears(drafter))
     for model, skip in ((target, ("lm_head",) if tensor_parallel else ()), (drafter, ("k_proj", "v_proj"))):
