@@ -53,9 +53,10 @@ def int4_pair():
     inductor cache against ~200 s with the Python wrapper, full target), too slow for every
     `make test`. A hit of dynamo's recompile limit fails the test instead of silently running
     the function eagerly."""
-    with pytest.MonkeyPatch.context() as mp:
+    # torch's config through its own patch(): pytest's monkeypatch deletes a config attribute on
+    # undo (a later file's test then fails on the missing setting)
+    with pytest.MonkeyPatch.context() as mp, torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         mp.setattr(compiled_module, "OPTIONS", {})
-        mp.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
         target, shipped = load_pair(None, None, torch.bfloat16, weights="int4")
         model = target.model
         model.cfg = dataclasses.replace(model.cfg, num_layers=LAYERS)
@@ -145,9 +146,8 @@ def test_in_flight_batching_compiled_is_lossless():
     model = tiny_target("cpu")
     drafter = init_drafter(model.cfg, 1, 4, MASK, seed=0)
     reqs = prompts(7)
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         mp.setattr(compiled_module, "BACKEND", "eager")
-        mp.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
         engines = {
             adaptive: LLMEngine(
                 model,

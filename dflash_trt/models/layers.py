@@ -62,7 +62,7 @@ class RMSNorm(nn.Module):
         self.cpu_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_kernel and x.device.type == "cpu":
+        if self.cpu_kernel and x.device.type == "cpu" and x.dtype == self.weight.dtype:
             return torch.ops.dflash_cpu.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         # torch's fused kernel; for bf16 / fp16 input it accumulates in fp32 and rounds once, as
         # the upcast-normalize-downcast of HF does (equal bits on 200 random bf16 rows of 576)
