@@ -35,13 +35,13 @@ VOCAB = 256
 MASK = VOCAB - 1
 
 
-def tiny_target(device: str) -> TargetModel:
+def tiny_target(device: str, num_layers: int = 4) -> TargetModel:
     cfg = TargetConfig(
         family="llama",
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
-        num_layers=4,
+        num_layers=num_layers,
         num_heads=4,
         num_kv_heads=2,
         head_dim=16,
