@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import check_same, generate, main_error
+from helpers import check_same, generate, main_error, plain_outputs
 
 from dflash_trt.checkpoints.loader import LoadedTarget, default_mask_token_id
 from dflash_trt.checkpoints.zlab import init_drafter, load_drafter, save_drafter
@@ -216,7 +216,7 @@ def test_sliced_head_drafts_and_stays_lossless(smollm2, d2t_drafter):
     assert torch.equal(d.propose(h, head, sharded_head=True), want)
     assert bool(torch.isin(d.propose(h, head), ids).all())
     prompts = [chat_prompt_ids(smollm2.tokenizer, t) for t in mixed_prompts(4)]
-    ref = [generate(smollm2, None, [Request(p, 20)], 1)[0].output_ids for p in prompts]
+    ref = plain_outputs(smollm2, prompts, 20, batched=True)
     stats = LoopStats(8)
     got = generate(smollm2, d, [Request(p, 20) for p in prompts], 8, stats)
     for p, r, o in zip(prompts, ref, got):

@@ -9,7 +9,7 @@ such cases are counted and printed. Any other mismatch fails.
 from __future__ import annotations
 
 import pytest
-from helpers import OracleProposer, check_same, generate
+from helpers import OracleProposer, check_same, generate, plain_outputs
 
 from dflash_trt.engine_args import EngineArgs
 from dflash_trt.errors import DFlashError
@@ -27,8 +27,10 @@ def prompts(smollm2):
 
 @pytest.fixture(scope="module")
 def reference(smollm2, prompts):
-    """Plain decoding, one request at a time (block size 1, no drafter)."""
-    return [generate(smollm2, None, [Request(p, MAX_NEW)], 1)[0].output_ids for p in prompts]
+    """Plain decoding (block size 1, no drafter), all prompts in one batch (fp32 on the CPU:
+    batch-invariant; ``test_dflash_equals_autoregressive[1-1]`` checks one request at a time
+    against it)."""
+    return plain_outputs(smollm2, prompts, MAX_NEW, batched=True)
 
 
 @pytest.fixture(scope="module")

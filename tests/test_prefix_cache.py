@@ -70,7 +70,7 @@ def waves(smollm2):
     tok = smollm2.tokenizer
     prompts = [chat_prompt_ids(tok, p) for p in mixed_prompts(4)]
     longer = [p + tok.encode(" And once more, in short.") for p in prompts[:2]]
-    refs = plain_outputs(smollm2, prompts + longer, 12, enable_prefix_caching=False)
+    refs = plain_outputs(smollm2, prompts + longer, 12, batched=True, enable_prefix_caching=False)
     return prompts, longer, refs
 
 

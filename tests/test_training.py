@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import engine_config, full_features, generate
+from helpers import engine_config, full_features, generate, plain_outputs
 from test_zlab import draft_metas, with_layout
 
 from dflash_trt.checkpoints.loader import default_mask_token_id
@@ -399,7 +399,7 @@ def test_exported_drafter_is_lossless(smollm2, trained):
     drafter = load_drafter(path)
     assert drafter.cfg.block_size == 8 and drafter.cfg.num_layers == 1
     prompts = [chat_prompt_ids(smollm2.tokenizer, q) for q in ("Name a color.", "Why do birds sing?")]
-    ref = [generate(smollm2, None, [Request(p, 20)], 1)[0].output_ids for p in prompts]
+    ref = plain_outputs(smollm2, prompts, 20, batched=True)
     got = [o.output_ids for o in generate(smollm2, drafter, [Request(p, 20) for p in prompts], 8)]
     for p, r, o in zip(prompts, ref, got):
         i = first_divergence(r, o)
