@@ -380,3 +380,46 @@ def test_unsupported_rope_type_is_a_user_error(smollm2, tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DFlashError, match="rope_type 'dynamic'"):
         load_target(str(out))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"])
+def test_target_tokenizer_is_what_autotokenizer_loads(family, smollm2, tmp_path):
+    """The loader's tokenizer for a directory (the default target's tokenizer files under a
+    config of each supported model type) is what ``AutoTokenizer.from_pretrained`` gives: the
+    same class (``TokenizersBackend`` where it loads that class directly, ``Qwen2Tokenizer`` for
+    qwen2), token ids, special ids and chat-template text."""
+    import shutil
+
+    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import (
+        MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS,
+        TOKENIZER_MAPPING_NAMES,
+    )
+
+    from dflash_trt.checkpoints.loader import GENERIC_TOKENIZER_FAMILIES, _tokenizer
+
+    for f in smollm2.path.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, model_type=family)))
+    ours = _tokenizer(str(tmp_path), (family,))
+    auto = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert type(ours) is type(auto)
+    assert (family in GENERIC_TOKENIZER_FAMILIES) == (
+        family not in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+        and TOKENIZER_MAPPING_NAMES.get(family) != "MistralCommonBackend"
+    )
+    chat = [{"role": "user", "content": PROMPTS[2]}]
+    for text in PROMPTS:
+        assert ours.encode(text) == auto.encode(text)
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == auto.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    )
+    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id, ours.unk_token_id) == (
+        auto.eos_token_id,
+        auto.bos_token_id,
+        auto.pad_token_id,
+        auto.unk_token_id,
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -250,15 +251,50 @@ def with_tokenizer(model: TargetModel, path: Path) -> LoadedTarget:
     return LoadedTarget(model, tok, path, tuple(sorted(stops)))
 
 
+#: model types whose directories ``AutoTokenizer`` loads as the generic ``TokenizersBackend``
+#: when ``tokenizer_config.json`` names that class (what transformers' ``save_pretrained`` writes
+#: for a tokenizer of no specialised class, e.g. every GGUF conversion of the default target):
+#: not in transformers' ``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS`` (qwen2 is, so it gets
+#: ``Qwen2Tokenizer``) and not Mistral-format; tests/test_models.py checks both tables
+GENERIC_TOKENIZER_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
+
+
 @functools.lru_cache(maxsize=8)
 def _tokenizer(path: str, files: tuple):
     """``AutoTokenizer.from_pretrained(path)``, once per process for the same files (``files``:
     names, sizes and modification times of the directory's files but the weights, so a changed
     directory loads again): the engines of a process over one target share it (never mutated;
-    it took ~0.3 s of each load of the default target)."""
+    it took ~0.3 s of each load of the default target).
+
+    Where ``AutoTokenizer`` would pick the generic ``TokenizersBackend`` (the class named in
+    ``tokenizer_config.json``, no ``auto_map``, a model type of GENERIC_TOKENIZER_FAMILIES) that
+    class loads the directory directly: the same object without ``AutoConfig``, whose import
+    chain (model configuration -> activations -> hub kernels -> ``torch.distributed.tensor``)
+    cost ~2 s of every process that loads the target."""
+    d = Path(path)
+    tok_cfg = _json_or_empty(d / "tokenizer_config.json")
+    model_type = _json_or_empty(d / "config.json").get("model_type")
+    if (
+        tok_cfg.get("tokenizer_class") == "TokenizersBackend"
+        and "auto_map" not in tok_cfg
+        and model_type in GENERIC_TOKENIZER_FAMILIES
+    ):
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def _json_or_empty(path: Path) -> dict:
+    """The JSON object in ``path``; ``{}`` when the file is absent or not a JSON object (the
+    tokenizer load then goes through ``AutoTokenizer`` and reports what is wrong)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def default_mask_token_id(tokenizer, vocab_size: int) -> int:
