@@ -24,7 +24,7 @@ from torch import nn
 
 from dflash_trt.checkpoints.loader import load_pair
 from dflash_trt.errors import DFlashError
-from dflash_trt.kernels.cpu_ops import bi_attention, bi_linear, rms_norm
+from dflash_trt.kernels.cpu_ops import bi_attention, bi_linear, bi_paged_attention, rms_norm
 from dflash_trt.models.batch_invariant import BatchInvariantLinear, check_batch_invariant, set_batch_invariant
 from dflash_trt.models.layers import RMSNorm
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
@@ -125,6 +125,30 @@ def test_bi_attention_queries_independent(dtype):
         ones = torch.ones(1, 1, 1, n, dtype=torch.bool)
         alone = bi_attention(q[s : s + 1, :, :1], k[s : s + 1, :, :n], v[s : s + 1, :, :n], ones, 0.125)
         assert torch.equal(alone[0], batch[s])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bi_paged_attention_equals_gathered_keys(dtype):
+    """The paged kernel reads each sequence's keys from the pools through its slot table: the
+    same bits as bi_attention over the gathered keys, with sinks too; padding slots under a false
+    mask are never read (they point past the pool here: reading one would fault or differ)."""
+    S, H, Hkv, D, L, T, slots = 3, 9, 3, 64, 40, 4, 200
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(S, H, T, D, generator=g).to(dtype)
+    k_pool, v_pool = (torch.randn(slots, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    table = torch.stack([torch.randperm(slots, generator=g)[:L] for _ in range(S)])  # [S, L] scattered slots
+    lens = torch.tensor([L, 17, 29])
+    pos = lens[:, None] - T + torch.arange(T)[None, :]  # [S, T]: the block's positions
+    mask = (torch.arange(L)[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [S, 1, T, L], causal block
+    sinks = torch.randn(H, generator=g)
+    gathered = (k_pool[table].transpose(1, 2), v_pool[table].transpose(1, 2))
+    for sk in (None, sinks):
+        ref = bi_attention(q, *gathered, mask, 0.125, sk)
+        padded = torch.where(mask[:, 0].any(1), table, 10**9)  # slots under no visible query: out of range
+        got = bi_paged_attention(q, k_pool, v_pool, padded, mask, 0.125, sk)
+        assert got.dtype == torch.float32 and torch.equal(got, ref)
+    with pytest.raises(RuntimeError, match="int64"):
+        bi_paged_attention(q, k_pool, v_pool, table.int(), mask, 0.125)
 
 
 @pytest.fixture(scope="module")

@@ -115,6 +115,10 @@ def _register_fakes() -> None:
     def _(x, w, eps):
         return x.new_empty(x.shape)
 
+    @torch.library.register_fake("dflash_cpu::bi_paged_attention")
+    def _(q, k_pool, v_pool, slots, mask, scale, sinks=None):
+        return q.new_empty(q.shape, dtype=torch.float32)
+
 
 def bi_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` with a per-row order of summation fixed whatever the rows.
@@ -154,6 +158,34 @@ def bi_attention(
     """
     load()
     return torch.ops.dflash_cpu.bi_attention(q, k, v, mask, scale, sinks)
+
+
+def bi_paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`bi_attention` over a paged KV cache: sequence ``s``'s key ``l`` is read at pool slot
+    ``slots[s, l]`` in place (no gathered copy); the same bits as ``bi_attention(q,
+    k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2), mask, scale, sinks)``.
+
+    Args:
+        q: ``[S, H, T, D]``; k_pool, v_pool: ``[num_slots, Hkv, D]`` in ``q``'s dtype (fp32 or
+            bf16), contiguous in ``D``.
+        slots: int64 ``[S, L]`` (the paged cache's read table; entries under a false mask are
+            never read).
+        mask: bool ``[S or 1, 1, T, L]``, true where a query may attend.
+        scale, sinks: as :func:`bi_attention`.
+
+    Returns:
+        ``[S, H, T, D]`` fp32.
+    """
+    load()
+    return torch.ops.dflash_cpu.bi_paged_attention(q, k_pool, v_pool, slots, mask, scale, sinks)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

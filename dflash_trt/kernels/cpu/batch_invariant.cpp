@@ -32,6 +32,12 @@
 //     vector (transformers' GptOssAttention: softmax over [scores, sink], the sink column dropped).
 //     Without sinks the arithmetic is the same as before they existed.
 //
+// dflash_cpu::bi_paged_attention(q [S, H, T, D], k_pool [slots, Hkv, D], v_pool, slots [S, L]
+//     int64, mask [S|1, 1, T, L], scale, sinks?) -> [S, H, T, D] fp32: bi_attention over key l of
+//     sequence s read at pool slot slots[s, l] (the paged KV cache's read table), with no
+//     gathered copy of the keys; masked entries (padding) are never read. Bit for bit
+//     bi_attention(q, k_pool[slots], v_pool[slots], ...).
+//
 // dflash_cpu::rms_norm(x [M, D], w [D], eps) -> [M, D] in x's dtype (fp32 or bf16, w the same):
 //     per row alone: ss = sum_d x[d]^2 in fp32 (VL-lane FMA chunks in order from zero, lanes
 //     summed 0..VL-1, then a scalar tail), r = 1 / sqrt(ss / D + eps), y = round(x * r) to x's
@@ -326,17 +332,40 @@ inline void weighted_sums(const float* p, const T* const* vr, int64_t n, int64_t
 // head's output held in registers across the tile). Every output element is the same arithmetic
 // as one head and one key at a time: score = (q . k) * scale; acc[d] = fma(e_j, v_j[d], acc[d])
 // in key order from 0; out = acc * (1 / sum).
+// Where key l of sequence s and KV head hk lives: `rows.key(s, hk, l)` / `rows.value(s, hk, l)`
+// (a [S, Hkv, L, D] tensor of any strides, or pools [slots, Hkv, D] read through a slot table).
 template <typename T>
-void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+struct StridedRows {
+  const T *k, *v;
+  int64_t k0, k1, k2, v0, v1, v2;
+  StridedRows(const at::Tensor& kt, const at::Tensor& vt)
+      : k(kt.data_ptr<T>()), v(vt.data_ptr<T>()), k0(kt.stride(0)), k1(kt.stride(1)), k2(kt.stride(2)),
+        v0(vt.stride(0)), v1(vt.stride(1)), v2(vt.stride(2)) {}
+  const T* key(int64_t s, int64_t hk, int64_t l) const { return k + s * k0 + hk * k1 + l * k2; }
+  const T* value(int64_t s, int64_t hk, int64_t l) const { return v + s * v0 + hk * v1 + l * v2; }
+};
+
+template <typename T>
+struct PagedRows {
+  const T *k, *v;
+  const int64_t* slots;  // [S, L]: the pool slot of each sequence's key l
+  int64_t L, k0, k1, v0, v1;
+  PagedRows(const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& st)
+      : k(kp.data_ptr<T>()), v(vp.data_ptr<T>()), slots(st.data_ptr<int64_t>()), L(st.size(1)), k0(kp.stride(0)),
+        k1(kp.stride(1)), v0(vp.stride(0)), v1(vp.stride(1)) {}
+  const T* key(int64_t s, int64_t hk, int64_t l) const { return k + slots[s * L + l] * k0 + hk * k1; }
+  const T* value(int64_t s, int64_t hk, int64_t l) const { return v + slots[s * L + l] * v0 + hk * v1; }
+};
+
+template <typename T, typename Rows>
+void attention_impl(const at::Tensor& q, const Rows& rows, int64_t Hkv, int64_t L, const at::Tensor& mask,
                     double scale, const float* sinks, at::Tensor& out) {
   const int64_t S = q.size(0), H = q.size(1), T_ = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), L = k.size(2), G = H / Hkv;
+  const int64_t G = H / Hkv;
   const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
   const bool* mp = mask.data_ptr<bool>();
   float* op = out.data_ptr<float>();
-  const auto qs = q.strides(), ks = k.strides(), vs = v.strides(), ms = mask.strides();
+  const auto qs = q.strides(), ms = mask.strides();
   const float sc = static_cast<float>(scale);
   constexpr int KB = 4;
   constexpr int64_t TK = 32;  // keys per tile: 8 KiB of K (or V) rows at D = 64, fp32
@@ -350,13 +379,11 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qrow[d]);
       }
       const bool* mrow = mp + s * ms[0] + t * ms[2];
-      const T* kb = kp + s * ks[0] + hk * ks[1];
-      const T* vb = vp + s * vs[0] + hk * vs[1];
       int64_t n = 0;
       for (int64_t l = 0; l < L; ++l) {
-        if (!mrow[l * ms[3]]) continue;
-        krow[n] = kb + l * ks[2];
-        vrow[n++] = vb + l * vs[2];
+        if (!mrow[l * ms[3]]) continue;  // a masked key is never read (a paged table's padding slots included)
+        krow[n] = rows.key(s, hk, l);
+        vrow[n++] = rows.value(s, hk, l);
       }
       for (int64_t j0 = 0; j0 < n; j0 += TK) {
         const int64_t j1 = std::min(n, j0 + TK);
@@ -410,10 +437,43 @@ at::Tensor bi_attention(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const float* sp = sinks.has_value() ? sk.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options().dtype(at::kFloat));
   if (q.scalar_type() == at::kBFloat16) {
-    attention_impl<c10::BFloat16>(qc, kc, vc, m, scale, sp, out);
+    attention_impl<c10::BFloat16>(qc, StridedRows<c10::BFloat16>(kc, vc), k.size(1), k.size(2), m, scale, sp, out);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "bi_attention: fp32 or bf16 expected");
-    attention_impl<float>(qc, kc, vc, m, scale, sp, out);
+    attention_impl<float>(qc, StridedRows<float>(kc, vc), k.size(1), k.size(2), m, scale, sp, out);
+  }
+  return out;
+}
+
+// bi_attention with each sequence's keys read from the KV pools through its slot table instead
+// of a gathered copy: the same rows, hence the same arithmetic and the same bits
+at::Tensor bi_paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                              const at::Tensor& slots, const at::Tensor& mask, double scale,
+                              const std::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(q.dim() == 4 && k_pool.dim() == 3 && v_pool.dim() == 3 && slots.dim() == 2 && mask.dim() == 4,
+              "bi_paged_attention: q [S, H, T, D], pools [slots, Hkv, D], slots [S, L], mask [S|1, 1, T, L] expected");
+  TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "bi_paged_attention: k and v pools differ");
+  TORCH_CHECK(q.size(0) == slots.size(0) && q.size(3) == k_pool.size(2), "bi_paged_attention: q vs pools / slots");
+  TORCH_CHECK(q.size(1) % k_pool.size(1) == 0, "bi_paged_attention: ", q.size(1), " query heads over ", k_pool.size(1), " KV heads");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(), "bi_paged_attention: mixed dtypes");
+  TORCH_CHECK(mask.scalar_type() == at::kBool, "bi_paged_attention: mask must be bool");
+  TORCH_CHECK(slots.scalar_type() == at::kLong, "bi_paged_attention: slots must be int64");
+  TORCH_CHECK(k_pool.stride(2) == 1 && v_pool.stride(2) == 1, "bi_paged_attention: pools must be contiguous in D");
+  const at::Tensor m = mask.expand({q.size(0), 1, q.size(2), slots.size(1)});
+  const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous(), st = slots.contiguous();
+  at::Tensor sk;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1), "bi_paged_attention: sinks must be [H] (", q.size(1), ")");
+    sk = sinks->to(at::kFloat).contiguous();
+  }
+  const float* sp = sinks.has_value() ? sk.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options().dtype(at::kFloat));
+  const int64_t Hkv = k_pool.size(1), L = slots.size(1);
+  if (q.scalar_type() == at::kBFloat16) {
+    attention_impl<c10::BFloat16>(qc, PagedRows<c10::BFloat16>(k_pool, v_pool, st), Hkv, L, m, scale, sp, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "bi_paged_attention: fp32 or bf16 expected");
+    attention_impl<float>(qc, PagedRows<float>(k_pool, v_pool, st), Hkv, L, m, scale, sp, out);
   }
   return out;
 }
@@ -468,6 +528,9 @@ TORCH_LIBRARY(dflash_cpu, m) {
   m.def("bi_linear_packed(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor");
   m.def("bi_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor? sinks=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def(
+      "bi_paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor mask, float scale, "
+      "Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) {
@@ -476,4 +539,5 @@ TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) {
   m.impl("bi_linear_packed", &linear_packed);
   m.impl("bi_attention", &bi_attention);
   m.impl("rms_norm", &rms_norm);
+  m.impl("bi_paged_attention", &bi_paged_attention);
 }
