@@ -306,3 +306,30 @@ def test_cost_model_rules():
     assert abs(m(10) - 0.5) < 0.05 and abs(m(100) - 0.5) < 0.05
     assert _isotonic([3.0, 1.0, 2.0], [1.0, 1.0, 1.0]) == [2.0, 2.0, 2.0]
     assert _isotonic([1.0, 5.0, 2.0], [1.0, 3.0, 1.0]) == [1.0, 4.25, 4.25]
+
+
+def test_every_sequence_probes_stay_rare_where_the_drafter_costs_too_much():
+    # batch 32 at this CPU's fp32 costs as a load bench measured them (a verify of 64 rows 1.3x
+    # a 32-row decode step, the drafter 88 ms for 32 sequences against 10.5 ms for one),
+    # acceptance 0.49: drafting one token each would be close on the target's costs alone, so
+    # the probes stay frequent, but with the drafter it loses. Every-sequence probes (each ~1.9x
+    # a plain iteration) re-measured costs measured lately (every 16-48 iterations), and stale
+    # large sizes aged down to the smaller ones' costs made the model draft 3-6 tokens a
+    # sequence now and then: 2.8-5.1 % of plain decoding over 256 iterations (seeds 0-3, mean
+    # 4.0 %); now 1.6-2.1 % (mean 1.9 %), an every-sequence probe once per 64 iterations at most.
+    seqs, iters = 32, 256
+    target = lambda n, it: 0.100 + 0.00155 * n  # noqa: E731  (32 rows 150 ms, 64 rows 199 ms)
+    draft = lambda s, it: 0.008 + 0.0025 * s  # noqa: E731  (1 sequence 10.5 ms, 32: 88 ms)
+    host = lambda drafting: 0.002  # noqa: E731
+    plain = iters * (target(seqs, 0) + host(False))
+    costs = []
+    for seed in range(4):
+        ctl = calibrated(7, target, draft, seqs)
+        picks: list = []
+        walls: list = []
+        run(ctl, range(iters), seqs, target, draft, lambda it: 0.49, random.Random(seed), picks, host, walls)
+        batch_probes = [h[0] for h in ctl.history if h[3] == "probe-batch"]
+        assert len(batch_probes) <= iters // 64 + 1, (seed, batch_probes)
+        assert not [h for h in ctl.history if h[3] == "model" and h[2] > 0], (seed, list(ctl.history))
+        costs.append(sum(walls) / plain)
+    assert sum(costs) / len(costs) <= 1.025, costs

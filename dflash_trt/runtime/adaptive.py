@@ -16,7 +16,12 @@ Model (measured, not assumed):
 With ``S`` sequences decoding, ``k`` drafts each give ``E(k) = 1 + sum_{j<=k} prod_{i<=j} q_i``
 committed tokens per sequence, so the predicted rate is
 ``S * E(k) / (target_cost(S * (k + 1)) + [k > 0] draft_cost(S) + host_cost[k > 0](S))``; the
-best ``k`` is taken, unless it drafts and beats ``k = 0`` by less than ``min_gain`` (3 %).
+best ``k`` is taken, unless it drafts and beats ``k = 0`` by less than ``min_gain`` (3 %). The
+model looks at most one draft token past the longest draft whose verify size (``S * (k + 1)``
+tokens) it measured within the cost model's horizon: beyond that the target's cost is an
+extrapolation, or a stale point aged down toward the smaller sizes' costs. A drafting choice
+that rests on a drafter cost not measured lately at this batch size runs as ONE draft token
+per sequence first.
 
 Exploration keeps both options measured, at a bounded cost:
 - while plain decoding wins, every ``probe`` iterations (doubling up to ``max_probe`` while
@@ -28,7 +33,9 @@ Exploration keeps both options measured, at a bounded cost:
   a position past the first rejection teaches nothing, and a probe whose drafts are all
   accepted makes the next one longer). The every-sequence probe is replaced by a one-sequence
   one when drafting would lose by more than ``guard_margin`` even at the one-sequence drafter
-  cost and plain decoding's host cost (no measurement at this batch size could flip the choice);
+  cost and plain decoding's host cost (no measurement at this batch size could flip the choice),
+  and by a one-sequence probe too while the drafter's cost at this batch size is less than two
+  horizons old (an every-sequence probe costs up to ~2x a plain iteration);
 - while drafting wins, every ``explore`` iterations (doubling up to ``max_explore`` while the
   choice holds) one iteration decodes plainly (the plain cost stays current). At batch 1 with
   acceptance length ``tau`` this costs about ``(1 - 1/tau) / explore`` of the throughput.
@@ -137,6 +144,12 @@ class CostModel:
         fit = _isotonic(values, weights)
         self._fit = (self.now, fit)
         return fit
+
+    def age(self, n: float) -> float:
+        """Ticks since the last measurement of the size point ``n`` would join (within ``snap``);
+        infinite when there is none."""
+        near = [o[-1][0] for x, o in zip(self.xs, self.obs) if max(n, x) / min(n, x) <= self.snap]
+        return self.now - max(near) if near else math.inf
 
     def __call__(self, n: float) -> float:
         ys = self.ys
@@ -306,7 +319,13 @@ class DraftLengthController:
         if token_budget is not None:
             top = max(0, min(top, token_budget // seqs - 1))
         rates = [self.rate(k, seqs) for k in range(top + 1)]  # predicted rate per draft length
-        best = max(range(top + 1), key=lambda k: (rates[k], -k))
+        # the model drafts at most one token past the longest draft whose verify size it measured
+        # lately: a larger size's cost is an extrapolation, or a stale point aged down toward the
+        # fresher smaller sizes (flat: a 224-row verify predicted at a 64-row one's cost picked
+        # 6 drafts a sequence at batch 32, ~3x a plain iteration)
+        fresh = [k for k in range(top + 1) if self.target_cost.age(seqs * (k + 1)) <= self.target_cost.horizon]
+        reach = min(top, max(fresh, default=0) + 1)
+        best = max(range(reach + 1), key=lambda k: (rates[k], -k))
         if best > 0 and rates[best] < (1 + self.min_gain) * rates[0]:
             best = 0  # a near tie: plain decoding (see ``min_gain``)
         why = "model"
@@ -320,6 +339,12 @@ class DraftLengthController:
                 best = max(range(1, top + 1), key=lambda k: (rates[k], -k))
                 why = "guard"
             self.overrides += why == "guard"
+        if best > 0 and why == "model" and seqs > 1 and self.draft_cost.age(seqs) > self.draft_cost.horizon:
+            # drafting predicted to win on a drafter cost not measured lately at this batch size
+            # (never, or aged toward the one-sequence probes' cost): one token each first, which
+            # measures it at a fraction of a full-length draft's price if the prediction is wrong
+            self.history.append((self.iteration, seqs, 1, "probe-batch"))
+            return 1, False
         if best > 0:
             self.since_draft = 0
             self.probe_every = self.min_probe
@@ -336,26 +361,35 @@ class DraftLengthController:
         self.since_draft += 1
         if self.since_draft >= self.probe_every and top > 0:
             self.since_draft = 0
-            may_win = self._may_win(seqs, top)
-            # a drafter predicted within half the guard margin of plain decoding keeps being
-            # probed often (such a probe costs little, and the estimate it refines may flip the
-            # choice); one further behind is probed ever more rarely
-            # so is one that would be that close at a plausible acceptance while few probes
-            # back the estimate (see ``evidence_z``)
-            # (the plausible acceptance is at least the estimate, so this covers ``rates`` too)
-            plausible = self.plausible_acceptance()
-            best_plausible = max(self.rate(k, seqs, acceptance=plausible) for k in range(1, top + 1))
-            close = best_plausible >= (1 - self.guard_margin / 2) * rates[0]
-            self.probe_every = self.min_probe if close else min(2 * self.probe_every, self.max_probe)
-            self.probes += 1
-            if self.probes % 2 or seqs == 1 or not may_win:
-                k = min(top, math.ceil(1 + 2 * (self.expected_committed(top) - 1) - 1e-9))
-                self.history.append((self.iteration, seqs, k, "probe"))
-                return k, True
-            self.history.append((self.iteration, seqs, 1, "probe-batch"))
-            return 1, False
+            return self._probe(seqs, top, rates[0])
         self.history.append((self.iteration, seqs, 0, why))
         return 0, False
+
+    def _probe(self, seqs: int, top: int, plain_rate: float) -> tuple[int, bool]:
+        """A drafting probe while plain decoding wins (see the module docstring): one sequence
+        drafting as far as drafts are likely accepted, or every sequence drafting one token;
+        ``plain_rate`` is plain decoding's predicted rate. Sets the next probe interval."""
+        may_win = self._may_win(seqs, top)
+        # a drafter predicted within half the guard margin of plain decoding keeps being
+        # probed often (such a probe costs little, and the estimate it refines may flip the
+        # choice); one further behind is probed ever more rarely
+        # so is one that would be that close at a plausible acceptance while few probes
+        # back the estimate (see ``evidence_z``)
+        # (the plausible acceptance is at least the estimate, so this covers ``rates`` too)
+        plausible = self.plausible_acceptance()
+        best_plausible = max(self.rate(k, seqs, acceptance=plausible) for k in range(1, top + 1))
+        close = best_plausible >= (1 - self.guard_margin / 2) * plain_rate
+        self.probe_every = self.min_probe if close else min(2 * self.probe_every, self.max_probe)
+        self.probes += 1
+        # every sequence drafting one token re-measures the drafter and verify costs at this
+        # batch size, at up to ~2x a plain iteration: only once those are 2 horizons old
+        stale = self.draft_cost.age(seqs) > 2 * self.draft_cost.horizon
+        if self.probes % 2 or seqs == 1 or not may_win or not stale:
+            k = min(top, math.ceil(1 + 2 * (self.expected_committed(top) - 1) - 1e-9))
+            self.history.append((self.iteration, seqs, k, "probe"))
+            return k, True
+        self.history.append((self.iteration, seqs, 1, "probe-batch"))
+        return 1, False
 
     def _may_win(self, seqs: int, top: int) -> bool:
         """Could drafting win at this batch size at its lowest plausible costs?"""
