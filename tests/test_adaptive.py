@@ -304,6 +304,15 @@ def test_cost_model_rules():
     for _ in range(40):  # size 100 measured often since: stale size 10 weighs little in the pooling
         m.observe(100, 0.5)
     assert abs(m(10) - 0.5) < 0.05 and abs(m(100) - 0.5) < 0.05
+    # a stale large size ages toward the line through the two largest fresher sizes (0.1 + 0.01 n
+    # at 10 and 20: 0.7 at 60), not down to their cost (flat: 0.3); without aging it stays
+    for age_down, want in ((True, 0.7), (False, 2.0)):
+        m = CostModel(age_down=age_down)
+        m.observe(60, 2.0)
+        for _ in range(400):
+            m.observe(10, 0.2)
+            m.observe(20, 0.3)
+        assert abs(m(60) - want) < 0.01, (age_down, m(60))
     assert _isotonic([3.0, 1.0, 2.0], [1.0, 1.0, 1.0]) == [2.0, 2.0, 2.0]
     assert _isotonic([1.0, 5.0, 2.0], [1.0, 3.0, 1.0]) == [1.0, 4.25, 4.25]
 
@@ -316,7 +325,9 @@ def test_every_sequence_probes_stay_rare_where_the_drafter_costs_too_much():
     # a plain iteration) re-measured costs measured lately (every 16-48 iterations), and stale
     # large sizes aged down to the smaller ones' costs made the model draft 3-6 tokens a
     # sequence now and then: 2.8-5.1 % of plain decoding over 256 iterations (seeds 0-3, mean
-    # 4.0 %); now 1.6-2.1 % (mean 1.9 %), an every-sequence probe once per 64 iterations at most.
+    # 4.0 %); 1.6-2.1 % (mean 1.9 %) with an every-sequence probe once per 64 iterations at most
+    # and the model's drafts kept near measured sizes; 1.1-1.7 % (mean 1.3 %) with stale verify
+    # sizes aged along the fresher sizes' slope and the drafter's cost not aged to one sequence's.
     seqs, iters = 32, 256
     target = lambda n, it: 0.100 + 0.00155 * n  # noqa: E731  (32 rows 150 ms, 64 rows 199 ms)
     draft = lambda s, it: 0.008 + 0.0025 * s  # noqa: E731  (1 sequence 10.5 ms, 32: 88 ms)
@@ -332,4 +343,4 @@ def test_every_sequence_probes_stay_rare_where_the_drafter_costs_too_much():
         assert len(batch_probes) <= iters // 64 + 1, (seed, batch_probes)
         assert not [h for h in ctl.history if h[3] == "model" and h[2] > 0], (seed, list(ctl.history))
         costs.append(sum(walls) / plain)
-    assert sum(costs) / len(costs) <= 1.025, costs
+    assert sum(costs) / len(costs) <= 1.016, costs

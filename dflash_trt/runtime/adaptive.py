@@ -83,10 +83,13 @@ class CostModel:
     when it has none that recent, of its last ``window``): one outlier does not move it, and
     it follows a lasting change within a few measurements. A point not measured for ``age``
     ticks ages toward what fresher points imply: its value is pulled down, with half-life
-    ``half_life``, toward the highest value measured lately at a smaller size (a slow period
-    that is over must not keep an option looking expensive; if it is not over, the next
-    measurement says so). The curve is the isotonic (non-decreasing) fit of the point values,
-    weighted by their recent measurement counts times ``0.5 ** (age / half_life)``.
+    ``half_life``, toward the line through the two largest fresher smaller sizes at its size (at
+    least the highest value among them; with one fresher size, that value): a slow period that
+    is over must not keep an option looking expensive, and if it is not over the next
+    measurement says so. (Pulled toward the fresher sizes' value itself, flat, a stale 64-row
+    verify aged to a 35-row step's cost and kept a losing drafter looking close.) The curve is
+    the isotonic (non-decreasing) fit of the point values, weighted by their recent measurement
+    counts times ``0.5 ** (age / half_life)``.
 
     Ticks are the controller's iterations when it sets :attr:`now`, else measurements.
 
@@ -95,10 +98,16 @@ class CostModel:
         horizon: ticks within which a measurement counts as recent.
         half_life: ticks after which an unmeasured point weighs half and has aged halfway.
         snap: largest ratio between a measurement's size and the point it joins.
+        age_down: whether stale points age down at all (the drafter's cost does not: its fresher
+            smaller sizes are one-sequence probes, whose cost says nothing of 32 sequences';
+            every-sequence probes re-measure it, see :meth:`DraftLengthController.choose`).
     """
 
-    def __init__(self, window: int = 5, horizon: int = 32, half_life: float = 32.0, snap: float = 1.25):
+    def __init__(
+        self, window: int = 5, horizon: int = 32, half_life: float = 32.0, snap: float = 1.25, age_down: bool = True
+    ):
         self.window, self.horizon, self.half_life, self.snap = window, horizon, half_life, snap
+        self.age_down = age_down
         self.xs: list[float] = []
         self.obs: list[deque] = []  # (tick, seconds)
         self.now = 0
@@ -136,11 +145,19 @@ class CostModel:
             values.append(statistics.median(recent or [s for _, s in o]))
             ages.append(self.now - o[-1][0])
             weights.append(max(len(recent), 1) * 0.5 ** (ages[-1] / self.half_life))
-        for i in range(len(values)):  # a stale point ages down toward fresher smaller sizes
-            fresher = [values[j] for j in range(i) if ages[j] < ages[i]]
-            if ages[i] > self.horizon and fresher and max(fresher) < values[i]:
+        for i in range(len(values)):  # a stale point ages down toward what fresher smaller sizes imply
+            fresher = [j for j in range(i) if ages[j] < ages[i]]
+            if not self.age_down or ages[i] <= self.horizon or not fresher:
+                continue
+            floor = max(values[j] for j in fresher)
+            goal = floor
+            if len(fresher) >= 2:  # the line through the two largest fresher sizes, at this size
+                a, b = fresher[-2], fresher[-1]
+                slope = max((values[b] - values[a]) / (self.xs[b] - self.xs[a]), 0.0)
+                goal = max(floor, values[b] + slope * (self.xs[i] - self.xs[b]))
+            if goal < values[i]:
                 f = 0.5 ** ((ages[i] - self.horizon) / self.half_life)
-                values[i] = f * values[i] + (1 - f) * max(fresher)
+                values[i] = f * values[i] + (1 - f) * goal
         fit = _isotonic(values, weights)
         self._fit = (self.now, fit)
         return fit
@@ -247,7 +264,7 @@ class DraftLengthController:
         self.reached = [0.0] * max_draft
         self.accepted = [0.0] * max_draft
         self.target_cost = CostModel()
-        self.draft_cost = CostModel()
+        self.draft_cost = CostModel(age_down=False)
         self.host_cost = {False: CostModel(), True: CostModel()}  # per mode: drafting?
         self.min_probe, self.max_probe = probe, max_probe
         self.probe_every = probe
