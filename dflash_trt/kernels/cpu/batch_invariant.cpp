@@ -418,6 +418,30 @@ void attention_impl(const at::Tensor& q, const Rows& rows, int64_t Hkv, int64_t 
   });
 }
 
+// The tail both attention ops share: sinks read as fp32, the fp32 output, the dispatch on the
+// dtype to attention_impl over Rows<T>(rows...) (the key / value locator)
+template <template <typename> class Rows, typename... A>
+at::Tensor attend(const char* op, const at::Tensor& q, int64_t Hkv, int64_t L, const at::Tensor& mask, double scale,
+                  const std::optional<at::Tensor>& sinks, const A&... rows) {
+  TORCH_CHECK(mask.scalar_type() == at::kBool, op, ": mask must be bool");
+  const at::Tensor m = mask.expand({q.size(0), 1, q.size(2), L});
+  const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
+  at::Tensor sk;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1), op, ": sinks must be [H] (", q.size(1), ")");
+    sk = sinks->to(at::kFloat).contiguous();
+  }
+  const float* sp = sinks.has_value() ? sk.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options().dtype(at::kFloat));
+  if (q.scalar_type() == at::kBFloat16) {
+    attention_impl<c10::BFloat16>(qc, Rows<c10::BFloat16>(rows...), Hkv, L, m, scale, sp, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, op, ": fp32 or bf16 expected");
+    attention_impl<float>(qc, Rows<float>(rows...), Hkv, L, m, scale, sp, out);
+  }
+  return out;
+}
+
 at::Tensor bi_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                         double scale, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4, "bi_attention: 4-d tensors expected");
@@ -425,24 +449,9 @@ at::Tensor bi_attention(const at::Tensor& q, const at::Tensor& k, const at::Tens
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), "bi_attention: q [S, H, T, D] vs k [S, Hkv, L, D]");
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "bi_attention: ", q.size(1), " query heads over ", k.size(1), " KV heads");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "bi_attention: mixed dtypes");
-  TORCH_CHECK(mask.scalar_type() == at::kBool, "bi_attention: mask must be bool");
-  const at::Tensor m = mask.expand({q.size(0), 1, q.size(2), k.size(2)});
   auto last = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
-  const at::Tensor qc = last(q), kc = last(k), vc = last(v);
-  at::Tensor sk;
-  if (sinks.has_value()) {
-    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1), "bi_attention: sinks must be [H] (", q.size(1), ")");
-    sk = sinks->to(at::kFloat).contiguous();
-  }
-  const float* sp = sinks.has_value() ? sk.data_ptr<float>() : nullptr;
-  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options().dtype(at::kFloat));
-  if (q.scalar_type() == at::kBFloat16) {
-    attention_impl<c10::BFloat16>(qc, StridedRows<c10::BFloat16>(kc, vc), k.size(1), k.size(2), m, scale, sp, out);
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "bi_attention: fp32 or bf16 expected");
-    attention_impl<float>(qc, StridedRows<float>(kc, vc), k.size(1), k.size(2), m, scale, sp, out);
-  }
-  return out;
+  const at::Tensor kc = last(k), vc = last(v);
+  return attend<StridedRows>("bi_attention", q, k.size(1), k.size(2), mask, scale, sinks, kc, vc);
 }
 
 // bi_attention with each sequence's keys read from the KV pools through its slot table instead
@@ -454,28 +463,15 @@ at::Tensor bi_paged_attention(const at::Tensor& q, const at::Tensor& k_pool, con
               "bi_paged_attention: q [S, H, T, D], pools [slots, Hkv, D], slots [S, L], mask [S|1, 1, T, L] expected");
   TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "bi_paged_attention: k and v pools differ");
   TORCH_CHECK(q.size(0) == slots.size(0) && q.size(3) == k_pool.size(2), "bi_paged_attention: q vs pools / slots");
-  TORCH_CHECK(q.size(1) % k_pool.size(1) == 0, "bi_paged_attention: ", q.size(1), " query heads over ", k_pool.size(1), " KV heads");
-  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(), "bi_paged_attention: mixed dtypes");
-  TORCH_CHECK(mask.scalar_type() == at::kBool, "bi_paged_attention: mask must be bool");
+  TORCH_CHECK(q.size(1) % k_pool.size(1) == 0, "bi_paged_attention: ", q.size(1), " query heads over ", k_pool.size(1),
+              " KV heads");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(),
+              "bi_paged_attention: mixed dtypes");
   TORCH_CHECK(slots.scalar_type() == at::kLong, "bi_paged_attention: slots must be int64");
   TORCH_CHECK(k_pool.stride(2) == 1 && v_pool.stride(2) == 1, "bi_paged_attention: pools must be contiguous in D");
-  const at::Tensor m = mask.expand({q.size(0), 1, q.size(2), slots.size(1)});
-  const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous(), st = slots.contiguous();
-  at::Tensor sk;
-  if (sinks.has_value()) {
-    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1), "bi_paged_attention: sinks must be [H] (", q.size(1), ")");
-    sk = sinks->to(at::kFloat).contiguous();
-  }
-  const float* sp = sinks.has_value() ? sk.data_ptr<float>() : nullptr;
-  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options().dtype(at::kFloat));
-  const int64_t Hkv = k_pool.size(1), L = slots.size(1);
-  if (q.scalar_type() == at::kBFloat16) {
-    attention_impl<c10::BFloat16>(qc, PagedRows<c10::BFloat16>(k_pool, v_pool, st), Hkv, L, m, scale, sp, out);
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "bi_paged_attention: fp32 or bf16 expected");
-    attention_impl<float>(qc, PagedRows<float>(k_pool, v_pool, st), Hkv, L, m, scale, sp, out);
-  }
-  return out;
+  const at::Tensor st = slots.contiguous();
+  return attend<PagedRows>("bi_paged_attention", q, k_pool.size(1), slots.size(1), mask, scale, sinks, k_pool, v_pool,
+                           st);
 }
 
 template <typename T>
