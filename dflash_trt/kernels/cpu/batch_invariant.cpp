@@ -325,13 +325,6 @@ inline void weighted_sums(const float* p, const T* const* vr, int64_t n, int64_t
   }
 }
 
-// One task per (sequence, KV head, query position): the `group` query heads that share the KV
-// head see the same keys (one mask row), so each tile of TK keys is read into L1 once and used by
-// all of them, first for the scores (4 keys at a time per head), then, after each head's max, exp
-// and sum in key order, for the weighted sums of the values (blocks of up to 8 vectors of a
-// head's output held in registers across the tile). Every output element is the same arithmetic
-// as one head and one key at a time: score = (q . k) * scale; acc[d] = fma(e_j, v_j[d], acc[d])
-// in key order from 0; out = acc * (1 / sum).
 // Where key l of sequence s and KV head hk lives: `rows.key(s, hk, l)` / `rows.value(s, hk, l)`
 // (a [S, Hkv, L, D] tensor of any strides, or pools [slots, Hkv, D] read through a slot table).
 template <typename T>
@@ -357,6 +350,13 @@ struct PagedRows {
   const T* value(int64_t s, int64_t hk, int64_t l) const { return v + slots[s * L + l] * v0 + hk * v1; }
 };
 
+// One task per (sequence, KV head, query position): the `group` query heads that share the KV
+// head see the same keys (one mask row), so each tile of TK keys is read into L1 once and used by
+// all of them, first for the scores (4 keys at a time per head), then, after each head's max, exp
+// and sum in key order, for the weighted sums of the values (blocks of up to 8 vectors of a
+// head's output held in registers across the tile). Every output element is the same arithmetic
+// as one head and one key at a time: score = (q . k) * scale; acc[d] = fma(e_j, v_j[d], acc[d])
+// in key order from 0; out = acc * (1 / sum).
 template <typename T, typename Rows>
 void attention_impl(const at::Tensor& q, const Rows& rows, int64_t Hkv, int64_t L, const at::Tensor& mask,
                     double scale, const float* sinks, at::Tensor& out) {
