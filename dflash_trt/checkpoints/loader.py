@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,8 +271,8 @@ def _tokenizer(path: str, files: tuple):
     chain (model configuration -> activations -> hub kernels -> ``torch.distributed.tensor``)
     cost ~2 s of every process that loads the target."""
     d = Path(path)
-    tok_cfg = _json_or_empty(d / "tokenizer_config.json")
-    model_type = _json_or_empty(d / "config.json").get("model_type")
+    tok_cfg = read_json(d / "tokenizer_config.json", "target") if (d / "tokenizer_config.json").is_file() else {}
+    model_type = read_json(d / "config.json", "target").get("model_type") if (d / "config.json").is_file() else None
     if (
         tok_cfg.get("tokenizer_class") == "TokenizersBackend"
         and "auto_map" not in tok_cfg
@@ -285,16 +284,6 @@ def _tokenizer(path: str, files: tuple):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
-
-
-def _json_or_empty(path: Path) -> dict:
-    """The JSON object in ``path``; ``{}`` when the file is absent or not a JSON object (the
-    tokenizer load then goes through ``AutoTokenizer`` and reports what is wrong)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def default_mask_token_id(tokenizer, vocab_size: int) -> int:
