@@ -151,6 +151,58 @@ def test_bi_paged_attention_equals_gathered_keys(dtype):
         bi_paged_attention(q, k_pool, v_pool, table.int(), mask, 0.125)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_dense_layer_op_equals_the_python_layers(family, dtype, monkeypatch):
+    """``dflash_cpu::dense_layer`` (``models/fused_layer.py``, each dense layer in one C++ call
+    on uniform paged steps) against the Python layers on the same forward: the same logits,
+    features and KV pools bit for bit, for decode steps (1 query a sequence) and verify blocks
+    (4), on tiny random targets of each dense family (Qwen2's q/k/v biases, Qwen3's q/k norms).
+    A non-uniform step (sequences of different lengths) runs the Python layers."""
+    from dflash_trt.models import fused_layer
+    from dflash_trt.models import target as target_module
+    from dflash_trt.models.config import TargetConfig
+    from dflash_trt.models.layers import set_cpu_norm_kernel
+    from dflash_trt.models.target import TargetModel
+    from dflash_trt.runtime.attention_meta import plan_packed
+    from dflash_trt.runtime.kv_cache import PagedKVCache
+
+    cfg = TargetConfig(family, 97, 64, 96, 3, 4, 2, 16, attention_bias=family == "qwen2", qk_norm=family == "qwen3")
+    torch.manual_seed(0)
+    model = TargetModel(cfg).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    set_batch_invariant(model, True)
+    set_cpu_norm_kernel(model, True)
+    model.dense_layers = fused_layer.plan_dense_layers(model)
+    assert model.dense_layers is not None and all(a is not None for a in model.dense_layers)
+    tpb, blocks = 16, 12
+    cache = PagedKVCache(cfg.num_layers, blocks, tpb, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
+    g = torch.Generator().manual_seed(1)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))  # earlier context of every sequence
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    tables, starts = [[0, 1], [2, 3, 4], [5, 6]], [20, 35, 9]
+    spare = blocks * tpb
+    for n in (1, 4, [1, 4, 2]):
+        lengths = n if isinstance(n, list) else [n] * 3
+        offsets = [sum(lengths[:i]) for i in range(3)]
+        meta = plan_packed(starts, lengths, offsets, lengths, tables, tpb, spare).build()
+        ids = torch.randint(0, cfg.vocab_size, (1, sum(lengths)), generator=g)
+        x = model.embed(ids)
+        uniform = not isinstance(n, list)
+        assert fused_layer.fused_forward_wanted(x, meta, cache.layers) is uniform
+        got = {}
+        for fused in (True, False):
+            monkeypatch.setattr(target_module, "fused_forward_wanted", lambda *a, on=fused and uniform: on)
+            pools = (cache.k.clone(), cache.v.clone())
+            kv = [(pools[0][i], pools[1][i]) for i in range(cfg.num_layers)]
+            out = model(ids, meta, kv, capture=(0, 2))
+            got[fused] = (out.logits, out.features, *pools)
+        assert all(torch.equal(a, b) for a, b in zip(got[True], got[False])), n
+        assert not torch.equal(got[True][2], cache.k)  # the step wrote its K/V
+
+
 @pytest.fixture(scope="module")
 def bf16_pair():
     """The real target in bf16 with the shipped drafter, and real prompts."""

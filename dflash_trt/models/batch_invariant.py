@@ -140,6 +140,8 @@ def set_batch_invariant(model: nn.Module, on: bool) -> int:
 
         check_batch_invariant(model)
         load()  # the kernels built (first use on this machine) before any forward
+    if hasattr(model, "dense_layers"):  # planned for the layers as they were (models/fused_layer.py)
+        model.dense_layers = None
     n = 0
     for name, mod in list(model.named_modules()):
         if hasattr(mod, "batch_invariant"):

@@ -75,6 +75,8 @@ def set_cpu_norm_kernel(model: nn.Module, on: bool) -> int:
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     for m in norms:
         m.cpu_kernel = on
+    if hasattr(model, "dense_layers"):  # planned for the norms as they were (models/fused_layer.py)
+        model.dense_layers = None
     return len(norms)
 
 

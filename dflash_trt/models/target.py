@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .config import TargetConfig
+from .fused_layer import fused_forward_wanted, run_dense_layer
 from .layers import AttentionMetadata, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, cached_attention
 from .moe import MoEBlock
 
@@ -121,6 +122,8 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        #: per layer, the arguments of its one-call C++ form, or None (``models/fused_layer.plan_dense_layers``)
+        self.dense_layers: list[tuple | None] | None = None
 
     @torch.inference_mode()
     def forward(
@@ -153,8 +156,15 @@ class TargetModel(nn.Module):
         wanted = set(capture)
         last = len(self.layers) - 1
         upto = max(capture) + 1 if features_only else len(self.layers)
+        # uniform paged steps on the CPU: each planned layer in one C++ call (models/fused_layer.py)
+        dense = self.dense_layers if self.dense_layers is not None and fused_forward_wanted(x, meta, kv_cache) else None
         for i in range(upto):
-            x = self.layers[i](x, cos, sin, kv_cache[i], meta)
+            layer = self.layers[i]
+            args = dense[i] if dense is not None else None
+            if args is not None:
+                x = run_dense_layer(layer, args, x, cos, sin, kv_cache[i], meta)
+            else:
+                x = layer(x, cos, sin, kv_cache[i], meta)
             if i in wanted:
                 captured[i] = self.norm(x) if i == last else x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None

@@ -23,6 +23,7 @@ from ..errors import ConfigError
 from ..models.batch_invariant import resolve_batch_invariant, set_batch_invariant
 from ..models.cpu_linear import onednn_available, pack_linears, unpack_linears
 from ..models.drafter import DFlashDrafter
+from ..models.fused_layer import plan_dense_layers
 from ..models.layers import set_cpu_norm_kernel
 from ..models.target import TargetModel
 from .attention_meta import plan_packed
@@ -147,10 +148,16 @@ def cpu_weight_layout(
     The target's RMSNorms run through the one-call ``dflash_cpu::rms_norm`` on the CPU in fp32 /
     bf16 where the kernels build, eager and compiled alike (one opaque call in the graph, so both
     paths get the same bits; :func:`~dflash_trt.models.layers.set_cpu_norm_kernel`); the
-    drafter's keep torch's (its outputs stay bit-equal to the z-lab reference's)."""
+    drafter's keep torch's (its outputs stay bit-equal to the z-lab reference's).
+
+    In the batch-invariant mode on the eager path the target's dense layers are planned for
+    ``dflash_cpu::dense_layer`` (``target.dense_layers``, :mod:`~dflash_trt.models.fused_layer`):
+    one C++ call a layer on uniform steps, the same bits as the Python layer."""
     set_batch_invariant(target, batch_invariant)
     w = target.embed.weight
     set_cpu_norm_kernel(target, resolve_batch_invariant(None, w.device, w.dtype))
+    # batch-invariant dense layers in one C++ call each on uniform steps (models/fused_layer.py)
+    target.dense_layers = plan_dense_layers(target) if batch_invariant and not compile else None
     if drafter is not None:
         set_batch_invariant(drafter, not compile and drafter_kernel_linears(drafter))
     for model, skip in ((target, ("lm_head",) if tensor_parallel else ()), (drafter, ("k_proj", "v_proj"))):

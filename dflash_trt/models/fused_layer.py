@@ -1,0 +1,104 @@
+"""A dense target layer in one C++ call on the CPU (``dflash_cpu::dense_layer``).
+
+In the batch-invariant mode (``models/batch_invariant.py``) a decode step of the default
+30-layer fp32 target spent ~24 ms in its 121 GEMMs and ~2 ms in attention of a ~45 ms step at
+batch 1 (2-core AMD EPYC, 2 threads): most of the rest was Python, ~60 module calls, views and
+small ATen ops a layer. :func:`plan_dense_layers` gives the op everything a
+:class:`~.target.TargetLayer` reads (packed weights, norms, head counts), once, so that
+:meth:`TargetModel.forward <.target.TargetModel.forward>` runs each eligible layer as one call
+when the forward's attention is uniform over the paged pools (every sequence the same number of
+queries, in order: the decode steps of plain decoding and the verify steps of DFlash whose
+blocks have one size). The op runs the same kernels and ATen ops on the same views in the same
+order as the Python layer, so the bits are the same (``tests/test_batch_invariant.py``) and a
+forward may mix the two paths. Anything else (prefill chunks beside decode steps, MoE layers,
+tensor parallelism, int4 / oneDNN weights, ``torch.compile``, CUDA) runs the Python layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .batch_invariant import BatchInvariantLinear, weight_identity
+from .layers import AttentionMetadata, GatedMLP
+
+
+def fused_forward_wanted(x: torch.Tensor, meta: AttentionMetadata, kv_cache) -> bool:
+    """Whether this forward (``x [B, T, hidden]``) can run its layers through
+    ``dflash_cpu::dense_layer``: eager, on the CPU, one packed row of paged tokens whose
+    attention is uniform (``meta.uniform``, no groups), and KV pools in ``x``'s dtype."""
+    return (
+        x.device.type == "cpu"
+        and x.shape[0] == 1
+        and meta.read_slots is not None
+        and meta.uniform
+        and not meta.groups
+        and x.shape[1] == meta.mask.shape[0] * meta.mask.shape[2]
+        and kv_cache[0][0].dtype == x.dtype
+        and not torch.compiler.is_compiling()
+    )
+
+
+def plan_dense_layers(model) -> list[tuple | None] | None:
+    """Per layer of ``model`` (a :class:`~.target.TargetModel`), the arguments of
+    ``dflash_cpu::dense_layer`` that come from the layer (:func:`dense_layer_args`) or None for
+    a layer that runs in Python; None when no layer qualifies. Made once the weights are laid
+    out (``runtime/model_runner.cpu_weight_layout`` keeps it as ``model.dense_layers``; making
+    it per forward took ~1.8 ms of a ~31 ms step); :func:`set_batch_invariant
+    <.batch_invariant.set_batch_invariant>` and :func:`set_cpu_norm_kernel
+    <.layers.set_cpu_norm_kernel>` drop it, as they change what a layer runs."""
+    dtype = model.embed.weight.dtype
+    plan = [dense_layer_args(layer, dtype) for layer in model.layers]
+    return plan if any(a is not None for a in plan) else None
+
+
+def dense_layer_args(layer, dtype: torch.dtype) -> tuple | None:
+    """The arguments of ``dflash_cpu::dense_layer`` that come from ``layer`` (a
+    :class:`~.target.TargetLayer`): ``(attn_norm, mlp_norm, eps, qkv, qkv_bias, o, o_bias,
+    gate_up, down, q_norm, k_norm, sinks, dims)`` with the linears' packed weights (packed again
+    first if a weight changed, as :meth:`BatchInvariantLinear.forward` does) and ``dims`` =
+    ``(heads, KV heads, head dim, hidden, intermediate)``; None when the layer does not run
+    through the op: not in the batch-invariant mode, norms not on the CPU kernel or not in
+    ``dtype``, a mixture-of-experts or tensor-parallel layer, or other linears."""
+    attn, mlp = layer.attn, layer.mlp
+    if layer.tp is not None or type(mlp) is not GatedMLP or not attn.batch_invariant:
+        return None
+    linears = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
+    norms = [layer.attn_norm, layer.mlp_norm] + ([attn.q_norm, attn.k_norm] if attn.q_norm is not None else [])
+    if not all(isinstance(lin, BatchInvariantLinear) and lin.weight.device.type == "cpu" for lin in linears):
+        return None
+    if not all(n.cpu_kernel and n.weight.dtype == dtype and n.eps == layer.attn_norm.eps for n in norms):
+        return None
+    for lin in linears:
+        if lin._packed_from != weight_identity(lin.weight):
+            lin._pack()
+    qkv, o, gate_up, down = linears
+    hidden = layer.attn_norm.weight.shape[0]
+    return (
+        layer.attn_norm.weight,
+        layer.mlp_norm.weight,
+        layer.attn_norm.eps,
+        qkv.packed,
+        qkv.bias,
+        o.packed,
+        o.bias,
+        gate_up.packed,
+        down.packed,
+        attn.q_norm.weight if attn.q_norm is not None else None,
+        attn.k_norm.weight if attn.k_norm is not None else None,
+        attn.sinks,
+        (attn.h, attn.hkv, attn.d, hidden, mlp.intermediate),
+    )
+
+
+def run_dense_layer(
+    layer, args: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, meta: AttentionMetadata
+) -> torch.Tensor:
+    """``layer(x, cos, sin, kv, meta)`` through ``dflash_cpu::dense_layer`` (``args``: the
+    layer's entry of :func:`plan_dense_layers`): ``x [1, N, hidden]`` -> ``[1, N, hidden]``, the layer's K/V
+    written into the pools ``kv``."""
+    scale = 1.0 / math.sqrt(layer.attn.d)
+    mask = meta.mask_for(layer.attn.window)
+    pools_and_slots = (kv[0], kv[1], meta.write_slots, meta.read_slots)
+    return torch.ops.dflash_cpu.dense_layer(x, *args, cos, sin, *pools_and_slots, mask, scale)
