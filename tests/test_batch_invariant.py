@@ -151,19 +151,25 @@ def test_bi_paged_attention_equals_gathered_keys(dtype):
         bi_paged_attention(q, k_pool, v_pool, table.int(), mask, 0.125)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype, weights",
+    [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "int4"), (torch.float32, "int8")],
+    ids=["fp32", "bf16", "int4", "int8-fp32"],
+)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_dense_layer_op_equals_the_python_layers(family, dtype, monkeypatch):
+def test_dense_layer_op_equals_the_python_layers(family, dtype, weights, monkeypatch):
     """``dflash_cpu::dense_layer`` (``models/fused_layer.py``, each dense layer in one C++ call
     on uniform paged steps) against the Python layers on the same forward: the same logits,
     features and KV pools bit for bit, for decode steps (1 query a sequence) and verify blocks
-    (4), on tiny random targets of each dense family (Qwen2's q/k/v biases, Qwen3's q/k norms).
-    A non-uniform step (sequences of different lengths) runs the Python layers."""
+    (4), on tiny random targets of each dense family (Qwen2's q/k/v biases, Qwen3's q/k norms),
+    with batch-invariant fp32 / bf16 linears and packed int4 / int8 ones. A non-uniform step
+    (sequences of different lengths) runs the Python layers."""
     from dflash_trt.models import fused_layer
     from dflash_trt.models import target as target_module
     from dflash_trt.models.config import TargetConfig
     from dflash_trt.models.layers import set_cpu_norm_kernel
     from dflash_trt.models.target import TargetModel
+    from dflash_trt.quantization.packed import quantize_linears
     from dflash_trt.runtime.attention_meta import plan_packed
     from dflash_trt.runtime.kv_cache import PagedKVCache
 
@@ -173,6 +179,8 @@ def test_dense_layer_op_equals_the_python_layers(family, dtype, monkeypatch):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    if weights is not None:
+        assert quantize_linears(model, weights, 32, None, dtype)["dense"] == 0
     set_batch_invariant(model, True)
     set_cpu_norm_kernel(model, True)
     model.dense_layers = fused_layer.plan_dense_layers(model)

@@ -11,7 +11,9 @@ queries, in order: the decode steps of plain decoding and the verify steps of DF
 blocks have one size). The op runs the same kernels and ATen ops on the same views in the same
 order as the Python layer, so the bits are the same (``tests/test_batch_invariant.py``) and a
 forward may mix the two paths. Anything else (prefill chunks beside decode steps, MoE layers,
-tensor parallelism, int4 / oneDNN weights, ``torch.compile``, CUDA) runs the Python layer.
+tensor parallelism, oneDNN / FP8 / MXFP4 weights, ``torch.compile``, CUDA) runs the Python
+layer. The linears may be batch-invariant (fp32 / bf16) or the packed int4 / int8 weights of
+``--weights int4`` / ``int8`` targets.
 """
 
 from __future__ import annotations
@@ -53,38 +55,51 @@ def plan_dense_layers(model) -> list[tuple | None] | None:
     return plan if any(a is not None for a in plan) else None
 
 
+def _linear_args(lin) -> tuple | None:
+    """``(weight, scales, bias, kind)`` of one linear as ``dflash_cpu::dense_layer`` takes it:
+    kind 0 a :class:`BatchInvariantLinear` (its packed panels, packed again first if the
+    weight changed, as its forward does), the group size of an
+    :class:`~dflash_trt.quantization.int4.Int4Linear`, -1 an
+    :class:`~dflash_trt.quantization.int8.Int8Linear`; None for any other module."""
+    from ..quantization.int4 import Int4Linear
+    from ..quantization.int8 import Int8Linear
+
+    if isinstance(lin, BatchInvariantLinear) and lin.weight.device.type == "cpu":
+        if lin._packed_from != weight_identity(lin.weight):
+            lin._pack()
+        return lin.packed, None, lin.bias, 0
+    if type(lin) in (Int4Linear, Int8Linear) and lin.packed.device.type == "cpu":
+        return lin.packed, lin.scales, lin.bias, lin.group_size if lin.fmt == "int4" else -1
+    return None
+
+
 def dense_layer_args(layer, dtype: torch.dtype) -> tuple | None:
     """The arguments of ``dflash_cpu::dense_layer`` that come from ``layer`` (a
-    :class:`~.target.TargetLayer`): ``(attn_norm, mlp_norm, eps, qkv, qkv_bias, o, o_bias,
-    gate_up, down, q_norm, k_norm, sinks, dims)`` with the linears' packed weights (packed again
-    first if a weight changed, as :meth:`BatchInvariantLinear.forward` does) and ``dims`` =
-    ``(heads, KV heads, head dim, hidden, intermediate)``; None when the layer does not run
-    through the op: not in the batch-invariant mode, norms not on the CPU kernel or not in
-    ``dtype``, a mixture-of-experts or tensor-parallel layer, or other linears."""
+    :class:`~.target.TargetLayer`): ``(attn_norm, mlp_norm, eps, weights, scales, biases,
+    kinds, q_norm, k_norm, sinks, dims)``, the four linears (qkv, o, gate_up, down) as lists
+    (:func:`_linear_args`) and ``dims`` = ``(heads, KV heads, head dim, hidden,
+    intermediate)``; None when the layer does not run through the op: attention not in the
+    batch-invariant mode, norms not on the CPU kernel or not in ``dtype``, a mixture-of-experts
+    or tensor-parallel layer, or a linear of another kind (oneDNN, FP8, MXFP4)."""
     attn, mlp = layer.attn, layer.mlp
     if layer.tp is not None or type(mlp) is not GatedMLP or not attn.batch_invariant:
         return None
-    linears = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
     norms = [layer.attn_norm, layer.mlp_norm] + ([attn.q_norm, attn.k_norm] if attn.q_norm is not None else [])
-    if not all(isinstance(lin, BatchInvariantLinear) and lin.weight.device.type == "cpu" for lin in linears):
-        return None
     if not all(n.cpu_kernel and n.weight.dtype == dtype and n.eps == layer.attn_norm.eps for n in norms):
         return None
-    for lin in linears:
-        if lin._packed_from != weight_identity(lin.weight):
-            lin._pack()
-    qkv, o, gate_up, down = linears
+    linears = [_linear_args(lin) for lin in (attn.qkv, attn.o, mlp.gate_up, mlp.down)]
+    if any(a is None for a in linears):
+        return None
+    weights, scales, biases, kinds = (list(x) for x in zip(*linears))
     hidden = layer.attn_norm.weight.shape[0]
     return (
         layer.attn_norm.weight,
         layer.mlp_norm.weight,
         layer.attn_norm.eps,
-        qkv.packed,
-        qkv.bias,
-        o.packed,
-        o.bias,
-        gate_up.packed,
-        down.packed,
+        weights,
+        scales,
+        biases,
+        kinds,
         attn.q_norm.weight if attn.q_norm is not None else None,
         attn.k_norm.weight if attn.k_norm is not None else None,
         attn.sinks,

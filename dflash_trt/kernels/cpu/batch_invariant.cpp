@@ -51,7 +51,9 @@
 //     order) as one call: the same kernels and the same ATen ops on the same views, in the same
 //     order, as the Python layer (so the same bits), without ~60 Python-level calls a layer
 //     (~0.4 ms of a 30-layer decode step's ~45 ms each, measured fp32 at batch 1). RoPE, the
-//     residuals and SwiGLU stay ATen's elementwise kernels (at::mul / roll / add / silu).
+//     residuals and SwiGLU stay ATen's elementwise kernels (at::mul / roll / add / silu); the
+//     linears are the batch-invariant kernel or the packed int4 / int8 GEMMs of torch that the
+//     int4 / int8 targets' modules call (quantization/packed.py), op for op.
 //
 // Vectors are GCC vector extensions as wide as the machine's registers (16 fp32 lanes with
 // AVX-512, 8 with AVX2); every multiply-add is an explicit FMA (fmav, std::fma). Built once per
@@ -59,6 +61,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/_weight_int8pack_mm.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/mul.h>
@@ -545,26 +549,49 @@ at::Tensor linear_last(const at::Tensor& x, const at::Tensor& wp, int64_t n, con
   return linear_packed(x.reshape({-1, x.size(-1)}), wp, n, bias).view(shape);
 }
 
+// One of dense_layer's linears, as its module computes it: kind 0 BatchInvariantLinear (w the
+// packed panels), kind > 0 Int4Linear of that group size, kind -1 Int8Linear
+// (quantization/packed.PackedLinear.forward: x in the scales' dtype, the GEMM, + bias in the
+// GEMM's dtype, back to x's dtype)
+at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scales,
+                        const std::optional<at::Tensor>& bias, int64_t kind, int64_t n) {
+  if (kind == 0) return linear_last(x, w, n, bias);
+  TORCH_CHECK(scales.has_value(), "dense_layer: a packed int linear without scales");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor x2 = x.reshape({-1, x.size(-1)});
+  if (x2.scalar_type() != scales->scalar_type()) x2 = x2.to(scales->scalar_type());
+  at::Tensor y = kind > 0 ? at::_weight_int4pack_mm_for_cpu(x2, w, kind, *scales) : at::_weight_int8pack_mm(x2, w, *scales);
+  if (bias.has_value()) y = at::add(y, bias->scalar_type() == y.scalar_type() ? *bias : bias->to(y.scalar_type()));
+  if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
+  return y.view(shape);
+}
+
 // TargetLayer.forward (attention, then the gated MLP, each with a residual) over the paged KV
-// pools for uniform queries: see the header. dims = (heads, KV heads, head dim, hidden,
-// intermediate); q_norm / k_norm for Qwen3-style layers; sinks for gpt-oss-style attention.
+// pools for uniform queries: see the header. The linears qkv, o, gate_up, down as lists of
+// four (weights, scales, biases, kinds: see layer_linear); dims = (heads, KV heads, head dim,
+// hidden, intermediate); q_norm / k_norm for Qwen3-style layers; sinks for gpt-oss-style attention.
 at::Tensor dense_layer(const at::Tensor& x, const at::Tensor& attn_norm, const at::Tensor& mlp_norm, double eps,
-                       const at::Tensor& qkv_wp, const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o_wp,
-                       const std::optional<at::Tensor>& o_bias, const at::Tensor& gate_up_wp,
-                       const at::Tensor& down_wp, const std::optional<at::Tensor>& q_norm,
-                       const std::optional<at::Tensor>& k_norm, const std::optional<at::Tensor>& sinks,
-                       at::IntArrayRef dims, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_pool,
-                       at::Tensor v_pool, const at::Tensor& write_slots, const at::Tensor& read_slots,
-                       const at::Tensor& mask, double scale) {
+                       at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales,
+                       const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef kinds,
+                       const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+                       const std::optional<at::Tensor>& sinks, at::IntArrayRef dims, const at::Tensor& cos,
+                       const at::Tensor& sin, at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& write_slots,
+                       const at::Tensor& read_slots, const at::Tensor& mask, double scale) {
   TORCH_CHECK(dims.size() == 5, "dense_layer: dims = (heads, KV heads, head dim, hidden, intermediate)");
+  TORCH_CHECK(weights.size() == 4 && scales.size() == 4 && biases.size() == 4 && kinds.size() == 4,
+              "dense_layer: four linears (qkv, o, gate_up, down) expected");
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "dense_layer: x [1, N, hidden] expected");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "dense_layer: q_norm and k_norm go together");
   const int64_t h = dims[0], hkv = dims[1], d = dims[2], hidden = dims[3], inter = dims[4];
   const int64_t b = x.size(0), t = x.size(1);
   const int64_t s = mask.size(0), tq = mask.size(2);
   TORCH_CHECK(s * tq == t, "dense_layer: ", s, " sequences of ", tq, " queries for ", t, " tokens");
+  auto linear = [&](const at::Tensor& v, int i, int64_t n) {
+    return layer_linear(v, weights[i], scales.get(i), biases.get(i), kinds[i], n);
+  };
   // attention
-  const at::Tensor qkv = linear_last(norm_last(x, attn_norm, eps), qkv_wp, (h + 2 * hkv) * d, qkv_bias);
+  const at::Tensor qkv = linear(norm_last(x, attn_norm, eps), 0, (h + 2 * hkv) * d);
   const at::Tensor v = qkv.slice(-1, (h + hkv) * d).view({b, t, hkv, d});
   at::Tensor q, k;
   if (!q_norm.has_value()) {  // q and k rotated together
@@ -581,11 +608,10 @@ at::Tensor dense_layer(const at::Tensor& x, const at::Tensor& attn_norm, const a
   v_pool.index_put_({slots}, v.select(0, 0));
   const at::Tensor qs = q.select(0, 0).view({h, s, tq, d}).transpose(0, 1);
   const at::Tensor att = bi_paged_attention(qs, k_pool, v_pool, read_slots, mask, scale, sinks).to(x.scalar_type());
-  const at::Tensor x1 = at::add(x, linear_last(att.transpose(1, 2).reshape({1, t, h * d}), o_wp, hidden, o_bias));
+  const at::Tensor x1 = at::add(x, linear(att.transpose(1, 2).reshape({1, t, h * d}), 1, hidden));
   // the gated MLP
-  const std::vector<at::Tensor> gu = linear_last(norm_last(x1, mlp_norm, eps), gate_up_wp, 2 * inter, std::nullopt)
-                                         .split(inter, -1);
-  return at::add(x1, linear_last(at::mul(at::silu(gu[0]), gu[1]), down_wp, hidden, std::nullopt));
+  const std::vector<at::Tensor> gu = linear(norm_last(x1, mlp_norm, eps), 2, 2 * inter).split(inter, -1);
+  return at::add(x1, linear(at::mul(at::silu(gu[0]), gu[1]), 3, hidden));
 }
 
 }  // namespace
@@ -600,10 +626,10 @@ TORCH_LIBRARY(dflash_cpu, m) {
       "bi_paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor mask, float scale, "
       "Tensor? sinks=None) -> Tensor");
   m.def(
-      "dense_layer(Tensor x, Tensor attn_norm, Tensor mlp_norm, float eps, Tensor qkv, Tensor? qkv_bias, Tensor o, "
-      "Tensor? o_bias, Tensor gate_up, Tensor down, Tensor? q_norm, Tensor? k_norm, Tensor? sinks, int[] dims, "
-      "Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor write_slots, Tensor read_slots, "
-      "Tensor mask, float scale) -> Tensor");
+      "dense_layer(Tensor x, Tensor attn_norm, Tensor mlp_norm, float eps, Tensor[] weights, Tensor?[] scales, "
+      "Tensor?[] biases, int[] kinds, Tensor? q_norm, Tensor? k_norm, Tensor? sinks, int[] dims, Tensor cos, "
+      "Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor write_slots, Tensor read_slots, Tensor mask, "
+      "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) {
