@@ -23,20 +23,20 @@ import math
 import torch
 
 from .batch_invariant import BatchInvariantLinear, weight_identity
-from .layers import AttentionMetadata, GatedMLP
+from .layers import AttentionMetadata, GatedMLP, uniform_queries
 
 
 def fused_forward_wanted(x: torch.Tensor, meta: AttentionMetadata, kv_cache) -> bool:
     """Whether this forward (``x [B, T, hidden]``) can run its layers through
     ``dflash_cpu::dense_layer``: eager, on the CPU, one packed row of paged tokens whose
-    attention is uniform (``meta.uniform``, no groups), and KV pools in ``x``'s dtype."""
+    attention is uniform (:func:`~.layers.uniform_queries`, no groups), and KV pools in ``x``'s
+    dtype."""
     return (
         x.device.type == "cpu"
         and x.shape[0] == 1
         and meta.read_slots is not None
-        and meta.uniform
         and not meta.groups
-        and x.shape[1] == meta.mask.shape[0] * meta.mask.shape[2]
+        and uniform_queries(meta, x.shape[1])
         and kv_cache[0][0].dtype == x.dtype
         and not torch.compiler.is_compiling()
     )
@@ -57,8 +57,9 @@ def plan_dense_layers(model) -> list[tuple | None] | None:
 
 def _linear_args(lin) -> tuple | None:
     """``(weight, scales, bias, kind)`` of one linear as ``dflash_cpu::dense_layer`` takes it:
-    kind 0 a :class:`BatchInvariantLinear` (its packed panels, packed again first if the
-    weight changed, as its forward does), the group size of an
+    kind 0 a :class:`BatchInvariantLinear` (its packed panels, packed again first if the weight
+    changed since they were made; the plan keeps these tensors, so a weight changed after
+    planning needs a new plan, which ``cpu_weight_layout`` makes), the group size of an
     :class:`~dflash_trt.quantization.int4.Int4Linear`, -1 an
     :class:`~dflash_trt.quantization.int8.Int8Linear`; None for any other module."""
     from ..quantization.int4 import Int4Linear
@@ -111,8 +112,8 @@ def run_dense_layer(
     layer, args: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, meta: AttentionMetadata
 ) -> torch.Tensor:
     """``layer(x, cos, sin, kv, meta)`` through ``dflash_cpu::dense_layer`` (``args``: the
-    layer's entry of :func:`plan_dense_layers`): ``x [1, N, hidden]`` -> ``[1, N, hidden]``, the layer's K/V
-    written into the pools ``kv``."""
+    layer's entry of :func:`plan_dense_layers`): ``x [1, N, hidden]`` -> ``[1, N, hidden]``, the
+    layer's K/V written into the pools ``kv``."""
     scale = 1.0 / math.sqrt(layer.attn.d)
     mask = meta.mask_for(layer.attn.window)
     pools_and_slots = (kv[0], kv[1], meta.write_slots, meta.read_slots)

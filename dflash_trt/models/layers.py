@@ -408,7 +408,7 @@ def _paged_attention(
     k_pool[slots] = as_dtype(k[0], k_pool.dtype)
     v_pool[slots] = as_dtype(v[0], v_pool.dtype)
     _, h, n, d = q.shape
-    if meta.uniform and n == meta.mask.shape[0] * meta.mask.shape[2]:
+    if uniform_queries(meta, n):
         # S * Tq queries in sequence order, none padding: views, no gathers
         s, tq = meta.mask.shape[0], meta.mask.shape[2]
         out = _attend_pools(
@@ -423,6 +423,14 @@ def _paged_attention(
     else:
         out = _attend(qpad, k_pool, v_pool, meta, k.shape[2], invariant, sinks, window)
     return out.reshape(1, n, h * d)
+
+
+def uniform_queries(meta: AttentionMetadata, n: int) -> bool:
+    """Whether the ``n`` queries of a paged forward are ``S`` sequences of ``Tq`` each, in
+    sequence order, none padding (``meta.uniform`` and ``n == S * Tq``): attention then takes
+    them and returns its output as views, and a dense layer may run in one call
+    (``models/fused_layer.py``)."""
+    return meta.uniform and n == meta.mask.shape[0] * meta.mask.shape[2]
 
 
 def _attend_pools(

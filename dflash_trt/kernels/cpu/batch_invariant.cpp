@@ -49,8 +49,9 @@
 //     of a dense target (models/target.py TargetLayer with batch-invariant linears, the norm
 //     kernel and paged attention whose queries are uniform: S sequences of Tq queries each, in
 //     order) as one call: the same kernels and the same ATen ops on the same views, in the same
-//     order, as the Python layer (so the same bits), without ~60 Python-level calls a layer
-//     (~0.4 ms of a 30-layer decode step's ~45 ms each, measured fp32 at batch 1). RoPE, the
+//     order, as the Python layer (so the same bits), without its ~60 Python-level calls (a
+//     batch-1 fp32 decode step of the 30-layer default target: 41-48 ms before, 28-31 ms after,
+//     its GEMMs alone 23-25 ms). RoPE, the
 //     residuals and SwiGLU stay ATen's elementwise kernels (at::mul / roll / add / silu); the
 //     linears are the batch-invariant kernel or the packed int4 / int8 GEMMs of torch that the
 //     int4 / int8 targets' modules call (quantization/packed.py), op for op.
@@ -542,24 +543,17 @@ at::Tensor norm_last(const at::Tensor& x, const at::Tensor& w, double eps) {
   return rms_norm(x.reshape({-1, x.size(-1)}), w, eps).view(x.sizes());
 }
 
-// BatchInvariantLinear.forward: [..., K] -> [..., n]
-at::Tensor linear_last(const at::Tensor& x, const at::Tensor& wp, int64_t n, const std::optional<at::Tensor>& bias) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  return linear_packed(x.reshape({-1, x.size(-1)}), wp, n, bias).view(shape);
-}
-
-// One of dense_layer's linears, as its module computes it: kind 0 BatchInvariantLinear (w the
-// packed panels), kind > 0 Int4Linear of that group size, kind -1 Int8Linear
-// (quantization/packed.PackedLinear.forward: x in the scales' dtype, the GEMM, + bias in the
-// GEMM's dtype, back to x's dtype)
+// One of dense_layer's linears [..., K] -> [..., n], as its module computes it: kind 0
+// BatchInvariantLinear (w its packed panels), kind > 0 Int4Linear of that group size, kind -1
+// Int8Linear (quantization/packed.PackedLinear.forward: x in the scales' dtype, the GEMM, + bias
+// in the GEMM's dtype, back to x's dtype)
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scales,
                         const std::optional<at::Tensor>& bias, int64_t kind, int64_t n) {
-  if (kind == 0) return linear_last(x, w, n, bias);
-  TORCH_CHECK(scales.has_value(), "dense_layer: a packed int linear without scales");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   at::Tensor x2 = x.reshape({-1, x.size(-1)});
+  if (kind == 0) return linear_packed(x2, w, n, bias).view(shape);
+  TORCH_CHECK(scales.has_value(), "dense_layer: a packed int linear without scales");
   if (x2.scalar_type() != scales->scalar_type()) x2 = x2.to(scales->scalar_type());
   at::Tensor y = kind > 0 ? at::_weight_int4pack_mm_for_cpu(x2, w, kind, *scales) : at::_weight_int8pack_mm(x2, w, *scales);
   if (bias.has_value()) y = at::add(y, bias->scalar_type() == y.scalar_type() ? *bias : bias->to(y.scalar_type()));
