@@ -69,6 +69,31 @@ def test_bi_linear_rows_independent(wdt, xdt):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_linear_rows_independent(dtype, group):
+    """``dflash_cpu::int4_linear`` (the int4 modules' GEMM): a row alone, among other rows and in
+    any position gives the same bits, for every register-tile height (1-6 rows and more), and
+    the values are ``x @ (q * scale + zero).T`` in fp32 to the output's rounding."""
+    torch.manual_seed(group)
+    for n, k in ((48, 256), (592, 512), (1040, 256)):  # 6, 74, 130 panels: full and partial tiles
+        w, b = torch.randn(n, k) * 0.05, torch.randn(n)
+        mod = PackedLinear.quantize(w, "int4", group, b, dtype)
+        deq = mod.dequantize()
+        x = torch.randn(23, k).to(dtype)
+        full = mod(x)
+        assert full.dtype == dtype and full.shape == (23, n)
+        ref = F.linear(x.float(), deq) + b.to(dtype).float()
+        tol = 2e-5 * ref.abs().max().item() if dtype == torch.float32 else 2e-2 * ref.abs().max().item()
+        assert (full.float() - ref).abs().max().item() <= tol
+        perm = torch.randperm(23)
+        assert torch.equal(mod(x[perm]), full[perm])
+        for m in range(1, 15):
+            assert torch.equal(mod(x[:m]), full[:m]), m
+        for r in (0, 5, 22):
+            assert torch.equal(mod(x[r : r + 1])[0], full[r])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_kernel_equals_torch_and_rows_independent(dtype):
     """``dflash_cpu::rms_norm`` against the torch path of :class:`RMSNorm` (``weight *
     F.rms_norm``): the same bits in bf16 (one rounding after the fp32 normalization, one after

@@ -1,10 +1,10 @@
 """Weight-only packed-integer linears for the CPU: what the int4 and int8 formats share.
 
 :class:`PackedLinear` is the run-time module: the weight stays in a packed integer layout and
-torch's own packed CPU GEMMs multiply, activations in the module's scale dtype (bf16 by
-default). Its subclasses, :class:`~.int4.Int4Linear` (group-wise asymmetric,
-``_weight_int4pack_mm_for_cpu``) and :class:`~.int8.Int8Linear` (per output row, symmetric,
-``_weight_int8pack_mm``), each in its format's module, hold the packing and the GEMM; this
+a packed CPU GEMM multiplies (ours for int4, torch's for int8), activations in the module's
+scale dtype (bf16 by default). Its subclasses, :class:`~.int4.Int4Linear` (group-wise
+asymmetric, our batch-invariant ``dflash_cpu::int4_linear``) and :class:`~.int8.Int8Linear` (per
+output row, symmetric, ``_weight_int8pack_mm``), each in its format's module, hold the packing and the GEMM; this
 module holds the format-free rest: forward, row selection and stacking, whole-model
 quantization and a summary.
 
@@ -62,9 +62,10 @@ class PackedLinear(nn.Module):
         in_features: int,
         group_size: int,
         bias: torch.Tensor | None = None,
+        out_features: int | None = None,
     ):
         super().__init__()
-        self.out_features = packed.shape[0]
+        self.out_features = packed.shape[0] if out_features is None else out_features
         self.in_features = in_features
         self.group_size = group_size
         self.register_buffer("packed", packed)
