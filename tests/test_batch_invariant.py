@@ -69,15 +69,16 @@ def test_bi_linear_rows_independent(wdt, xdt):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group", [32, 128])
-def test_int4_linear_rows_independent(dtype, group):
-    """``dflash_cpu::int4_linear`` (the int4 modules' GEMM): a row alone, among other rows and in
-    any position gives the same bits, for every register-tile height (1-6 rows and more), and
-    the values are ``x @ (q * scale + zero).T`` in fp32 to the output's rounding."""
+@pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 128), ("int8", 0)])
+def test_packed_int_linear_rows_independent(fmt, group, dtype):
+    """``dflash_cpu::int4_linear`` / ``int8_linear`` (the packed modules' GEMMs): a row alone,
+    among other rows and in any position gives the same bits, for every register-tile height
+    (1-6 rows and more), and the values are ``x @ w.T`` of the dequantized weight in fp32 to the
+    output's rounding."""
     torch.manual_seed(group)
     for n, k in ((48, 256), (592, 512), (1040, 256)):  # 6, 74, 130 panels: full and partial tiles
         w, b = torch.randn(n, k) * 0.05, torch.randn(n)
-        mod = PackedLinear.quantize(w, "int4", group, b, dtype)
+        mod = PackedLinear.quantize(w, fmt, group or 32, b, dtype)
         deq = mod.dequantize()
         x = torch.randn(23, k).to(dtype)
         full = mod(x)

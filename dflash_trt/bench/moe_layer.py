@@ -21,7 +21,7 @@ Expert weight formats (:data:`FORMATS`):
 - ``bf16-linear``: ``F.linear`` on the bf16 weight (oneDNN reorders it per call: ``MoEBlock``'s
   expert path today);
 - ``int4``: the project's packed int4 CPU linear (``quantization/int4.py``: asymmetric int4, one
-  bf16 (scale, zero) pair per 32 inputs, torch's ``_weight_int4pack_mm_for_cpu``; 5.0 bits per
+  bf16 (scale, zero) pair per 32 inputs, ``dflash_cpu::int4_linear``; 5.0 bits per
   weight). Not MXFP4 (4.25 bits, E2M1 codes + E8M0 scales), which has no CPU kernel here;
 - ``fp32``: ``F.linear`` in fp32 (the reference the tests compare with transformers).
 """

@@ -1,7 +1,8 @@
 """The batch-invariant CPU kernels (``cpu/batch_invariant.cpp``) as torch ops
 ``dflash_cpu::bi_linear`` (with ``bi_pack`` / ``bi_linear_packed``, the same arithmetic over a
-weight packed once), ``dflash_cpu::int4_linear`` (int4 weights), ``dflash_cpu::bi_attention``,
-``dflash_cpu::rms_norm`` and the one-call dense layer, built once per machine.
+weight packed once), ``dflash_cpu::int4_linear`` / ``int8_linear`` (packed integer weights),
+``dflash_cpu::bi_attention``, ``dflash_cpu::rms_norm`` and the one-call dense layer, built once
+per machine.
 
 The C++ source is compiled with the machine's own compiler on first use
 (``torch.utils.cpp_extension``, ``-O3 -march=native -ffp-contract=off``; ~15-60 s on 2 cores) into
@@ -109,6 +110,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("dflash_cpu::int4_linear")
     def _(x, codes, scales, n, group_size, bias):
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("dflash_cpu::int8_linear")
+    def _(x, codes, scales, n, bias):
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("dflash_cpu::bi_attention")

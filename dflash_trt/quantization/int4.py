@@ -11,8 +11,9 @@ layout): ``weight`` uint8 ``[out, in / 2]`` (codes, the even element in the low 
 ``weights_scaling_factor`` and ``zero`` fp32 ``[out, in / group_size]``.
 
 Run time: ``dflash_cpu::int4_linear`` (``kernels/cpu/batch_invariant.cpp``, built once per
-machine): codes packed once by :func:`pack_int4` into panels of 8 output rows (one 32-bit word
-of 8 codes per input), scales and zeros ``[panels, in / g, 2, 8]`` in the activation dtype;
+machine): codes packed once by :func:`pack_int4` into blocks of 64 output rows (8 panels of 8,
+one 32-bit word of 8 codes per panel and input, so that a decode step streams the weight in
+order), scales and zeros ``[blocks, in / g, 2, 8, 8]`` in the activation dtype;
 fp32 accumulation, ``w = q * scale + zero`` as stored (a Q4_1 block's ``d`` and ``m`` rounded
 to the scale dtype). Each row is computed by the same operations whatever the other rows, and a
 code is decoded once for all the rows of a register tile, so a verify block's rows share the
@@ -33,15 +34,13 @@ from torch import nn
 from ..errors import DFlashError
 from ..kernels import cpu_ops
 from .common import QuantizedLinear, WeightFormat, pack_nibbles, unpack_nibbles
-from .packed import PackedLinear, weight_only_hf_config
+from .packed import PANEL, PackedLinear, blocks_to_rows, rows_to_blocks, weight_only_hf_config
 
 #: group sizes torch's int4 CPU GEMM accepts
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 #: output rows an int4 weight must come in multiples of (the engine format's tiles of 16; the
-#: kernel's panels hold 8)
+#: kernel pads its blocks of 64)
 INT4_ROW_MULTIPLE = 16
-#: output rows of one packed panel: one 32-bit word of codes per input
-INT4_PANEL = 8
 #: GGUF block types whose codes load as int4 group 32 as they are
 GGUF_DIRECT = ("Q4_1", "Q4_0")
 
@@ -146,7 +145,7 @@ def q4_0_codes(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _gguf_nibbles(b[..., 2:18]), d, -8 * d.float()
 
 
-_NIBBLE_SHIFTS = torch.arange(INT4_PANEL, dtype=torch.int32) * 4
+_NIBBLE_SHIFTS = torch.arange(PANEL, dtype=torch.int32) * 4
 
 
 def pack_int4(
@@ -160,39 +159,36 @@ def pack_int4(
         dtype: the scales' dtype (the GEMM's activation dtype).
 
     Returns:
-        ``(codes int32 [P, in], scales [P, in / g, 2, 8] in dtype)`` with ``P = ceil(out / 8)``:
-        word ``(p, k)`` holds the codes of rows ``8p .. 8p + 7`` at input ``k``, row ``8p + j`` in
-        bits ``4j .. 4j + 3``; ``scales[p, g, 0]`` the 8 rows' scales of group ``g``,
-        ``scales[p, g, 1]`` their zeros (rows past ``out`` zero).
+        ``(codes int32 [S, in, 8], scales [S, in / g, 2, 8, 8] in dtype)`` with ``S = ceil(out /
+        64)`` blocks of 8 panels of 8 rows: word ``(s, k, c)`` holds the codes of rows ``64 s + 8 c
+        + j`` (``j`` = 0..7, in bits ``4j .. 4j + 3``) at input ``k``; ``scales[s, g, 0, c, j]`` the
+        scale of that row in group ``g``, ``scales[s, g, 1, c, j]`` its zero (rows past ``out``
+        zero).
     """
-    n, k = q.shape
-    p = -(-n // INT4_PANEL)
-    pad = p * INT4_PANEL - n
-    qp = torch.nn.functional.pad(q.to(torch.int32), (0, 0, 0, pad)).view(p, INT4_PANEL, k).transpose(1, 2)
-    codes = torch.zeros(p, k, dtype=torch.int32)
-    for j in range(INT4_PANEL):  # disjoint bits: or, lane by lane (row 7's bit 31 is the sign bit)
+    qp = rows_to_blocks(q.to(torch.int32)).permute(0, 3, 1, 2)  # [S, in, c, j]
+    codes = torch.zeros(qp.shape[:3], dtype=torch.int32)
+    for j in range(PANEL):  # disjoint bits: or, lane by lane (lane 7's bit 31 is the sign bit)
         codes |= qp[..., j] << (4 * j)
-
-    def panels(t: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(t.float(), (0, 0, 0, pad)).view(p, INT4_PANEL, -1).transpose(1, 2)
-
-    return codes.contiguous(), torch.stack([panels(scale), panels(zero)], dim=2).to(dtype).contiguous()
+    sz = torch.stack([rows_to_blocks(t.float()).permute(0, 3, 1, 2) for t in (scale, zero)], dim=2)
+    return codes.contiguous(), sz.to(dtype).contiguous()
 
 
-def unpack_int4(codes: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The codes of :func:`pack_int4` back as uint8 ``[out, in]`` in 0..15."""
-    p, k = codes.shape
-    q = (codes.unsqueeze(-1) >> _NIBBLE_SHIFTS.to(codes.device)) & 15  # [P, in, 8]
-    return q.transpose(1, 2).reshape(p * INT4_PANEL, k)[:out_features].to(torch.uint8).contiguous()
+def unpack_int4(codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> tuple[torch.Tensor, ...]:
+    """:func:`pack_int4`'s tensors back as ``(q uint8 [out, in] 0..15, scale fp32 [out, G],
+    zero fp32 [out, G])``."""
+    q = (codes.unsqueeze(-1) >> _NIBBLE_SHIFTS.to(codes.device)) & 15  # [S, in, c, j]
+    q = blocks_to_rows(q.permute(0, 2, 3, 1).to(torch.uint8), out_features)
+    s, z = (blocks_to_rows(scales[:, :, i].float().permute(0, 2, 3, 1), out_features) for i in (0, 1))
+    return q, s, z
 
 
 class Int4Linear(PackedLinear):
     """:class:`~.packed.PackedLinear` over int4 codes (``dflash_cpu::int4_linear``).
 
     Attributes:
-        packed: int32 ``[ceil(out / 8), in]``, the codes as :func:`pack_int4` lays them out (read
-            them back with :meth:`int_weight`).
-        scales: ``[ceil(out / 8), in / g, 2, 8]`` scales and zeros in the activation dtype.
+        packed: int32 ``[ceil(out / 64), in, 8]``, the codes as :func:`pack_int4` lays them out
+            (read them back with :meth:`int_weight`).
+        scales: ``[ceil(out / 64), in / g, 2, 8, 8]`` scales and zeros in the activation dtype.
     """
 
     fmt = "int4"
@@ -275,12 +271,7 @@ class Int4Linear(PackedLinear):
         """The stored codes and scales, exactly: ``(q uint8 [out, in] 0..15, scale fp32
         [out, in / g], zero fp32 [out, in / g])`` with ``w = q * scale + zero`` (the Q4_1
         convention)."""
-        n = self.out_features
-
-        def rows(t: torch.Tensor) -> torch.Tensor:
-            return t.float().transpose(1, 2).reshape(-1, t.shape[1])[:n].contiguous()
-
-        return unpack_int4(self.packed, n), rows(self.scales[:, :, 0]), rows(self.scales[:, :, 1])
+        return unpack_int4(self.packed, self.scales, self.out_features)
 
     @torch.no_grad()
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """Weight-only packed-integer linears for the CPU: what the int4 and int8 formats share.
 
 :class:`PackedLinear` is the run-time module: the weight stays in a packed integer layout and
-a packed CPU GEMM multiplies (ours for int4, torch's for int8), activations in the module's
-scale dtype (bf16 by default). Its subclasses, :class:`~.int4.Int4Linear` (group-wise
-asymmetric, our batch-invariant ``dflash_cpu::int4_linear``) and :class:`~.int8.Int8Linear` (per
-output row, symmetric, ``_weight_int8pack_mm``), each in its format's module, hold the packing and the GEMM; this
+our batch-invariant packed CPU GEMMs multiply, activations in the module's scale dtype (bf16 by
+default). Its subclasses, :class:`~.int4.Int4Linear` (group-wise asymmetric,
+``dflash_cpu::int4_linear``) and :class:`~.int8.Int8Linear` (per output row, symmetric,
+``dflash_cpu::int8_linear``), each in its format's module, hold the packing and the GEMM; this
 module holds the format-free rest: forward, row selection and stacking, whole-model
 quantization and a summary.
 
@@ -25,6 +25,25 @@ from .common import replace_module
 
 #: weight formats a packed linear runs
 INT_FORMATS = ("int4", "int8")
+
+
+#: output rows of one block of the packed integer kernels (``dflash_cpu::int4_linear`` /
+#: ``int8_linear``): 8 panels of 8 rows
+PANEL = 8
+BLOCK_ROWS = PANEL * PANEL
+
+
+def rows_to_blocks(t: torch.Tensor) -> torch.Tensor:
+    """``[out, ...]`` -> ``[S, 8, 8, ...]`` (block, panel, row of the panel), the rows padded with
+    zeros to ``S = ceil(out / 64)`` blocks."""
+    pad = -t.shape[0] % BLOCK_ROWS
+    t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+    return t.view(-1, PANEL, PANEL, *t.shape[1:])
+
+
+def blocks_to_rows(t: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The inverse of :func:`rows_to_blocks`: ``[S, 8, 8, ...]`` -> ``[out, ...]``."""
+    return t.reshape(-1, *t.shape[3:])[:out_features].contiguous()
 
 
 def packed_class(fmt: str) -> type[PackedLinear]:

@@ -4,7 +4,7 @@ decode loop.
 A batch-1 decode step of the default 4-bit target is ~1,800 small eager ops around ~120 packed
 int4 GEMMs: at that size dispatch and Python, not bytes, set the step time. Inductor fuses the
 elementwise work (norms, RoPE, residuals, SwiGLU, dtype casts) into generated C++ kernels and
-calls the GEMMs (it lowers ``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm``) and the
+calls the GEMMs (``dflash_cpu::int4_linear`` / ``int8_linear``, opaque to it) and the
 KV pool writes in place, in one graph per step shape. Shapes are dynamic (token count, key
 length, sequences), but torch.compile specialises sizes 0 and 1, so a run compiles a handful of
 graphs: the first decode step, the prompt prefill, with a drafter the verify block, and under

@@ -21,10 +21,12 @@
 //     load; threads split the output columns, never K. The output has x's dtype (fp32 results
 //     rounded to nearest even for bf16).
 //
-// dflash_cpu::int4_linear(x [M, K], codes [P, K] int32, scales [P, K / g, 2, 8], N, g, bias?)
-//     -> [M, N]: the same for int4 weights (group-wise asymmetric, w = q * scale + zero; layout
-//     and order of the sums where the kernel is). Each code is decoded to fp32 once per register
-//     tile of up to 6 rows; fp32 accumulation, output in x's dtype.
+// dflash_cpu::int4_linear(x [M, K], codes [S, K, 8] int32, scales [S, K / g, 2, 8, 8], N, g, bias?)
+// dflash_cpu::int8_linear(x [M, K], codes [S, K, 64] int8, scales [S, 8, 8], N, bias?)
+//     -> [M, N]: the same for packed integer weights (int4 group-wise asymmetric, w = q * scale
+//     + zero; int8 per output row, w = q * scale; layout and order of the sums where the kernels
+//     are). Each code is decoded to fp32 once per register tile of up to 6 rows; fp32
+//     accumulation, output in x's dtype.
 //
 // dflash_cpu::bi_attention(q [S, H, T, D], k [S, Hkv, L, D], v, mask [S|1, 1, T, L], scale, sinks?)
 //     -> [S, H, T, D] fp32: each (sequence, head, query) alone: scores over its visible keys in
@@ -67,7 +69,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/_weight_int8pack_mm.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/mul.h>
@@ -299,18 +300,23 @@ at::Tensor bi_linear(const at::Tensor& x, const at::Tensor& w, const std::option
   return linear_packed(x, bi_pack(w), w.size(0), bias);
 }
 
-// ---- int4 weights (group-wise asymmetric, w = q * scale + zero) ----
-// Packed codes: uint32 [P, K] (P = ceil(N / 8) panels of 8 output columns): word (p, k) holds
-// the codes of columns 8p..8p+7 at input k, column 8p+j in bits 4j..4j+3; scales and zeros
-// [P, K / g, 2, 8] (per panel and group: the 8 columns' scales, then their zeros), fp32 or bf16.
-// One output: y = sum over groups in order of (scale * a_g + zero * xs_g), each term one FMA
+// ---- packed integer weights: int4 (group-wise asymmetric, w = q * scale + zero) and int8
+// (per output row, symmetric, w = q * scale) ----
+// Codes [S, K, 8] words (S = ceil(N / 64) blocks of 8 panels of 8 output columns): word
+// (s, k, c) holds the codes of columns 64s + 8c .. 64s + 8c + 7 at input k (int4: a uint32,
+// column 64s + 8c + j in bits 4j..4j+3; int8: 8 bytes, column j in byte j), so that a register
+// tile of 8 panels reads one line per k and a decode step streams the weight in order. Scales
+// [S, G, Z, 8, 8] (per block and group of g inputs: the 64 columns' scales, then for int4
+// their zeros; int8 has one group, g = K, and no zeros), fp32 or bf16.
+// One output: y = sum over groups in order of (scale * a_g [+ zero * xs_g]), each term one FMA
 // into y, where a_g = FMA chain over the group's k in increasing order of x[k] * q[k] from 0
 // and xs_g = x's sum over the group (in increasing k, from 0). A code is decoded once per
 // register tile and used by every row of it, so the rows of a verify block share the decoding.
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
-constexpr int IL = 8;  // columns of an int4 panel: one 32-bit word of codes per input
+constexpr int IL = 8;  // columns of a panel
+constexpr int IB = 8;  // panels of a block
 
 inline v8f load8(const float* p) {
   v8f v;
@@ -348,78 +354,108 @@ inline v8f fma8(v8f a, v8f b, v8f c) {
 #endif
 }
 
-// the 8 codes of one word as exact floats 0..15
-inline v8f decode8(uint32_t word) {
-  const v8u shifts = {0, 4, 8, 12, 16, 20, 24, 28};
-  const v8u q = (((v8u){} + word) >> shifts) & 15u;
-  return __builtin_convertvector((v8i)q, v8f);
-}
+struct Int4Codes {  // 8 codes 0..15 in one uint32; a zero per group
+  using W = uint32_t;
+  static constexpr int Z = 2;
+  static v8f decode(W word) {
+    const v8u shifts = {0, 4, 8, 12, 16, 20, 24, 28};
+    const v8u q = (((v8u){} + word) >> shifts) & 15u;
+    return __builtin_convertvector((v8i)q, v8f);
+  }
+};
 
-// R rows x C panels over all groups; y accumulates in out (ldo apart per row), set here
-template <int R, int C, typename S>
-inline void i4_tile(const float* x, int64_t K, const float* xs, int64_t G, int64_t g, const uint32_t* wp,
-                    const S* sz, float* out, int64_t ldo) {
+struct Int8Codes {  // 8 codes -127..127 in 8 bytes; no zero
+  using W = uint64_t;
+  static constexpr int Z = 1;
+  static v8f decode(W word) {
+#if defined(__AVX2__)
+    return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(static_cast<long long>(word))));
+#else
+    v8i q;
+    for (int i = 0; i < IL; ++i) q[i] = static_cast<int8_t>(word >> (8 * i));
+    return __builtin_convertvector(q, v8f);
+#endif
+  }
+};
+
+// R rows x C panels (p, p + 1, ...) over all groups; y accumulates in out (ldo apart per row),
+// set here
+template <typename Codes, int R, int C, typename S>
+inline void int_tile(const float* x, int64_t K, const float* xs, int64_t G, int64_t g,
+                     const typename Codes::W* codes, const S* sz, int64_t p, float* out, int64_t ldo) {
+  constexpr int64_t group_scales = Codes::Z * IB * IL;  // one group's scales (and zeros) of a block
+  const typename Codes::W* wc[C];
+  const S* sc[C];
+  for (int c = 0; c < C; ++c) {
+    wc[c] = codes + (p + c) / IB * K * IB + (p + c) % IB;
+    sc[c] = sz + (p + c) / IB * G * group_scales + (p + c) % IB * IL;
+  }
   for (int r = 0; r < R; ++r) std::memset(out + r * ldo, 0, sizeof(float) * C * IL);
   for (int64_t gi = 0; gi < G; ++gi) {
     v8f a[R][C] = {};
     const int64_t k1 = (gi + 1) * g;
     for (int64_t k = gi * g; k < k1; ++k) {
+      // with 1-2 rows the codes stream from memory (a decode step): fetch ~2-4 KiB ahead in
+      // the block (the lines of the next k's), at the rate they are read
+      if constexpr (R <= 2) {
+        if ((k & 1) == 0) __builtin_prefetch(wc[0] + (k + 64) * IB, 0, 1);
+      }
       for (int c = 0; c < C; ++c) {
-        const v8f w = decode8(wp[c * K + k]);
+        const v8f w = Codes::decode(wc[c][k * IB]);
         for (int r = 0; r < R; ++r) a[r][c] = fma8(bcast8(x + r * K + k), w, a[r][c]);
       }
     }
     for (int c = 0; c < C; ++c) {
-      const S* p = sz + (c * G + gi) * 2 * IL;
-      const v8f s = load8(p), z = load8(p + IL);
+      const S* ps = sc[c] + gi * group_scales;
+      const v8f s = load8(ps);
       for (int r = 0; r < R; ++r) {
         float* o = out + r * ldo + c * IL;
-        v8f y = load8(o);
-        y = fma8(s, a[r][c], y);
-        y = fma8(z, bcast8(xs + r * G + gi), y);
+        v8f y = fma8(s, a[r][c], load8(o));
+        if constexpr (Codes::Z == 2) y = fma8(load8(ps + IB * IL), bcast8(xs + r * G + gi), y);
         std::memcpy(o, &y, sizeof(y));
       }
     }
   }
 }
 
-template <int R, int C, typename S>
-inline void i4_tile_panels(int panels, const float* x, int64_t K, const float* xs, int64_t G, int64_t g,
-                           const uint32_t* wp, const S* sz, float* out, int64_t ldo) {
+// R rows x `panels` panels from p0, C panels at a time (the remainder one at a time)
+template <typename Codes, int R, int C, typename S>
+inline void int_tile_panels(int panels, const float* x, int64_t K, const float* xs, int64_t G, int64_t g,
+                            const typename Codes::W* codes, const S* sz, int64_t p0, float* out, int64_t ldo) {
   int p = 0;
-  for (; p + C <= panels; p += C) i4_tile<R, C>(x, K, xs, G, g, wp + p * K, sz + p * G * 2 * IL, out + p * IL, ldo);
-  for (; p < panels; ++p) i4_tile<R, 1>(x, K, xs, G, g, wp + p * K, sz + p * G * 2 * IL, out + p * IL, ldo);
+  for (; p + C <= panels; p += C) int_tile<Codes, R, C>(x, K, xs, G, g, codes, sz, p0 + p, out + p * IL, ldo);
+  for (; p < panels; ++p) int_tile<Codes, R, 1>(x, K, xs, G, g, codes, sz, p0 + p, out + p * IL, ldo);
 }
 
-template <typename S>
-inline void i4_tile_any(int rows, int panels, const float* x, int64_t K, const float* xs, int64_t G, int64_t g,
-                        const uint32_t* wp, const S* sz, float* out, int64_t ldo) {
-  static_assert(MR == 6, "i4_tile_any covers up to 6 rows");
+template <typename Codes, typename S>
+inline void int_tile_any(int rows, int panels, const float* x, int64_t K, const float* xs, int64_t G, int64_t g,
+                         const typename Codes::W* codes, const S* sz, int64_t p0, float* out, int64_t ldo) {
+  static_assert(MR == 6, "int_tile_any covers up to 6 rows");
   switch (rows) {
-    case 1: return i4_tile_panels<1, 8>(panels, x, K, xs, G, g, wp, sz, out, ldo);
-    case 2: return i4_tile_panels<2, 4>(panels, x, K, xs, G, g, wp, sz, out, ldo);
-    case 3: return i4_tile_panels<3, 2>(panels, x, K, xs, G, g, wp, sz, out, ldo);
-    case 4: return i4_tile_panels<4, 2>(panels, x, K, xs, G, g, wp, sz, out, ldo);
-    case 5: return i4_tile_panels<5, 1>(panels, x, K, xs, G, g, wp, sz, out, ldo);
-    default: return i4_tile_panels<6, 1>(panels, x, K, xs, G, g, wp, sz, out, ldo);
+    case 1: return int_tile_panels<Codes, 1, 8>(panels, x, K, xs, G, g, codes, sz, p0, out, ldo);
+    case 2: return int_tile_panels<Codes, 2, 4>(panels, x, K, xs, G, g, codes, sz, p0, out, ldo);
+    case 3: return int_tile_panels<Codes, 3, 2>(panels, x, K, xs, G, g, codes, sz, p0, out, ldo);
+    case 4: return int_tile_panels<Codes, 4, 2>(panels, x, K, xs, G, g, codes, sz, p0, out, ldo);
+    case 5: return int_tile_panels<Codes, 5, 1>(panels, x, K, xs, G, g, codes, sz, p0, out, ldo);
+    default: return int_tile_panels<Codes, 6, 1>(panels, x, K, xs, G, g, codes, sz, p0, out, ldo);
   }
 }
 
-template <typename S, typename O>
-void int4_impl(const float* x, int64_t M, int64_t K, int64_t g, const uint32_t* wp, const S* sz, const float* bias,
-               int64_t N, O* out) {
-  const int64_t G = K / g, P = (N + IL - 1) / IL;
-  std::vector<float> xs(M * G);  // each row's group sums, in increasing k from 0
-  for (int64_t m = 0; m < M; ++m)
+template <typename Codes, typename S, typename O>
+void int_impl(const float* x, int64_t M, int64_t K, int64_t g, const typename Codes::W* wp, const S* sz,
+              const float* bias, int64_t N, O* out) {
+  const int64_t G = K / g, P = (N + IL - 1) / IL;  // panels with outputs (the last block's may be fewer)
+  std::vector<float> xs(Codes::Z == 2 ? M * G : 0);  // each row's group sums, in increasing k from 0
+  for (int64_t m = 0; m < M && Codes::Z == 2; ++m)
     for (int64_t gi = 0; gi < G; ++gi) {
       float s = 0.f;
       for (int64_t k = gi * g; k < (gi + 1) * g; ++k) s += x[m * K + k];
       xs[m * G + gi] = s;
     }
-  // threads take whole groups of panels (never a split of K), at least ~4 a thread
-  const int64_t fit = (int64_t{256} << 10) / std::max<int64_t>(1, K * 4);
+  // threads take whole groups of panels (never a split of K): blocks of 8 where there are
+  // enough for ~4 groups a thread, else fewer
   const int64_t share = (P + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());
-  const int64_t pb = std::max<int64_t>(1, std::min<int64_t>({fit, share, 64}));
+  const int64_t pb = share >= IB ? std::min<int64_t>(share / IB * IB, 64) : std::max<int64_t>(1, share);
   const int64_t groups = (P + pb - 1) / pb;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     const int64_t ldt = pb * IL;
@@ -429,8 +465,8 @@ void int4_impl(const float* x, int64_t M, int64_t K, int64_t g, const uint32_t* 
       const int64_t n0 = p0 * IL, nc = std::min<int64_t>(np * IL, N - n0);
       for (int64_t m = 0; m < M; m += MR) {
         const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
-        i4_tile_any(rows, static_cast<int>(np), x + m * K, K, xs.data() + m * G, G, g, wp + p0 * K,
-                    sz + p0 * G * 2 * IL, t.data(), ldt);
+        const float* xsm = xs.empty() ? nullptr : xs.data() + m * G;
+        int_tile_any<Codes>(rows, static_cast<int>(np), x + m * K, K, xsm, G, g, wp, sz, p0, t.data(), ldt);
         for (int r = 0; r < rows; ++r) {
           O* o = out + (m + r) * N + n0;
           const float* tr = t.data() + r * ldt;
@@ -441,44 +477,68 @@ void int4_impl(const float* x, int64_t M, int64_t K, int64_t g, const uint32_t* 
   });
 }
 
-// x [M, K] (fp32 or bf16) times the int4 weight (codes [P, K] int32, scales [P, K / g, 2, 8]
-// fp32 or bf16) -> [M, n] in x's dtype (+ bias in fp32 before the one rounding)
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t g,
-                       const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && scales.dim() == 4, "int4_linear: x [M, K], codes [P, K], scales [P, G, 2, 8] expected");
-  const int64_t M = x.size(0), K = x.size(1), P = codes.size(0);
-  TORCH_CHECK(codes.size(1) == K && codes.scalar_type() == at::kInt && codes.is_contiguous(),
-              "int4_linear: codes must be contiguous int32 [P, ", K, "]");
-  TORCH_CHECK(g > 0 && K % g == 0, "int4_linear: group size ", g, " does not divide ", K);
-  TORCH_CHECK(scales.size(0) == P && scales.size(1) == K / g && scales.size(2) == 2 && scales.size(3) == IL &&
-                  scales.is_contiguous(),
-              "int4_linear: scales must be contiguous [", P, ", ", K / g, ", 2, 8]");
-  TORCH_CHECK(n > (P - 1) * IL && n <= P * IL, "int4_linear: ", n, " outputs do not fit ", P, " panels");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "int4_linear: x must be fp32 or bf16");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16,
-              "int4_linear: scales must be fp32 or bf16");
+// x [M, K] (fp32 or bf16) times a packed integer weight (see above) -> [M, n] in x's dtype
+// (+ bias in fp32 before the one rounding); the callers have checked the shapes
+template <typename Codes>
+at::Tensor int_linear(const char* op, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
+                      int64_t g, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be fp32 or bf16");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16, op,
+              ": scales must be fp32 or bf16");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous(), op, ": codes and scales must be contiguous");
+  const int64_t NB = codes.size(0);
+  TORCH_CHECK(n > (NB - 1) * IB * IL && n <= NB * IB * IL, op, ": ", n, " outputs do not fit ", NB, " blocks of 64");
+  const int64_t M = x.size(0), K = x.size(1);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor bf;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "int4_linear: bias has ", bias->numel(), " values for ", n, " outputs");
+    TORCH_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " values for ", n, " outputs");
     bf = bias->to(at::kFloat).contiguous();
   }
   const float* b = bf.defined() ? bf.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return out;
   const float* xp = xf.data_ptr<float>();
-  const uint32_t* wp = reinterpret_cast<const uint32_t*>(codes.data_ptr<int32_t>());
+  const auto* wp = reinterpret_cast<const typename Codes::W*>(codes.data_ptr());
   const bool sb = scales.scalar_type() == at::kBFloat16, ob = x.scalar_type() == at::kBFloat16;
   if (sb && ob) {
-    int4_impl(xp, M, K, g, wp, scales.data_ptr<c10::BFloat16>(), b, n, out.data_ptr<c10::BFloat16>());
+    int_impl<Codes>(xp, M, K, g, wp, scales.data_ptr<c10::BFloat16>(), b, n, out.data_ptr<c10::BFloat16>());
   } else if (sb) {
-    int4_impl(xp, M, K, g, wp, scales.data_ptr<c10::BFloat16>(), b, n, out.data_ptr<float>());
+    int_impl<Codes>(xp, M, K, g, wp, scales.data_ptr<c10::BFloat16>(), b, n, out.data_ptr<float>());
   } else if (ob) {
-    int4_impl(xp, M, K, g, wp, scales.data_ptr<float>(), b, n, out.data_ptr<c10::BFloat16>());
+    int_impl<Codes>(xp, M, K, g, wp, scales.data_ptr<float>(), b, n, out.data_ptr<c10::BFloat16>());
   } else {
-    int4_impl(xp, M, K, g, wp, scales.data_ptr<float>(), b, n, out.data_ptr<float>());
+    int_impl<Codes>(xp, M, K, g, wp, scales.data_ptr<float>(), b, n, out.data_ptr<float>());
   }
   return out;
+}
+
+// codes [S, K, 8] int32, scales [S, K / g, 2, 8, 8]
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t g,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && scales.dim() == 5,
+              "int4_linear: x [M, K], codes [S, K, 8], scales [S, G, 2, 8, 8] expected");
+  const int64_t K = x.size(1), NB = codes.size(0);
+  TORCH_CHECK(codes.size(1) == K && codes.size(2) == IB && codes.scalar_type() == at::kInt,
+              "int4_linear: codes must be int32 [S, ", K, ", 8]");
+  TORCH_CHECK(g > 0 && K % g == 0, "int4_linear: group size ", g, " does not divide ", K);
+  TORCH_CHECK(scales.size(0) == NB && scales.size(1) == K / g && scales.size(2) == 2 && scales.size(3) == IB &&
+                  scales.size(4) == IL,
+              "int4_linear: scales must be [", NB, ", ", K / g, ", 2, 8, 8]");
+  return int_linear<Int4Codes>("int4_linear", x, codes, scales, n, g, bias);
+}
+
+// codes [S, K, 64] int8, scales [S, 8, 8]
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && scales.dim() == 3,
+              "int8_linear: x [M, K], codes [S, K, 64], scales [S, 8, 8] expected");
+  const int64_t K = x.size(1), NB = codes.size(0);
+  TORCH_CHECK(codes.size(1) == K && codes.size(2) == IB * IL && codes.scalar_type() == at::kChar,
+              "int8_linear: codes must be int8 [S, ", K, ", 64]");
+  TORCH_CHECK(scales.size(0) == NB && scales.size(1) == IB && scales.size(2) == IL,
+              "int8_linear: scales must be [", NB, ", 8, 8]");
+  return int_linear<Int8Codes>("int8_linear", x, codes, scales, n, K, bias);
 }
 
 // scores[b] = q . k_b over D for KB keys at once (rows kr[b]), per key in a fixed order: VL-lane
@@ -731,7 +791,7 @@ at::Tensor norm_last(const at::Tensor& x, const at::Tensor& w, double eps) {
 
 // One of dense_layer's linears [..., K] -> [..., n], as its module computes it: kind 0
 // BatchInvariantLinear (w its packed panels), kind > 0 Int4Linear of that group size (int4_linear), kind -1
-// Int8Linear (quantization/packed.PackedLinear.forward: x in the scales' dtype, the GEMM, + bias
+// Int8Linear (int8_linear) (quantization/packed.PackedLinear.forward: x in the scales' dtype, the GEMM, + bias
 // in the GEMM's dtype, back to x's dtype)
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scales,
                         const std::optional<at::Tensor>& bias, int64_t kind, int64_t n) {
@@ -741,7 +801,7 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   if (kind == 0) return linear_packed(x2, w, n, bias).view(shape);
   TORCH_CHECK(scales.has_value(), "dense_layer: a packed int linear without scales");
   if (x2.scalar_type() != scales->scalar_type()) x2 = x2.to(scales->scalar_type());
-  at::Tensor y = kind > 0 ? int4_linear(x2, w, *scales, n, kind, std::nullopt) : at::_weight_int8pack_mm(x2, w, *scales);
+  at::Tensor y = kind > 0 ? int4_linear(x2, w, *scales, n, kind, std::nullopt) : int8_linear(x2, w, *scales, n, std::nullopt);
   if (bias.has_value()) y = at::add(y, bias->scalar_type() == y.scalar_type() ? *bias : bias->to(y.scalar_type()));
   if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
   return y.view(shape);
@@ -801,6 +861,7 @@ TORCH_LIBRARY(dflash_cpu, m) {
   m.def("bi_pack(Tensor w) -> Tensor");
   m.def("bi_linear_packed(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, int n, int group_size, Tensor? bias) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int n, Tensor? bias) -> Tensor");
   m.def("bi_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor? sinks=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def(
@@ -818,6 +879,7 @@ TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) {
   m.impl("bi_pack", &bi_pack);
   m.impl("bi_linear_packed", &linear_packed);
   m.impl("int4_linear", &int4_linear);
+  m.impl("int8_linear", &int8_linear);
   m.impl("bi_attention", &bi_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("bi_paged_attention", &bi_paged_attention);
