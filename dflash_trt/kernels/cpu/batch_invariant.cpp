@@ -400,14 +400,18 @@ inline void int_tile(const float* x, int64_t K, const float* xs, int64_t G, int6
       if constexpr (R <= 2) {
         if ((k & 1) == 0) __builtin_prefetch(wc[0] + (k + 64) * IB, 0, 1);
       }
+#pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
         const v8f w = Codes::decode(wc[c][k * IB]);
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r) a[r][c] = fma8(bcast8(x + r * K + k), w, a[r][c]);
       }
     }
+#pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
       const S* ps = sc[c] + gi * group_scales;
       const v8f s = load8(ps);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         float* o = out + r * ldo + c * IL;
         v8f y = fma8(s, a[r][c], load8(o));
