@@ -98,75 +98,58 @@ constexpr int VL = 8;
 constexpr int MR = 6;  // rows of one register tile
 
 typedef float vf __attribute__((vector_size(VL * 4)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 
-// n lanes from memory into a V (vf, or the int kernels' 8-lane v8f); bf16 -> fp32 is exact: the
-// bits move up 16 places
-template <typename V>
-inline V load_lanes(const float* p) {
-  V v;
+inline vf loadv(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-template <typename V>
-inline V load_lanes(const c10::BFloat16* p) {
-  constexpr int n = sizeof(V) / sizeof(float);
+inline vf loadv(const c10::BFloat16* p) {  // bf16 -> fp32 is exact: the bits move up 16 places
 #if defined(__AVX512F__)
-  if constexpr (n == 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return (V)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-#endif
-#if defined(__AVX2__)
-  if constexpr (n == 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return (V)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-#endif
-  uint32_t u[n];
-  for (int i = 0; i < n; ++i) u[i] = static_cast<uint32_t>(p[i].x) << 16;
-  V v;
-  std::memcpy(&v, u, sizeof(v));
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#elif defined(__AVX2__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  vu u = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &u, sizeof(v));
   return v;
+#endif
 }
 
-inline vf loadv(const float* p) { return load_lanes<vf>(p); }
-inline vf loadv(const c10::BFloat16* p) { return load_lanes<vf>(p); }
-
-// *p in every lane of a V (vf, or the int kernels' 8-lane v8f): a broadcast from memory (a
-// load, no arithmetic and no shuffle)
-template <typename V>
-inline V bcast_lanes(const float* p) {
-  constexpr int n = sizeof(V) / sizeof(float);
+// *p in every lane: a broadcast from memory (a load, no arithmetic and no shuffle)
+inline vf bcast(const float* p) {
 #if defined(__AVX512F__)
-  if constexpr (n == 16) return (V)_mm512_set1_ps(*p);
-#endif
-#if defined(__AVX__)
-  if constexpr (n == 8) return (V)_mm256_broadcast_ss(p);
-#endif
-  V v;
-  for (int i = 0; i < n; ++i) v[i] = *p;
+  return (vf)_mm512_set1_ps(*p);
+#elif defined(__AVX2__)
+  return (vf)_mm256_set1_ps(*p);
+#else
+  vf v;
+  for (int i = 0; i < VL; ++i) v[i] = *p;
   return v;
+#endif
 }
 
 // a * b + c rounded once, lane by lane: written out (intrinsics), not left to the compiler's
 // contraction of `a * b + c`, which it may decide differently in different instantiations
-template <typename V>
-inline V fma_lanes(V a, V b, V c) {
-  constexpr int n = sizeof(V) / sizeof(float);
+inline vf fmav(vf a, vf b, vf c) {
 #if defined(__AVX512F__)
-  if constexpr (n == 16) return (V)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#endif
-#if defined(__FMA__)
-  if constexpr (n == 8) return (V)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#endif
-  V r;
-  for (int i = 0; i < n; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  vf r;
+  for (int i = 0; i < VL; ++i) r[i] = std::fma(a[i], b[i], c[i]);
   return r;
+#endif
 }
-
-inline vf bcast(const float* p) { return bcast_lanes<vf>(p); }
-inline vf fmav(vf a, vf b, vf c) { return fma_lanes(a, b, c); }
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -243,23 +226,24 @@ inline void tile_any(int rows, int panels, const float* x, int64_t K, const W* w
   }
 }
 
-// The GEMM drivers' shared loop: threads take whole groups of pb panels of `width` output
-// columns (never a split of K); each group is swept by register tiles of up to MR rows in turn,
-// tile(m, rows, p0, np, t, ldt) writing rows x np * width fp32 results to t (ldt apart), stored
-// here into out (x's dtype) with + bias in fp32 before the one rounding.
-template <typename O, typename Tile>
-void panel_groups(int64_t M, int64_t N, int64_t width, int64_t pb, int64_t grain, const float* bias, O* out,
-                  const Tile& tile) {
-  const int64_t P = (N + width - 1) / width, groups = (P + pb - 1) / pb;
+template <typename W, typename O>
+void linear_impl(const float* x, int64_t M, int64_t K, const W* wp, const float* bias, int64_t N, O* out) {
+  // threads take whole groups of panels (output columns); never a split of K. A group (~256 KiB:
+  // in L2, a multiple of 6 panels) is swept by every register tile of rows in turn.
+  const int64_t P = (N + VL - 1) / VL;
+  const int64_t fit = (int64_t{256} << 10) / std::max<int64_t>(1, K * VL * static_cast<int64_t>(sizeof(W)));
+  const int64_t pb = std::clamp<int64_t>(fit / 6 * 6, 6, 48);
+  const int64_t groups = (P + pb - 1) / pb;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * VL * pb));  // >= ~64K MACs a task
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    const int64_t ldt = pb * width;
+    const int64_t ldt = pb * VL;
     std::vector<float> t(MR * ldt);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p0 = g * pb, np = std::min<int64_t>(pb, P - p0);
-      const int64_t n0 = p0 * width, nc = std::min<int64_t>(np * width, N - n0);
+      const int64_t n0 = p0 * VL, nc = std::min<int64_t>(np * VL, N - n0);
       for (int64_t m = 0; m < M; m += MR) {
         const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
-        tile(m, rows, p0, static_cast<int>(np), t.data(), ldt);
+        tile_any(rows, static_cast<int>(np), x + m * K, K, wp + p0 * K * VL, t.data(), ldt);
         for (int r = 0; r < rows; ++r) {
           O* o = out + (m + r) * N + n0;
           const float* tr = t.data() + r * ldt;
@@ -267,18 +251,6 @@ void panel_groups(int64_t M, int64_t N, int64_t width, int64_t pb, int64_t grain
         }
       }
     }
-  });
-}
-
-template <typename W, typename O>
-void linear_impl(const float* x, int64_t M, int64_t K, const W* wp, const float* bias, int64_t N, O* out) {
-  // a group of panels (~256 KiB: in L2, a multiple of 6 panels) is swept by every register tile
-  // of rows in turn
-  const int64_t fit = (int64_t{256} << 10) / std::max<int64_t>(1, K * VL * static_cast<int64_t>(sizeof(W)));
-  const int64_t pb = std::clamp<int64_t>(fit / 6 * 6, 6, 48);
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * VL * pb));  // >= ~64K MACs a task
-  panel_groups(M, N, VL, pb, grain, bias, out, [&](int64_t m, int rows, int64_t p0, int np, float* t, int64_t ldt) {
-    tile_any(rows, np, x + m * K, K, wp + p0 * K * VL, t, ldt);
   });
 }
 
@@ -346,10 +318,41 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 constexpr int IL = 8;  // columns of a panel
 constexpr int IB = 8;  // panels of a block
 
-inline v8f load8(const float* p) { return load_lanes<v8f>(p); }
-inline v8f load8(const c10::BFloat16* p) { return load_lanes<v8f>(p); }
-inline v8f bcast8(const float* p) { return bcast_lanes<v8f>(p); }
-inline v8f fma8(v8f a, v8f b, v8f c) { return fma_lanes(a, b, c); }
+inline v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline v8f load8(const c10::BFloat16* p) {
+  uint16_t h[IL];
+  std::memcpy(h, p, sizeof(h));
+  v8u u;
+  for (int i = 0; i < IL; ++i) u[i] = static_cast<uint32_t>(h[i]) << 16;
+  v8f v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+inline v8f bcast8(const float* p) {
+#if defined(__AVX__)
+  return (v8f)_mm256_broadcast_ss(p);
+#else
+  v8f v;
+  for (int i = 0; i < IL; ++i) v[i] = *p;
+  return v;
+#endif
+}
+
+inline v8f fma8(v8f a, v8f b, v8f c) {
+#if defined(__FMA__)
+  return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  v8f r;
+  for (int i = 0; i < IL; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
+#endif
+}
 
 struct Int4Codes {  // 8 codes 0..15 in one uint32; a zero per group
   using W = uint32_t;
@@ -453,12 +456,28 @@ void int_impl(const float* x, int64_t M, int64_t K, int64_t g, const typename Co
       for (int64_t k = gi * g; k < (gi + 1) * g; ++k) s += x[m * K + k];
       xs[m * G + gi] = s;
     }
-  // groups of blocks of 8 panels where there are enough for ~4 groups a thread, else fewer panels
+  // threads take whole groups of panels (never a split of K): blocks of 8 where there are
+  // enough for ~4 groups a thread, else fewer
   const int64_t share = (P + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());
   const int64_t pb = share >= IB ? std::min<int64_t>(share / IB * IB, 64) : std::max<int64_t>(1, share);
-  panel_groups(M, N, IL, pb, 1, bias, out, [&](int64_t m, int rows, int64_t p0, int np, float* t, int64_t ldt) {
-    const float* xsm = xs.empty() ? nullptr : xs.data() + m * G;
-    int_tile_any<Codes>(rows, np, x + m * K, K, xsm, G, g, wp, sz, p0, t, ldt);
+  const int64_t groups = (P + pb - 1) / pb;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    const int64_t ldt = pb * IL;
+    std::vector<float> t(MR * ldt);
+    for (int64_t gr = g0; gr < g1; ++gr) {
+      const int64_t p0 = gr * pb, np = std::min<int64_t>(pb, P - p0);
+      const int64_t n0 = p0 * IL, nc = std::min<int64_t>(np * IL, N - n0);
+      for (int64_t m = 0; m < M; m += MR) {
+        const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
+        const float* xsm = xs.empty() ? nullptr : xs.data() + m * G;
+        int_tile_any<Codes>(rows, static_cast<int>(np), x + m * K, K, xsm, G, g, wp, sz, p0, t.data(), ldt);
+        for (int r = 0; r < rows; ++r) {
+          O* o = out + (m + r) * N + n0;
+          const float* tr = t.data() + r * ldt;
+          for (int64_t c = 0; c < nc; ++c) store(o + c, bias ? tr[c] + bias[n0 + c] : tr[c]);
+        }
+      }
+    }
   });
 }
 
