@@ -38,7 +38,7 @@ from ..kernels import cpu_ops
 from .common import QuantizedLinear, WeightFormat, pack_nibbles, unpack_nibbles
 from .packed import PANEL, PackedLinear, blocks_to_rows, rows_to_blocks, weight_only_hf_config
 
-#: group sizes torch's int4 CPU GEMM accepts
+#: group sizes an int4 weight may use (those of the engine format and GGUF's blocks)
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 #: output rows an int4 weight must come in multiples of (the engine format's tiles of 16; the
 #: kernel pads its blocks of 64)
@@ -219,6 +219,7 @@ class Int4Linear(PackedLinear):
         check_int4_shape(n, k, group_size)
         if tuple(scale.shape) != (n, k // group_size) or tuple(zero.shape) != (n, k // group_size):
             raise DFlashError(f"int4 scales must be [{n}, {k // group_size}], got {tuple(scale.shape)}")
+        cpu_ops.load()  # the GEMM's op, once here rather than on every forward
         codes, sz = pack_int4(q, scale, zero, dtype)
         return cls(codes, sz, k, group_size, bias, out_features=n)
 
@@ -265,7 +266,6 @@ class Int4Linear(PackedLinear):
         return f"int4 group {group_size}"
 
     def _mm(self, x2: torch.Tensor) -> torch.Tensor:
-        cpu_ops.load()
         return torch.ops.dflash_cpu.int4_linear(x2, self.packed, self.scales, self.out_features, self.group_size, None)
 
     @torch.no_grad()

@@ -19,7 +19,7 @@ from torch import nn
 from ..errors import DFlashError
 from ..kernels import cpu_ops
 from .common import QuantizedLinear, WeightFormat
-from .packed import BLOCK_ROWS, PackedLinear, blocks_to_rows, rows_to_blocks, weight_only_hf_config
+from .packed import BLOCK_ROWS, PANEL, PackedLinear, blocks_to_rows, rows_to_blocks, weight_only_hf_config
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +87,7 @@ class Int8Linear(PackedLinear):
         n, k = q.shape
         if scale.numel() != n:
             raise DFlashError(f"int8 scales must have {n} values (one per output row), got {scale.numel()}")
+        cpu_ops.load()  # the GEMM's op, once here rather than on every forward
         codes, scales = pack_int8(q, scale, dtype)
         return cls(codes, scales, k, k, bias, out_features=n)
 
@@ -106,14 +107,13 @@ class Int8Linear(PackedLinear):
         return "int8 per output row"
 
     def _mm(self, x2: torch.Tensor) -> torch.Tensor:
-        cpu_ops.load()
         return torch.ops.dflash_cpu.int8_linear(x2, self.packed, self.scales, self.out_features, None)
 
     @torch.no_grad()
     def int_weight(self) -> tuple[torch.Tensor, torch.Tensor, None]:
         """The stored codes and scales, exactly: ``(q int8 [out, in], scale fp32 [out], None)``."""
         s, k, _ = self.packed.shape
-        q = self.packed.view(s, k, 8, 8).permute(0, 2, 3, 1)  # [S, c, j, in]
+        q = self.packed.view(s, k, PANEL, PANEL).permute(0, 2, 3, 1)  # [S, c, j, in]
         return blocks_to_rows(q, self.out_features), blocks_to_rows(self.scales.float(), self.out_features), None
 
     @torch.no_grad()
