@@ -395,7 +395,7 @@ def _device(args, torch):
     if device.type == "cuda":
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise SystemExit(f"bench/kernels.py: no {device} (torch sees {torch.cuda.device_count()} CUDA devices)")
-        torch.cuda.set_device(device)  # the events and the Triton launches go to the current device
+        torch.cuda.set_device(device.index or 0)  # events and Triton launches go to the current device
     return device
 
 

@@ -19,6 +19,7 @@
 #            INIT_DRAFTER [none: start from this drafter]
 #   bench:   BENCH_PROMPTS [20]  BENCH_TOKENS [128]  BENCH_SETS [gsm8k humaneval mtbench]  CONCURRENCY [none: e.g. 1,8,32]
 source "$(dirname "$0")/gpu_common.sh"
+need_model
 
 step distill cli distill --target "$MODEL" --prompts-file "$PACK/prompts/sharegpt.jsonl" \
   ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} --out "$WORK/data" --batch "${BATCH:-384}" \

