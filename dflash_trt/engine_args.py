@@ -165,7 +165,8 @@ class EngineArgs:
     def from_speculative_config(cls, speculative_config: dict | None, **kwargs) -> EngineArgs:
         """``EngineArgs(**kwargs)`` with vLLM's ``speculative_config`` dict folded in
         (``{"method": "dflash", "model": DIR, "num_speculative_tokens": N}``; ``method`` ``none``
-        or a None dict with no drafter named: as given in ``kwargs``).
+        or a None dict with no drafter named: as given in ``kwargs``; ``adaptive`` and
+        ``prompt_lookup`` as in ``kwargs`` unless the dict names them).
 
         Raises:
             ConfigError: unknown keys or methods.
@@ -174,11 +175,11 @@ class EngineArgs:
         if speculative_config is None:
             return args
         spec = SpeculativeConfig.from_dict(speculative_config)
-        lookup = spec.prompt_lookup or (0, args.prompt_lookup_max)
+        lookup = spec.prompt_lookup or (args.prompt_lookup_min, args.prompt_lookup_max)
         return args.replace(
             drafter=spec.drafter,
             block_size=1 if spec.method == "none" else spec.block_size,
-            adaptive=spec.adaptive,
+            adaptive=spec.adaptive if "adaptive" in speculative_config else args.adaptive,
             prompt_lookup_min=lookup[0],
             prompt_lookup_max=lookup[1],
         )

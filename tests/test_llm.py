@@ -40,7 +40,7 @@ def test_llm_equals_cli_generate_token_for_token(tmp_path, capsys):
         "import json, sys\n"
         "from dflash_trt import LLM, SamplingParams\n"
         "from dflash_trt.prompts import load_prompts\n"
-        f"spec = {{'method': 'dflash', 'num_speculative_tokens': 3}}\n"
+        f"spec = {{'method': 'dflash', 'num_speculative_tokens': 3, 'adaptive': False}}\n"
         f"llm = LLM(dtype='fp32', kv_capacity={KV}, speculative_config=spec)\n"
         "msgs = [[{'role': 'user', 'content': t}] for t in load_prompts('gsm8k', 3)]\n"
         f"outs = llm.chat(msgs, SamplingParams(max_tokens={MAX_NEW}), use_tqdm=False)\n"
@@ -121,3 +121,15 @@ def test_bad_input_fails_the_call(llm):
     with pytest.raises(ConfigError, match="block_size 32 is above the drafter's block_size 8"):
         LLM(dtype="fp32", kv_capacity=KV, block_size=32)
     assert not llm.llm_engine.has_unfinished()  # nothing half-queued
+
+
+def test_draft_length_adaptive_unless_turned_off(llm):
+    """``LLM`` chooses the draft length per iteration (serve's default) unless ``adaptive`` is
+    False, as a keyword or in ``speculative_config``; a keyword survives a dict that does not
+    name it (it was dropped: the dict's field default won)."""
+    assert llm.engine_args.adaptive and llm.llm_engine.controller is not None
+    spec = {"method": "dflash", "num_speculative_tokens": 3}
+    assert EngineArgs.from_speculative_config(spec, adaptive=True).adaptive
+    assert not EngineArgs.from_speculative_config(spec, adaptive=False).adaptive
+    assert not EngineArgs.from_speculative_config({**spec, "adaptive": False}, adaptive=True).adaptive
+    assert EngineArgs.from_speculative_config(spec, prompt_lookup_min=2).prompt_lookup_min == 2
