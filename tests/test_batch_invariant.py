@@ -185,11 +185,13 @@ def test_bi_paged_attention_equals_gathered_keys(dtype):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_dense_layer_op_equals_the_python_layers(family, dtype, weights, monkeypatch):
     """``dflash_cpu::dense_layer`` (``models/fused_layer.py``, each dense layer in one C++ call
-    on uniform paged steps) against the Python layers on the same forward: the same logits,
-    features and KV pools bit for bit, for decode steps (1 query a sequence) and verify blocks
-    (4), on tiny random targets of each dense family (Qwen2's q/k/v biases, Qwen3's q/k norms),
-    with batch-invariant fp32 / bf16 linears and packed int4 / int8 ones. A non-uniform step
-    (sequences of different lengths) runs the Python layers."""
+    on paged steps in one attention group) against the Python layers on the same forward: the
+    same logits, features and KV pools bit for bit, for decode steps (1 query a sequence), verify
+    blocks (4) and a ragged step (a decode step beside verify blocks, an adaptive-draft probe:
+    the op gathers the queries as the Python layer does), on tiny random targets of each dense
+    family (Qwen2's q/k/v biases, Qwen3's q/k norms), with batch-invariant fp32 / bf16 linears
+    and packed int4 / int8 ones. A step of two attention groups (a prompt chunk beside decode
+    steps) runs the Python layers."""
     from dflash_trt.models import fused_layer
     from dflash_trt.models import target as target_module
     from dflash_trt.models.config import TargetConfig
@@ -218,17 +220,18 @@ def test_dense_layer_op_equals_the_python_layers(family, dtype, weights, monkeyp
     cache.v.copy_(torch.randn(cache.v.shape, generator=g))
     tables, starts = [[0, 1], [2, 3, 4], [5, 6]], [20, 35, 9]
     spare = blocks * tpb
-    for n in (1, 4, [1, 4, 2]):
+    for n in (1, 4, [1, 4, 2], [1, 1, 20]):
         lengths = n if isinstance(n, list) else [n] * 3
         offsets = [sum(lengths[:i]) for i in range(3)]
         meta = plan_packed(starts, lengths, offsets, lengths, tables, tpb, spare).build()
         ids = torch.randint(0, cfg.vocab_size, (1, sum(lengths)), generator=g)
         x = model.embed(ids)
-        uniform = not isinstance(n, list)
-        assert fused_layer.fused_forward_wanted(x, meta, cache.layers) is uniform
+        one_group = not meta.groups
+        assert one_group is (n != [1, 1, 20]) and (meta.uniform or not isinstance(n, int))
+        assert fused_layer.fused_forward_wanted(x, meta, cache.layers) is one_group
         got = {}
         for fused in (True, False):
-            monkeypatch.setattr(target_module, "fused_forward_wanted", lambda *a, on=fused and uniform: on)
+            monkeypatch.setattr(target_module, "fused_forward_wanted", lambda *a, on=fused and one_group: on)
             pools = (cache.k.clone(), cache.v.clone())
             kv = [(pools[0][i], pools[1][i]) for i in range(cfg.num_layers)]
             out = model(ids, meta, kv, capture=(0, 2))

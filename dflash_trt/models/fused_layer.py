@@ -6,11 +6,13 @@ batch 1 (2-core AMD EPYC, 2 threads): most of the rest was Python, ~60 module ca
 small ATen ops a layer. :func:`plan_dense_layers` gives the op everything a
 :class:`~.target.TargetLayer` reads (packed weights, norms, head counts), once, so that
 :meth:`TargetModel.forward <.target.TargetModel.forward>` runs each eligible layer as one call
-when the forward's attention is uniform over the paged pools (every sequence the same number of
-queries, in order: the decode steps of plain decoding and the verify steps of DFlash whose
-blocks have one size). The op runs the same kernels and ATen ops on the same views in the same
-order as the Python layer, so the bits are the same (``tests/test_batch_invariant.py``) and a
-forward may mix the two paths. Anything else (prefill chunks beside decode steps, MoE layers,
+when the forward's attention is one group over the paged pools: uniform (every sequence the same
+number of queries, in order: the decode steps of plain decoding and the verify steps of DFlash
+whose blocks have one size, attended as views), or ragged (decode steps beside verify blocks of
+the adaptive draft length's probes, through the same query gathers as the Python layer). The op
+runs the same kernels and ATen ops on the same views in the same order as the Python layer, so
+the bits are the same (``tests/test_batch_invariant.py``) and a forward may mix the two paths.
+Anything else (prefill chunks beside decode steps in two attention groups, MoE layers,
 tensor parallelism, oneDNN / FP8 / MXFP4 weights, ``torch.compile``, CUDA) runs the Python
 layer. The linears may be batch-invariant (fp32 / bf16) or the packed int4 / int8 weights of
 ``--weights int4`` / ``int8`` targets.
@@ -28,15 +30,15 @@ from .layers import AttentionMetadata, GatedMLP, uniform_queries
 
 def fused_forward_wanted(x: torch.Tensor, meta: AttentionMetadata, kv_cache) -> bool:
     """Whether this forward (``x [B, T, hidden]``) can run its layers through
-    ``dflash_cpu::dense_layer``: eager, on the CPU, one packed row of paged tokens whose
-    attention is uniform (:func:`~.layers.uniform_queries`, no groups), and KV pools in ``x``'s
-    dtype."""
+    ``dflash_cpu::dense_layer``: eager, on the CPU, one packed row of paged tokens in one
+    attention group (no groups), uniform (:func:`~.layers.uniform_queries`) or with its query
+    gathers (``query_index`` / ``query_rows``), and KV pools in ``x``'s dtype."""
     return (
         x.device.type == "cpu"
         and x.shape[0] == 1
         and meta.read_slots is not None
         and not meta.groups
-        and uniform_queries(meta, x.shape[1])
+        and (uniform_queries(meta, x.shape[1]) or (meta.query_index is not None and meta.query_rows is not None))
         and kv_cache[0][0].dtype == x.dtype
         and not torch.compiler.is_compiling()
     )
@@ -117,4 +119,5 @@ def run_dense_layer(
     scale = 1.0 / math.sqrt(layer.attn.d)
     mask = meta.mask_for(layer.attn.window)
     pools_and_slots = (kv[0], kv[1], meta.write_slots, meta.read_slots)
-    return torch.ops.dflash_cpu.dense_layer(x, *args, cos, sin, *pools_and_slots, mask, scale)
+    gathers = (None, None) if uniform_queries(meta, x.shape[1]) else (meta.query_index, meta.query_rows)
+    return torch.ops.dflash_cpu.dense_layer(x, *args, cos, sin, *pools_and_slots, mask, scale, *gathers)

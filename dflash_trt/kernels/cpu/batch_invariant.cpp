@@ -70,11 +70,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/roll.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -137,6 +139,8 @@ inline vf bcast(const float* p) {
 #endif
 }
 
+inline vf bcast_value(float x) { return bcast(&x); }
+
 // a * b + c rounded once, lane by lane: written out (intrinsics), not left to the compiler's
 // contraction of `a * b + c`, which it may decide differently in different instantiations
 inline vf fmav(vf a, vf b, vf c) {
@@ -149,6 +153,45 @@ inline vf fmav(vf a, vf b, vf c) {
   for (int i = 0; i < VL; ++i) r[i] = std::fma(a[i], b[i], c[i]);
   return r;
 #endif
+}
+
+// floor, lane by lane
+inline vf floorv(vf x) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#elif defined(__AVX__)
+  return (vf)_mm256_floor_ps((__m256)x);
+#else
+  vf r;
+  for (int i = 0; i < VL; ++i) r[i] = std::floor(x[i]);
+  return r;
+#endif
+}
+
+// e^x lane by lane (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-5 minimax
+// polynomial, times 2^n through the exponent bits; within 2 ulp of e^x, 0 below -87.3): each lane's
+// result depends on that lane's input alone, so a key's weight is the same bits whichever vector,
+// or which tail (padded with zeros), it is computed in
+inline vf expv(vf x) {
+  typedef int32_t vi __attribute__((vector_size(VL * 4)));
+  const vf lo = bcast_value(-87.3365478515625f), hi = bcast_value(88.3762588500977f);
+  x = x < lo ? lo : x;  // (e^-87.34 is FLT_MIN's order: the result is then flushed to 0 below)
+  x = x > hi ? hi : x;
+  const vf n = floorv(fmav(x, bcast_value(1.44269504088896341f), bcast_value(0.5f)));
+  vf r = fmav(n, bcast_value(-0.693359375f), x);
+  r = fmav(n, bcast_value(2.12194440e-4f), r);
+  vf y = bcast_value(1.9875691500e-4f);
+  y = fmav(y, r, bcast_value(1.3981999507e-3f));
+  y = fmav(y, r, bcast_value(8.3333337680e-3f));
+  y = fmav(y, r, bcast_value(4.1665795894e-2f));
+  y = fmav(y, r, bcast_value(1.6666665459e-1f));
+  y = fmav(y, r, bcast_value(5.0000001201e-1f));
+  y = fmav(y, r * r, r + bcast_value(1.f));
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n, n in -126 .. 128 after the clamps
+  vf p;
+  std::memcpy(&p, &e, sizeof(p));
+  const vf out = y * p;
+  return x <= lo ? bcast_value(0.f) : out;
 }
 
 inline float to_float(float x) { return x; }
@@ -545,6 +588,35 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return int_linear<Int8Codes>("int8_linear", x, codes, scales, n, K, bias);
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// out[b] = hsum(v[b]) for 8 vectors of 8 lanes: transposed (vector i holds lane i of each v[b]),
+// then 0 + lane 0 + lane 1 + ... + lane 7 added in that order as hsum does, 8 keys per add
+inline void hsum8(const vf* v, float* out) {
+  __m256 r[8];
+  for (int i = 0; i < 8; ++i) r[i] = (__m256)v[i];
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 lane[8] = {
+      _mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+      _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+      _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+      _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+  __m256 s = _mm256_setzero_ps();
+  for (int i = 0; i < 8; ++i) s = _mm256_add_ps(s, lane[i]);
+  _mm256_storeu_ps(out, s);
+}
+#endif
+
 // scores[b] = q . k_b over D for KB keys at once (rows kr[b]), per key in a fixed order: VL-lane
 // FMA chunks in order from zero, lanes summed 0..VL-1, then a scalar tail; the KB chains are
 // interleaved so that they overlap instead of each waiting on its own latency
@@ -556,6 +628,16 @@ inline void dots(const float* q, const T* const* kr, int64_t D, float* scores) {
     const vf qv = loadv(q + d);
     for (int b = 0; b < KB; ++b) acc[b] = fmav(qv, loadv(kr[b] + d), acc[b]);
   }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if constexpr (KB == 8) {
+    if (D >= VL) {  // hsum of the 8 keys at once: lane i of every key in one vector (a transpose), the same adds
+      hsum8(acc, scores);
+      for (int b = 0; b < KB; ++b)
+        for (int64_t e = d; e < D; ++e) scores[b] = std::fma(q[e], to_float(kr[b][e]), scores[b]);
+      return;
+    }
+  }
+#endif
   for (int b = 0; b < KB; ++b) {
     float s = D >= VL ? hsum(acc[b]) : 0.f;
     for (int64_t e = d; e < D; ++e) s = std::fma(q[e], to_float(kr[b][e]), s);
@@ -634,7 +716,7 @@ void attention_impl(const at::Tensor& q, const Rows& rows, int64_t Hkv, int64_t 
   float* op = out.data_ptr<float>();
   const auto qs = q.strides(), ms = mask.strides();
   const float sc = static_cast<float>(scale);
-  constexpr int KB = 4;
+  constexpr int KB = 8;
   constexpr int64_t TK = 32;  // keys per tile: 8 KiB of K (or V) rows at D = 64, fp32
   at::parallel_for(0, S * Hkv * T_, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> score(G * L), qf(G * D), acc(G * D), sum(G);
@@ -666,8 +748,22 @@ void attention_impl(const at::Tensor& q, const Rows& rows, int64_t Hkv, int64_t 
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j] *= sc);
         if (sinks) mx = std::max(mx, sinks[hk * G + g]);
+        // sg[] now holds e_j = exp(s_j - max), VL keys at a time (the last few through a zero-padded
+        // vector), then their sum in key order
+        const vf mv = bcast_value(mx);
+        int64_t j = 0;
+        for (; j + VL <= n; j += VL) {
+          const vf e = expv(loadv(sg + j) - mv);
+          std::memcpy(sg + j, &e, sizeof(e));
+        }
+        if (j < n) {
+          float part[VL] = {};
+          std::memcpy(part, sg + j, (n - j) * sizeof(float));
+          const vf e = expv(loadv(part) - mv);
+          std::memcpy(sg + j, &e, (n - j) * sizeof(float));
+        }
         float total = 0.f;
-        for (int64_t j = 0; j < n; ++j) total += (sg[j] = std::exp(sg[j] - mx));  // sg[] now holds e_j
+        for (j = 0; j < n; ++j) total += sg[j];
         if (sinks) total += std::exp(sinks[hk * G + g] - mx);
         sum[g] = total;
       }
@@ -812,16 +908,20 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
 }
 
 // TargetLayer.forward (attention, then the gated MLP, each with a residual) over the paged KV
-// pools for uniform queries: see the header. The linears qkv, o, gate_up, down as lists of
-// four (weights, scales, biases, kinds: see layer_linear); dims = (heads, KV heads, head dim,
-// hidden, intermediate); q_norm / k_norm for Qwen3-style layers; sinks for gpt-oss-style attention.
+// pools: see the header. The linears qkv, o, gate_up, down as lists of four (weights, scales,
+// biases, kinds: see layer_linear); dims = (heads, KV heads, head dim, hidden, intermediate);
+// q_norm / k_norm for Qwen3-style layers; sinks for gpt-oss-style attention. Uniform queries (S
+// sequences of Tq each, in order) are attended as views; ragged ones (a decode step beside a
+// verify block) through query_index [S, Tq] (padding: N, a zero row) and query_rows [N] (each
+// packed query's row of the padded [S * Tq] output), the gathers of models/layers._attend.
 at::Tensor dense_layer(const at::Tensor& x, const at::Tensor& attn_norm, const at::Tensor& mlp_norm, double eps,
                        at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales,
                        const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef kinds,
                        const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
                        const std::optional<at::Tensor>& sinks, at::IntArrayRef dims, const at::Tensor& cos,
                        const at::Tensor& sin, at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& write_slots,
-                       const at::Tensor& read_slots, const at::Tensor& mask, double scale) {
+                       const at::Tensor& read_slots, const at::Tensor& mask, double scale,
+                       const std::optional<at::Tensor>& query_index, const std::optional<at::Tensor>& query_rows) {
   TORCH_CHECK(dims.size() == 5, "dense_layer: dims = (heads, KV heads, head dim, hidden, intermediate)");
   TORCH_CHECK(weights.size() == 4 && scales.size() == 4 && biases.size() == 4 && kinds.size() == 4,
               "dense_layer: four linears (qkv, o, gate_up, down) expected");
@@ -830,7 +930,11 @@ at::Tensor dense_layer(const at::Tensor& x, const at::Tensor& attn_norm, const a
   const int64_t h = dims[0], hkv = dims[1], d = dims[2], hidden = dims[3], inter = dims[4];
   const int64_t b = x.size(0), t = x.size(1);
   const int64_t s = mask.size(0), tq = mask.size(2);
-  TORCH_CHECK(s * tq == t, "dense_layer: ", s, " sequences of ", tq, " queries for ", t, " tokens");
+  TORCH_CHECK(query_index.has_value() == query_rows.has_value(), "dense_layer: query_index and query_rows go together");
+  const bool ragged = query_index.has_value();
+  TORCH_CHECK(ragged ? query_rows->size(0) == t && query_index->size(0) == s && query_index->size(1) == tq
+                     : s * tq == t,
+              "dense_layer: ", s, " sequences of ", tq, " queries for ", t, " tokens");
   auto linear = [&](const at::Tensor& v, int i, int64_t n) {
     return layer_linear(v, weights[i], scales.get(i), biases.get(i), kinds[i], n);
   };
@@ -850,9 +954,20 @@ at::Tensor dense_layer(const at::Tensor& x, const at::Tensor& attn_norm, const a
   const at::Tensor slots = write_slots.reshape({-1});
   k_pool.index_put_({slots}, k.select(0, 0));
   v_pool.index_put_({slots}, v.select(0, 0));
-  const at::Tensor qs = q.select(0, 0).view({h, s, tq, d}).transpose(0, 1);
-  const at::Tensor att = bi_paged_attention(qs, k_pool, v_pool, read_slots, mask, scale, sinks).to(x.scalar_type());
-  const at::Tensor x1 = at::add(x, linear(att.transpose(1, 2).reshape({1, t, h * d}), 1, hidden));
+  at::Tensor att_rows;  // [1, N, H * D]
+  if (!ragged) {
+    const at::Tensor qs = q.select(0, 0).view({h, s, tq, d}).transpose(0, 1);
+    const at::Tensor att = bi_paged_attention(qs, k_pool, v_pool, read_slots, mask, scale, sinks).to(x.scalar_type());
+    att_rows = att.transpose(1, 2).reshape({1, t, h * d});
+  } else {
+    const at::Tensor qpad = at::cat({q.select(0, 0).transpose(0, 1), at::zeros({1, h, d}, q.options())});  // [N + 1, H, D]
+    const at::Tensor qs = qpad.index_select(0, query_index->reshape({-1})).view({s, tq, h, d}).transpose(1, 2);
+    // padding queries see no key here (the kernel writes them zeros, at no cost), not every key
+    const at::Tensor valid_mask = mask.logical_and(query_index->lt(t).view({s, 1, tq, 1}));
+    const at::Tensor att = bi_paged_attention(qs, k_pool, v_pool, read_slots, valid_mask, scale, sinks).to(x.scalar_type());
+    att_rows = att.transpose(1, 2).reshape({s * tq, h, d}).index_select(0, *query_rows).reshape({1, t, h * d});
+  }
+  const at::Tensor x1 = at::add(x, linear(att_rows, 1, hidden));
   // the gated MLP
   const std::vector<at::Tensor> gu = linear(norm_last(x1, mlp_norm, eps), 2, 2 * inter).split(inter, -1);
   return at::add(x1, linear(at::mul(at::silu(gu[0]), gu[1]), 3, hidden));
@@ -875,7 +990,7 @@ TORCH_LIBRARY(dflash_cpu, m) {
       "dense_layer(Tensor x, Tensor attn_norm, Tensor mlp_norm, float eps, Tensor[] weights, Tensor?[] scales, "
       "Tensor?[] biases, int[] kinds, Tensor? q_norm, Tensor? k_norm, Tensor? sinks, int[] dims, Tensor cos, "
       "Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor write_slots, Tensor read_slots, Tensor mask, "
-      "float scale) -> Tensor");
+      "float scale, Tensor? query_index=None, Tensor? query_rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) {
