@@ -236,6 +236,10 @@ class DraftLengthController:
             says little: at acceptance 0.41, five first positions are all rejected 7 % of the
             time; backing off on them (to one probe in 256 iterations) locked a winning drafter
             out of whole runs. A useless drafter is ruled out after ~8-10 rejections.
+        uniform_probes: every probe drafts one token for every sequence (a uniform step) instead
+            of one sequence drafting alone (a ragged step). Under CUDA graphs a uniform step is
+            replayed and a ragged one runs eagerly: on an H200 at 4 sequences ~25 ms against
+            ~5 ms, so one-sequence probes every 8-16 steps held DFlash at 0.77x plain decoding.
         min_gain: the model drafts only when the predicted rate beats plain decoding's by this
             much (relative). Near a tie, what the model leaves out decides, and it goes against
             drafting: drafting sequences finish at different times, so waiting prompts are
@@ -257,6 +261,7 @@ class DraftLengthController:
         guard_margin: float = 0.1,
         evidence_z: float = 1.5,
         min_gain: float = 0.03,
+        uniform_probes: bool = False,
     ):
         self.max_draft = max_draft
         self.decay = decay
@@ -275,6 +280,7 @@ class DraftLengthController:
         self.guard_margin = guard_margin
         self.evidence_z = evidence_z
         self.min_gain = min_gain
+        self.uniform_probes = uniform_probes
         self.realised = _Realised()
         self.iteration = 0
         self.overrides = 0
@@ -398,6 +404,9 @@ class DraftLengthController:
         close = best_plausible >= (1 - self.guard_margin / 2) * plain_rate
         self.probe_every = self.min_probe if close else min(2 * self.probe_every, self.max_probe)
         self.probes += 1
+        if self.uniform_probes and seqs > 1:
+            self.history.append((self.iteration, seqs, 1, "probe-batch"))
+            return 1, False
         # every sequence drafting one token re-measures the drafter and verify costs at this
         # batch size, at up to ~2x a plain iteration: only once those are 2 horizons old
         stale = self.draft_cost.age(seqs) > 2 * self.draft_cost.horizon

@@ -125,7 +125,7 @@ class LLMEngine:
         #: built by :meth:`from_engine_args`
         self.models = None
         self.stats = LoopStats(K)
-        self.controller = DraftLengthController(K - 1) if spec.adaptive and K > 1 else None
+        self.controller = self._new_controller() if spec.adaptive and K > 1 else None
         self._next_id = 0
         self._seqs: dict[int, Sequence] = {}  # every request not yet collected, by sequence id
         self._inbox: list[Sequence] = []  # added since the last iteration began
@@ -614,9 +614,14 @@ class LLMEngine:
         for sid in sids:
             self.result(sid)
         if compiled and self.controller is not None:
-            self.controller = DraftLengthController(self.block_size - 1)
+            self.controller = self._new_controller()
             self.calibrate()
         return time.perf_counter() - t
+
+    def _new_controller(self) -> DraftLengthController:
+        """A fresh adaptive draft-length controller for this engine's block size; under CUDA
+        graphs its probes draft for every sequence (a ragged step would not be replayed)."""
+        return DraftLengthController(self.block_size - 1, uniform_probes=self.config.model.cuda_graphs)
 
     # ---- start-up cost measurement for the adaptive controller ----
     def calibrate(self, max_tokens: int = 256) -> None:
