@@ -55,8 +55,16 @@ from __future__ import annotations
 
 import bisect
 import math
-import statistics
 from collections import deque
+
+
+def _median(xs: list[float]) -> float:
+    """``statistics.median`` of a non-empty list of floats (the same value: the middle one, or
+    the mean of the two middle ones), without its generic number handling (the controller fits
+    four cost models an iteration)."""
+    s = sorted(xs)
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
 
 
 def _isotonic(values: list[float], weights: list[float]) -> list[float]:
@@ -142,7 +150,7 @@ class CostModel:
         values, weights, ages = [], [], []
         for o in self.obs:
             recent = [s for t, s in o if self.now - t <= self.horizon]
-            values.append(statistics.median(recent or [s for _, s in o]))
+            values.append(_median(recent or [s for _, s in o]))
             ages.append(self.now - o[-1][0])
             weights.append(max(len(recent), 1) * 0.5 ** (ages[-1] / self.half_life))
         for i in range(len(values)):  # a stale point ages down toward what fresher smaller sizes imply
@@ -286,6 +294,7 @@ class DraftLengthController:
         self.overrides = 0
         self.probes = 0
         self.history: deque = deque(maxlen=4096)  # (iteration, seqs, draft tokens, why)
+        self._acceptance: list[float] | None = None
 
     def acceptance(self) -> list[float]:
         """Current ``q_k`` estimates, k = 1..max_draft: each position's decayed counts shrunk
@@ -293,11 +302,13 @@ class DraftLengthController:
         ``q_1`` toward ``prior``). A position seldom reached thus reads like the last one with
         evidence, not like ``prior``: with a 0.5 prior on rarely reached positions, and a
         couple of lucky acceptances there, long drafts looked better than they were."""
-        out, m = [], self.prior
-        for a, r in zip(self.accepted, self.reached):
-            m = (a + self.prior_weight * m) / (r + self.prior_weight)
-            out.append(m)
-        return out
+        if self._acceptance is None:  # (cached until the next observe_acceptance: choose asks often)
+            out, m = [], self.prior
+            for a, r in zip(self.accepted, self.reached):
+                m = (a + self.prior_weight * m) / (r + self.prior_weight)
+                out.append(m)
+            self._acceptance = out
+        return self._acceptance
 
     def plausible_acceptance(self) -> list[float]:
         """:meth:`acceptance` with the first position's raised to the Wilson score upper bound
@@ -436,6 +447,7 @@ class DraftLengthController:
                 break
             self.reached[k] += 1
             self.accepted[k] += k < accepted
+        self._acceptance = None
 
     def observe_iteration(
         self,
