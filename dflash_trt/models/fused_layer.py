@@ -32,13 +32,14 @@ def fused_forward_wanted(x: torch.Tensor, meta: AttentionMetadata, kv_cache) -> 
     """Whether this forward (``x [B, T, hidden]``) can run its layers through
     ``dflash_cpu::dense_layer``: eager, on the CPU, one packed row of paged tokens in one
     attention group (no groups), uniform (:func:`~.layers.uniform_queries`) or with its query
-    gathers (``query_index`` / ``query_rows``), and KV pools in ``x``'s dtype."""
+    gathers (``query_index`` / ``query_rows``, which the planner sets together, and only for a
+    group that is not uniform), and KV pools in ``x``'s dtype."""
     return (
         x.device.type == "cpu"
         and x.shape[0] == 1
         and meta.read_slots is not None
         and not meta.groups
-        and (uniform_queries(meta, x.shape[1]) or (meta.query_index is not None and meta.query_rows is not None))
+        and (uniform_queries(meta, x.shape[1]) or meta.query_rows is not None)
         and kv_cache[0][0].dtype == x.dtype
         and not torch.compiler.is_compiling()
     )
@@ -119,5 +120,5 @@ def run_dense_layer(
     scale = 1.0 / math.sqrt(layer.attn.d)
     mask = meta.mask_for(layer.attn.window)
     pools_and_slots = (kv[0], kv[1], meta.write_slots, meta.read_slots)
-    gathers = (None, None) if uniform_queries(meta, x.shape[1]) else (meta.query_index, meta.query_rows)
+    gathers = (meta.query_index, meta.query_rows)  # None for a uniform step: its queries are taken as views
     return torch.ops.dflash_cpu.dense_layer(x, *args, cos, sin, *pools_and_slots, mask, scale, *gathers)

@@ -415,13 +415,11 @@ class DraftLengthController:
         close = best_plausible >= (1 - self.guard_margin / 2) * plain_rate
         self.probe_every = self.min_probe if close else min(2 * self.probe_every, self.max_probe)
         self.probes += 1
-        if self.uniform_probes and seqs > 1:
-            self.history.append((self.iteration, seqs, 1, "probe-batch"))
-            return 1, False
         # every sequence drafting one token re-measures the drafter and verify costs at this
-        # batch size, at up to ~2x a plain iteration: only once those are 2 horizons old
+        # batch size, at up to ~2x a plain iteration: only once those are 2 horizons old; with
+        # ``uniform_probes`` always (one sequence drafting alone is a ragged step)
         stale = self.draft_cost.age(seqs) > 2 * self.draft_cost.horizon
-        if self.probes % 2 or seqs == 1 or not may_win or not stale:
+        if seqs == 1 or not self.uniform_probes and (self.probes % 2 or not may_win or not stale):
             k = min(top, math.ceil(1 + 2 * (self.expected_committed(top) - 1) - 1e-9))
             self.history.append((self.iteration, seqs, k, "probe"))
             return k, True
