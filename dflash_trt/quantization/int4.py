@@ -1,5 +1,5 @@
 """int4 weights (weight-only, group-wise asymmetric): quantize, read an engine's or a GGUF file's
-int4 codes, and run them as torch's packed int4 CPU GEMM.
+int4 codes, and run them as our packed int4 CPU GEMM.
 
 Convention: GGUF Q4_1's (llama.cpp ``ggml-quants.c``, ``block_q4_1``: 32 weights, fp16 ``d`` and
 ``m``, ``w = d * q + m``): codes ``q`` in 0..15, one ``(scale, zero)`` pair per ``group_size``
@@ -11,16 +11,20 @@ layout): ``weight`` uint8 ``[out, in / 2]`` (codes, the even element in the low 
 ``weights_scaling_factor`` and ``zero`` fp32 ``[out, in / group_size]``.
 
 Run time: ``dflash_cpu::int4_linear`` (``kernels/cpu/batch_invariant.cpp``, built once per
-machine): codes packed once by :func:`pack_int4` into blocks of 64 output rows (8 panels of 8,
-one 32-bit word of 8 codes per panel and input, so that a decode step streams the weight in
-order), scales and zeros ``[blocks, in / g, 2, 8, 8]`` in the activation dtype;
-fp32 accumulation, ``w = q * scale + zero`` as stored (a Q4_1 block's ``d`` and ``m`` rounded
-to the scale dtype). Each row is computed by the same operations whatever the other rows, and a
-code is decoded once for all the rows of a register tile, so a verify block's rows share the
-decoding. Measured (2-core AMD EPYC, AVX2, 2 threads, bf16 activations; the 120 int4 GEMMs of
-the default target's 30 layers, weights cycled so that they come from memory as in a decode
-step): one row 5.7-9.7 ms against 8.7-11.2 ms for torch's ``_weight_int4pack_mm_for_cpu``
-(which this module called until 2026-11-27), four rows 10.2-11.8 against 11.9-19 ms.
+machine): codes packed once by :func:`pack_int4` into blocks of 64 output rows (8 panels of 8;
+32 bytes hold 8 consecutive inputs of a panel's 8 rows, so that one AVX2 vpmaddubsw multiplies
+4 inputs of 8 rows by 4 activation bytes), scales and zeros ``[blocks, in / g, 2, 8, 8]`` in the
+activation dtype. The activations are quantized per row to int8 in blocks of 32
+(:func:`quantize_activations`, GGUF Q8_1's rule) and each block's dot products are exact
+integers: llama.cpp's Q4_1 x Q8_1 arithmetic (``ggml_vec_dot_q4_1_q8_1``), the zero term over
+the unquantized activations' group sums; the integer sums and a fixed order of the fp32 ones
+make each row's result the same whatever the other rows. The activations' rounding moves an
+output by up to ~1 % of the largest against ``x @ w.T`` of the dequantized weight (random
+weights and inputs). Against decoding every code to fp32 and fp32 activations (this module's
+kernel until 2026-11-28), measured on a 2-core AMD EPYC (AVX2, 2 threads,
+bf16 activations, the 120 int4 GEMMs of the default target's 30 layers from memory, three runs
+interleaved): one row 8.9-11.8 ms against 10.5-13.7, four rows 12.8-17.8 against 19.4-21.8,
+16 rows 33.7-39.8 against 56.0-67.4.
 
 GGUF blocks (``ggml/src/ggml-common.h``; each covers 32 consecutive inputs of one output row):
 ``Q4_1`` ``{fp16 d; fp16 m; uint8 qs[16]}`` (20 bytes), ``q[j] = qs[j] & 0xF`` and
@@ -147,7 +151,26 @@ def q4_0_codes(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _gguf_nibbles(b[..., 2:18]), d, -8 * d.float()
 
 
-_NIBBLE_SHIFTS = torch.arange(PANEL, dtype=torch.int32) * 4
+#: inputs per activation scale of ``dflash_cpu::int4_linear`` (GGUF Q8_1's block)
+Q8_BLOCK = 32
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activations as ``dflash_cpu::int4_linear`` multiplies them: per row and block of
+    :data:`Q8_BLOCK` inputs, ``d = amax / 127`` and ``q = round(x * (1 / d))`` (to nearest even;
+    0 where ``amax`` is 0), all in fp32 (GGUF ``quantize_row_q8_1``'s rule).
+
+    Args:
+        x: float ``[M, K]``, ``K`` divisible by 32.
+
+    Returns:
+        ``(q int8 [M, K] in -127..127, d fp32 [M, K / 32])`` with ``x ~= q * d``.
+    """
+    m, k = x.shape
+    xb = x.float().reshape(m, k // Q8_BLOCK, Q8_BLOCK)
+    d = xb.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (xb * inv.unsqueeze(-1)).round().to(torch.int8).reshape(m, k), d
 
 
 def pack_int4(
@@ -156,30 +179,33 @@ def pack_int4(
     """Codes and scales in ``dflash_cpu::int4_linear``'s layout.
 
     Args:
-        q: integer ``[out, in]`` in 0..15; scale, zero: float ``[out, in / g]`` (``w = q * scale +
-            zero``).
+        q: integer ``[out, in]`` in 0..15 (``in`` divisible by 8); scale, zero: float ``[out, in /
+            g]`` (``w = q * scale + zero``).
         dtype: the scales' dtype (the GEMM's activation dtype).
 
     Returns:
-        ``(codes int32 [S, in, 8], scales [S, in / g, 2, 8, 8] in dtype)`` with ``S = ceil(out /
-        64)`` blocks of 8 panels of 8 rows: word ``(s, k, c)`` holds the codes of rows ``64 s + 8 c
-        + j`` (``j`` = 0..7, in bits ``4j .. 4j + 3``) at input ``k``; ``scales[s, g, 0, c, j]`` the
-        scale of that row in group ``g``, ``scales[s, g, 1, c, j]`` its zero (rows past ``out``
-        zero).
+        ``(codes uint8 [S, in / 8, 8, 32], scales [S, in / g, 2, 8, 8] in dtype)`` with ``S =
+        ceil(out / 64)`` blocks of 8 panels of 8 rows: byte ``(s, kc, c, 4 j + i)`` holds row ``64 s
+        + 8 c + j``'s codes at inputs ``8 kc + i`` (low nibble) and ``8 kc + 4 + i`` (high nibble),
+        ``i`` = 0..3 (so that a vpmaddubsw multiplies 4 consecutive inputs of 8 rows at once);
+        ``scales[s, g, 0, c, j]`` the scale of that row in group ``g``, ``scales[s, g, 1, c, j]``
+        its zero (rows past ``out`` zero).
     """
-    qp = rows_to_blocks(q.to(torch.int32)).permute(0, 3, 1, 2)  # [S, in, c, j]
-    codes = torch.zeros(qp.shape[:3], dtype=torch.int32)
-    for j in range(PANEL):  # disjoint bits: or, lane by lane (lane 7's bit 31 is the sign bit)
-        codes |= qp[..., j] << (4 * j)
+    n, k = q.shape
+    qb = rows_to_blocks(q.to(torch.uint8))  # [S, c, j, in]
+    qb = qb.view(qb.shape[0], PANEL, PANEL, k // 8, 2, 4)  # [S, c, j, kc, half, i]
+    codes = (qb[..., 0, :] | (qb[..., 1, :] << 4)).permute(0, 3, 1, 2, 4)  # [S, kc, c, j, i]
     sz = torch.stack([rows_to_blocks(t.float()).permute(0, 3, 1, 2) for t in (scale, zero)], dim=2)
-    return codes.contiguous(), sz.to(dtype).contiguous()
+    return codes.reshape(qb.shape[0], k // 8, PANEL, 4 * PANEL).contiguous(), sz.to(dtype).contiguous()
 
 
 def unpack_int4(codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> tuple[torch.Tensor, ...]:
     """:func:`pack_int4`'s tensors back as ``(q uint8 [out, in] 0..15, scale fp32 [out, G],
     zero fp32 [out, G])``."""
-    q = (codes.unsqueeze(-1) >> _NIBBLE_SHIFTS.to(codes.device)) & 15  # [S, in, c, j]
-    q = blocks_to_rows(q.permute(0, 2, 3, 1).to(torch.uint8), out_features)
+    s, kc = codes.shape[:2]
+    c = codes.view(s, kc, PANEL, PANEL, 4).permute(0, 2, 3, 1, 4)  # [S, c, j, kc, i]
+    q = torch.stack([c & 15, c >> 4], dim=-2).reshape(s, PANEL, PANEL, kc * 8)
+    q = blocks_to_rows(q, out_features)
     s, z = (blocks_to_rows(scales[:, :, i].float().permute(0, 2, 3, 1), out_features) for i in (0, 1))
     return q, s, z
 
@@ -188,7 +214,7 @@ class Int4Linear(PackedLinear):
     """:class:`~.packed.PackedLinear` over int4 codes (``dflash_cpu::int4_linear``).
 
     Attributes:
-        packed: int32 ``[ceil(out / 64), in, 8]``, the codes as :func:`pack_int4` lays them out
+        packed: uint8 ``[ceil(out / 64), in / 8, 8, 32]``, the codes as :func:`pack_int4` lays them out
             (read them back with :meth:`int_weight`).
         scales: ``[ceil(out / 64), in / g, 2, 8, 8]`` scales and zeros in the activation dtype.
     """

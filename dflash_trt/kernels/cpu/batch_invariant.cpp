@@ -21,12 +21,14 @@
 //     load; threads split the output columns, never K. The output has x's dtype (fp32 results
 //     rounded to nearest even for bf16).
 //
-// dflash_cpu::int4_linear(x [M, K], codes [S, K, 8] int32, scales [S, K / g, 2, 8, 8], N, g, bias?)
+// dflash_cpu::int4_linear(x [M, K], codes [S, K / 8, 8, 32] uint8, scales [S, K / g, 2, 8, 8], N, g, bias?)
+//     -> [M, N]: int4 group-wise asymmetric weights (w = q * scale + zero) against activations
+//     quantized per row to int8 in blocks of 32 (GGUF Q8_1's rule), integer dot products per
+//     block (vpmaddubsw), then fp32: llama.cpp's Q4_1 x Q8_1 arithmetic, in a fixed order per row.
 // dflash_cpu::int8_linear(x [M, K], codes [S, K, 64] int8, scales [S, 8, 8], N, bias?)
-//     -> [M, N]: the same for packed integer weights (int4 group-wise asymmetric, w = q * scale
-//     + zero; int8 per output row, w = q * scale; layout and order of the sums where the kernels
-//     are). Each code is decoded to fp32 once per register tile of up to 6 rows; fp32
-//     accumulation, output in x's dtype.
+//     -> [M, N]: int8 per output row (w = q * scale), each code decoded to fp32 once per
+//     register tile of up to 6 rows, fp32 accumulation. Both: output in x's dtype (layouts and
+//     order of the sums where the kernels are).
 //
 // dflash_cpu::bi_attention(q [S, H, T, D], k [S, Hkv, L, D], v, mask [S|1, 1, T, L], scale, sinks?)
 //     -> [S, H, T, D] fp32: each (sequence, head, query) alone: scores over its visible keys in
@@ -343,18 +345,15 @@ at::Tensor bi_linear(const at::Tensor& x, const at::Tensor& w, const std::option
   return linear_packed(x, bi_pack(w), w.size(0), bias);
 }
 
-// ---- packed integer weights: int4 (group-wise asymmetric, w = q * scale + zero) and int8
-// (per output row, symmetric, w = q * scale) ----
-// Codes [S, K, 8] words (S = ceil(N / 64) blocks of 8 panels of 8 output columns): word
-// (s, k, c) holds the codes of columns 64s + 8c .. 64s + 8c + 7 at input k (int4: a uint32,
-// column 64s + 8c + j in bits 4j..4j+3; int8: 8 bytes, column j in byte j), so that a register
-// tile of 8 panels reads one line per k and a decode step streams the weight in order. Scales
-// [S, G, Z, 8, 8] (per block and group of g inputs: the 64 columns' scales, then for int4
-// their zeros; int8 has one group, g = K, and no zeros), fp32 or bf16.
-// One output: y = sum over groups in order of (scale * a_g [+ zero * xs_g]), each term one FMA
-// into y, where a_g = FMA chain over the group's k in increasing order of x[k] * q[k] from 0
-// and xs_g = x's sum over the group (in increasing k, from 0). A code is decoded once per
-// register tile and used by every row of it, so the rows of a verify block share the decoding.
+// ---- packed integer weights: int8 (per output row, symmetric, w = q * scale) and, further
+// down, int4 (group-wise asymmetric, w = q * scale + zero) ----
+// int8 codes [S, K, 8] words (S = ceil(N / 64) blocks of 8 panels of 8 output columns): word
+// (s, k, c), 8 bytes, holds the codes of columns 64s + 8c .. 64s + 8c + 7 at input k (column j
+// in byte j), so that a register tile of 8 panels reads one line per k and a decode step
+// streams the weight in order. Scales [S, 8, 8] (the 64 columns' scales), fp32 or bf16.
+// One output: y = scale * (FMA chain over k in increasing order of x[k] * q[k] from 0). A code
+// is decoded once per register tile and used by every row of it, so the rows of a verify block
+// share the decoding.
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
@@ -397,110 +396,82 @@ inline v8f fma8(v8f a, v8f b, v8f c) {
 #endif
 }
 
-struct Int4Codes {  // 8 codes 0..15 in one uint32; a zero per group
-  using W = uint32_t;
-  static constexpr int Z = 2;
-  static v8f decode(W word) {
-    const v8u shifts = {0, 4, 8, 12, 16, 20, 24, 28};
-    const v8u q = (((v8u){} + word) >> shifts) & 15u;
-    return __builtin_convertvector((v8i)q, v8f);
-  }
-};
-
-struct Int8Codes {  // 8 codes -127..127 in 8 bytes; no zero
-  using W = uint64_t;
-  static constexpr int Z = 1;
-  static v8f decode(W word) {
+// 8 int8 codes (one word: column j in byte j) as fp32
+inline v8f int8_decode(uint64_t word) {
 #if defined(__AVX2__)
-    return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(static_cast<long long>(word))));
+  return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(static_cast<long long>(word))));
 #else
-    v8i q;
-    for (int i = 0; i < IL; ++i) q[i] = static_cast<int8_t>(word >> (8 * i));
-    return __builtin_convertvector(q, v8f);
+  v8i q;
+  for (int i = 0; i < IL; ++i) q[i] = static_cast<int8_t>(word >> (8 * i));
+  return __builtin_convertvector(q, v8f);
 #endif
-  }
-};
+}
 
-// R rows x C panels (p, p + 1, ...) over all groups; y accumulates in out (ldo apart per row),
-// set here
-template <typename Codes, int R, int C, typename S>
-inline void int_tile(const float* x, int64_t K, const float* xs, int64_t G, int64_t g,
-                     const typename Codes::W* codes, const S* sz, int64_t p, float* out, int64_t ldo) {
-  constexpr int64_t group_scales = Codes::Z * IB * IL;  // one group's scales (and zeros) of a block
-  const typename Codes::W* wc[C];
+// int8: R rows x C panels (p, p + 1, ...); y = scale * (FMA chain over k) into out (ldo apart
+// per row)
+template <int R, int C, typename S>
+inline void int8_tile(const float* x, int64_t K, const uint64_t* codes, const S* sz, int64_t p, float* out,
+                      int64_t ldo) {
+  const uint64_t* wc[C];
   const S* sc[C];
   for (int c = 0; c < C; ++c) {
     wc[c] = codes + (p + c) / IB * K * IB + (p + c) % IB;
-    sc[c] = sz + (p + c) / IB * G * group_scales + (p + c) % IB * IL;
+    sc[c] = sz + (p + c) / IB * IB * IL + (p + c) % IB * IL;
   }
-  for (int r = 0; r < R; ++r) std::memset(out + r * ldo, 0, sizeof(float) * C * IL);
-  for (int64_t gi = 0; gi < G; ++gi) {
-    v8f a[R][C] = {};
-    const int64_t k1 = (gi + 1) * g;
-    for (int64_t k = gi * g; k < k1; ++k) {
-      // with 1-2 rows the codes stream from memory (a decode step): fetch ~2-4 KiB ahead in
-      // the block (the lines of the next k's), at the rate they are read
-      if constexpr (R <= 2) {
-        if ((k & 1) == 0) __builtin_prefetch(wc[0] + (k + 64) * IB, 0, 1);
-      }
-#pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) {
-        const v8f w = Codes::decode(wc[c][k * IB]);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) a[r][c] = fma8(bcast8(x + r * K + k), w, a[r][c]);
-      }
+  v8f a[R][C] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    // with 1-2 rows the codes stream from memory (a decode step): fetch ~2-4 KiB ahead in the
+    // block (the lines of the next k's), at the rate they are read
+    if constexpr (R <= 2) {
+      if ((k & 1) == 0) __builtin_prefetch(wc[0] + (k + 64) * IB, 0, 1);
     }
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const S* ps = sc[c] + gi * group_scales;
-      const v8f s = load8(ps);
+      const v8f w = int8_decode(wc[c][k * IB]);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        float* o = out + r * ldo + c * IL;
-        v8f y = fma8(s, a[r][c], load8(o));
-        if constexpr (Codes::Z == 2) y = fma8(load8(ps + IB * IL), bcast8(xs + r * G + gi), y);
-        std::memcpy(o, &y, sizeof(y));
-      }
+      for (int r = 0; r < R; ++r) a[r][c] = fma8(bcast8(x + r * K + k), w, a[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    const v8f s = load8(sc[c]);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const v8f y = fma8(s, a[r][c], v8f{});
+      std::memcpy(out + r * ldo + c * IL, &y, sizeof(y));
     }
   }
 }
 
 // R rows x `panels` panels from p0, C panels at a time (the remainder one at a time)
-template <typename Codes, int R, int C, typename S>
-inline void int_tile_panels(int panels, const float* x, int64_t K, const float* xs, int64_t G, int64_t g,
-                            const typename Codes::W* codes, const S* sz, int64_t p0, float* out, int64_t ldo) {
+template <int R, int C, typename S>
+inline void int8_tile_panels(int panels, const float* x, int64_t K, const uint64_t* codes, const S* sz, int64_t p0,
+                             float* out, int64_t ldo) {
   int p = 0;
-  for (; p + C <= panels; p += C) int_tile<Codes, R, C>(x, K, xs, G, g, codes, sz, p0 + p, out + p * IL, ldo);
-  for (; p < panels; ++p) int_tile<Codes, R, 1>(x, K, xs, G, g, codes, sz, p0 + p, out + p * IL, ldo);
+  for (; p + C <= panels; p += C) int8_tile<R, C>(x, K, codes, sz, p0 + p, out + p * IL, ldo);
+  for (; p < panels; ++p) int8_tile<R, 1>(x, K, codes, sz, p0 + p, out + p * IL, ldo);
 }
 
-template <typename Codes, typename S>
-inline void int_tile_any(int rows, int panels, const float* x, int64_t K, const float* xs, int64_t G, int64_t g,
-                         const typename Codes::W* codes, const S* sz, int64_t p0, float* out, int64_t ldo) {
-  static_assert(MR == 6, "int_tile_any covers up to 6 rows");
+template <typename S>
+inline void int8_tile_any(int rows, int panels, const float* x, int64_t K, const uint64_t* codes, const S* sz,
+                          int64_t p0, float* out, int64_t ldo) {
+  static_assert(MR == 6, "int8_tile_any covers up to 6 rows");
   switch (rows) {
-    case 1: return int_tile_panels<Codes, 1, 8>(panels, x, K, xs, G, g, codes, sz, p0, out, ldo);
-    case 2: return int_tile_panels<Codes, 2, 4>(panels, x, K, xs, G, g, codes, sz, p0, out, ldo);
-    case 3: return int_tile_panels<Codes, 3, 2>(panels, x, K, xs, G, g, codes, sz, p0, out, ldo);
-    case 4: return int_tile_panels<Codes, 4, 2>(panels, x, K, xs, G, g, codes, sz, p0, out, ldo);
-    case 5: return int_tile_panels<Codes, 5, 1>(panels, x, K, xs, G, g, codes, sz, p0, out, ldo);
-    default: return int_tile_panels<Codes, 6, 1>(panels, x, K, xs, G, g, codes, sz, p0, out, ldo);
+    case 1: return int8_tile_panels<1, 8>(panels, x, K, codes, sz, p0, out, ldo);
+    case 2: return int8_tile_panels<2, 4>(panels, x, K, codes, sz, p0, out, ldo);
+    case 3: return int8_tile_panels<3, 2>(panels, x, K, codes, sz, p0, out, ldo);
+    case 4: return int8_tile_panels<4, 2>(panels, x, K, codes, sz, p0, out, ldo);
+    case 5: return int8_tile_panels<5, 1>(panels, x, K, codes, sz, p0, out, ldo);
+    default: return int8_tile_panels<6, 1>(panels, x, K, codes, sz, p0, out, ldo);
   }
 }
 
-template <typename Codes, typename S, typename O>
-void int_impl(const float* x, int64_t M, int64_t K, int64_t g, const typename Codes::W* wp, const S* sz,
-              const float* bias, int64_t N, O* out) {
-  const int64_t G = K / g, P = (N + IL - 1) / IL;  // panels with outputs (the last block's may be fewer)
-  std::vector<float> xs(Codes::Z == 2 ? M * G : 0);  // each row's group sums, in increasing k from 0
-  for (int64_t m = 0; m < M && Codes::Z == 2; ++m)
-    for (int64_t gi = 0; gi < G; ++gi) {
-      float s = 0.f;
-      for (int64_t k = gi * g; k < (gi + 1) * g; ++k) s += x[m * K + k];
-      xs[m * G + gi] = s;
-    }
-  // threads take whole groups of panels (never a split of K): blocks of 8 where there are
-  // enough for ~4 groups a thread, else fewer
+// the threading and output stores of the packed integer GEMMs: threads take whole groups of
+// panels (never a split of K), blocks of 8 where there are enough for ~4 groups a thread, else
+// fewer; tile(rows, panels, m, p0, t, ldt) writes rows m .. m + rows - 1 of panels p0 .. into t
+template <typename O, typename Tile>
+void int_panels(int64_t M, int64_t N, const float* bias, O* out, const Tile& tile) {
+  const int64_t P = (N + IL - 1) / IL;  // panels with outputs (the last block's may be fewer)
   const int64_t share = (P + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());
   const int64_t pb = share >= IB ? std::min<int64_t>(share / IB * IB, 64) : std::max<int64_t>(1, share);
   const int64_t groups = (P + pb - 1) / pb;
@@ -512,8 +483,7 @@ void int_impl(const float* x, int64_t M, int64_t K, int64_t g, const typename Co
       const int64_t n0 = p0 * IL, nc = std::min<int64_t>(np * IL, N - n0);
       for (int64_t m = 0; m < M; m += MR) {
         const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
-        const float* xsm = xs.empty() ? nullptr : xs.data() + m * G;
-        int_tile_any<Codes>(rows, static_cast<int>(np), x + m * K, K, xsm, G, g, wp, sz, p0, t.data(), ldt);
+        tile(rows, static_cast<int>(np), m, p0, t.data(), ldt);
         for (int r = 0; r < rows; ++r) {
           O* o = out + (m + r) * N + n0;
           const float* tr = t.data() + r * ldt;
@@ -524,11 +494,193 @@ void int_impl(const float* x, int64_t M, int64_t K, int64_t g, const typename Co
   });
 }
 
+template <typename S, typename O>
+void int8_impl(const float* x, int64_t M, int64_t K, const uint64_t* wp, const S* sz, const float* bias, int64_t N,
+               O* out) {
+  int_panels(M, N, bias, out, [&](int rows, int np, int64_t m, int64_t p0, float* t, int64_t ldt) {
+    int8_tile_any(rows, np, x + m * K, K, wp, sz, p0, t, ldt);
+  });
+}
+
+// ---- int4 weights against int8 activations (GGUF Q4_1 x Q8_1's arithmetic, llama.cpp's
+// ggml_vec_dot_q4_1_q8_1) ----
+// Codes [S, K / 8, 8, 32] bytes (S = ceil(N / 64) blocks of 8 panels of 8 output columns): the
+// 32 bytes (s, kc, c) hold column 64s + 8c + j's codes at inputs 8kc .. 8kc + 7, byte 4j + i
+// inputs 8kc + i (low nibble) and 8kc + 4 + i (high nibble), so that one 256-bit load is, after a
+// mask and a shift, two vectors of 32 unsigned bytes, 4 consecutive inputs of each of the 8
+// columns, that one vpmaddubsw each multiplies by 4 activation bytes broadcast. Scales as int8's
+// layout with zeros: [S, G, 2, 8, 8].
+// Each row's activations are quantized once per call, per QB = 32 inputs (Q8_1's block): d =
+// amax / 127, q = nearbyint(x * (1 / d)) (0 where amax is 0). One output: y = sum over groups in
+// order of (scale * a_g + zero * xs_g), each term one FMA into y, where a_g = FMA chain over the
+// group's 32-input blocks in increasing order of d_b * dot_b from 0, dot_b = sum of q_w * q_x
+// over the block (exact: integers, |dot| <= 15 * 127 * 32), and xs_g = the same chain of d_b *
+// sum(q_x) (the quantized activations' sum, as Q8_1's s: the zero then multiplies the values the
+// codes do, and the rounding errors of w = q * scale + zero, centred, partly cancel; the exact
+// sum of x doubled the logits' error on the default target). Every value is a function of the
+// row alone.
+constexpr int QB = 32;
+
+// a row's activations as Q8 blocks: q int8 [K], d [K / QB]
+inline void quantize_q8(const float* x, int64_t K, int8_t* q, float* d) {
+  for (int64_t b = 0; b < K / QB; ++b) {
+    float amax = 0.f;
+    for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(x[b * QB + i]));
+    const float db = amax / 127.f, id = db > 0.f ? 1.f / db : 0.f;
+    d[b] = db;
+    for (int i = 0; i < QB; ++i) q[b * QB + i] = static_cast<int8_t>(std::nearbyint(x[b * QB + i] * id));
+  }
+}
+
+#if defined(__AVX2__)
+struct Q4Acc {  // 16 int16 partial sums (pairs of lanes per column; <= 8 * 3810 in magnitude)
+  __m256i v = _mm256_setzero_si256();
+};
+struct Q4Codes {
+  __m256i lo, hi;
+};
+inline Q4Codes q4_load(const uint8_t* p) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), m = _mm256_set1_epi8(0x0F);
+  return {_mm256_and_si256(w, m), _mm256_and_si256(_mm256_srli_epi16(w, 4), m)};
+}
+inline void q4_dot(const Q4Codes& w, const int8_t* xq, Q4Acc& acc) {
+  int32_t a, b;
+  std::memcpy(&a, xq, 4);
+  std::memcpy(&b, xq + 4, 4);
+  acc.v = _mm256_add_epi16(acc.v, _mm256_maddubs_epi16(w.lo, _mm256_set1_epi32(a)));
+  acc.v = _mm256_add_epi16(acc.v, _mm256_maddubs_epi16(w.hi, _mm256_set1_epi32(b)));
+}
+inline v8f q4_sum(const Q4Acc& acc) {
+  return (v8f)_mm256_cvtepi32_ps(_mm256_madd_epi16(acc.v, _mm256_set1_epi16(1)));
+}
+#else
+struct Q4Acc {  // the 8 columns' dot products
+  int32_t v[IL] = {};
+};
+struct Q4Codes {
+  const uint8_t* p;
+};
+inline Q4Codes q4_load(const uint8_t* p) { return {p}; }
+inline void q4_dot(const Q4Codes& w, const int8_t* xq, Q4Acc& acc) {
+  for (int j = 0; j < IL; ++j)
+    for (int i = 0; i < 4; ++i)
+      acc.v[j] += (w.p[4 * j + i] & 15) * xq[i] + (w.p[4 * j + i] >> 4) * xq[4 + i];
+}
+inline v8f q4_sum(const Q4Acc& acc) {
+  v8f f;
+  for (int j = 0; j < IL; ++j) f[j] = static_cast<float>(acc.v[j]);
+  return f;
+}
+#endif
+
+// R rows x C panels (p, p + 1, ...) over all groups; y accumulates in out (ldo apart per row),
+// set here. xq [R, K], xd [R, K / QB], xs [R, G].
+template <int R, int C, typename S>
+inline void int4_tile(const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t G, int64_t g,
+                      const uint8_t* codes, const S* sz, int64_t p, float* out, int64_t ldo) {
+  constexpr int64_t group_scales = 2 * IB * IL;
+  constexpr int64_t chunk = IB * 32;  // bytes of one block's 8 inputs
+  const int64_t KC = K / 8, KB = K / QB;
+  const uint8_t* wc[C];
+  const S* sc[C];
+  for (int c = 0; c < C; ++c) {
+    wc[c] = codes + (p + c) / IB * KC * chunk + (p + c) % IB * 32;
+    sc[c] = sz + (p + c) / IB * G * group_scales + (p + c) % IB * IL;
+  }
+  for (int r = 0; r < R; ++r) std::memset(out + r * ldo, 0, sizeof(float) * C * IL);
+  const int64_t blocks = g / QB;
+  for (int64_t gi = 0; gi < G; ++gi) {
+    v8f a[R][C] = {};
+    for (int64_t b = gi * blocks; b < (gi + 1) * blocks; ++b) {
+      Q4Acc s[R][C];
+#pragma GCC unroll 4
+      for (int64_t kc = b * (QB / 8); kc < (b + 1) * (QB / 8); ++kc) {
+        // the codes stream from memory: fetch each 64-byte line 8 inputs' chunks ahead
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c += 2) __builtin_prefetch(wc[c] + (kc + 8) * chunk, 0, 1);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+          const Q4Codes w = q4_load(wc[c] + kc * chunk);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) q4_dot(w, xq + r * K + kc * 8, s[r][c]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const v8f d = bcast8(xd + r * KB + b);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) a[r][c] = fma8(d, q4_sum(s[r][c]), a[r][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const S* ps = sc[c] + gi * group_scales;
+      const v8f s = load8(ps), z = load8(ps + IB * IL);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        float* o = out + r * ldo + c * IL;
+        const v8f y = fma8(s, a[r][c], load8(o));
+        const v8f yz = fma8(z, bcast8(xs + r * G + gi), y);
+        std::memcpy(o, &yz, sizeof(yz));
+      }
+    }
+  }
+}
+
+template <int R, int C, typename S>
+inline void int4_tile_panels(int panels, const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t G,
+                             int64_t g, const uint8_t* codes, const S* sz, int64_t p0, float* out, int64_t ldo) {
+  int p = 0;
+  for (; p + C <= panels; p += C) int4_tile<R, C>(xq, xd, xs, K, G, g, codes, sz, p0 + p, out + p * IL, ldo);
+  for (; p < panels; ++p) int4_tile<R, 1>(xq, xd, xs, K, G, g, codes, sz, p0 + p, out + p * IL, ldo);
+}
+
+template <typename S>
+inline void int4_tile_any(int rows, int panels, const int8_t* xq, const float* xd, const float* xs, int64_t K,
+                          int64_t G, int64_t g, const uint8_t* codes, const S* sz, int64_t p0, float* out,
+                          int64_t ldo) {
+  static_assert(MR == 6, "int4_tile_any covers up to 6 rows");
+  switch (rows) {
+    case 1: return int4_tile_panels<1, 4>(panels, xq, xd, xs, K, G, g, codes, sz, p0, out, ldo);
+    case 2: return int4_tile_panels<2, 2>(panels, xq, xd, xs, K, G, g, codes, sz, p0, out, ldo);
+    case 3: return int4_tile_panels<3, 2>(panels, xq, xd, xs, K, G, g, codes, sz, p0, out, ldo);
+    case 4: return int4_tile_panels<4, 2>(panels, xq, xd, xs, K, G, g, codes, sz, p0, out, ldo);
+    case 5: return int4_tile_panels<5, 1>(panels, xq, xd, xs, K, G, g, codes, sz, p0, out, ldo);
+    default: return int4_tile_panels<6, 1>(panels, xq, xd, xs, K, G, g, codes, sz, p0, out, ldo);
+  }
+}
+
+template <typename S, typename O>
+void int4_impl(const float* x, int64_t M, int64_t K, int64_t g, const uint8_t* wp, const S* sz, const float* bias,
+               int64_t N, O* out) {
+  const int64_t G = K / g, KB = K / QB;
+  std::vector<float> xs(M * G), xd(M * KB);  // each row's quantized group sums, Q8 scales
+  std::vector<int8_t> xq(M * K);
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* q = xq.data() + m * K;
+    const float* d = xd.data() + m * KB;
+    quantize_q8(x + m * K, K, xq.data() + m * K, xd.data() + m * KB);
+    for (int64_t gi = 0; gi < G; ++gi) {  // the quantized activations' sum: d_b * sum(q) per block
+      float s = 0.f;
+      for (int64_t b = gi * (g / QB); b < (gi + 1) * (g / QB); ++b) {
+        int32_t sq = 0;
+        for (int i = 0; i < QB; ++i) sq += q[b * QB + i];
+        s = std::fma(d[b], static_cast<float>(sq), s);
+      }
+      xs[m * G + gi] = s;
+    }
+  }
+  int_panels(M, N, bias, out, [&](int rows, int np, int64_t m, int64_t p0, float* t, int64_t ldt) {
+    int4_tile_any(rows, np, xq.data() + m * K, xd.data() + m * KB, xs.data() + m * G, K, G, g, wp, sz, p0, t, ldt);
+  });
+}
+
 // x [M, K] (fp32 or bf16) times a packed integer weight (see above) -> [M, n] in x's dtype
-// (+ bias in fp32 before the one rounding); the callers have checked the shapes
-template <typename Codes>
+// (+ bias in fp32 before the one rounding); the callers have checked the shapes.
+// run(x fp32, M, K, scales, bias, out) with the scales and out typed
+template <typename Run>
 at::Tensor int_linear(const char* op, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
-                      int64_t g, const std::optional<at::Tensor>& bias) {
+                      const std::optional<at::Tensor>& bias, const Run& run) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be fp32 or bf16");
   TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16, op,
               ": scales must be fp32 or bf16");
@@ -546,33 +698,38 @@ at::Tensor int_linear(const char* op, const at::Tensor& x, const at::Tensor& cod
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return out;
   const float* xp = xf.data_ptr<float>();
-  const auto* wp = reinterpret_cast<const typename Codes::W*>(codes.data_ptr());
   const bool sb = scales.scalar_type() == at::kBFloat16, ob = x.scalar_type() == at::kBFloat16;
   if (sb && ob) {
-    int_impl<Codes>(xp, M, K, g, wp, scales.data_ptr<c10::BFloat16>(), b, n, out.data_ptr<c10::BFloat16>());
+    run(xp, M, K, scales.data_ptr<c10::BFloat16>(), b, out.data_ptr<c10::BFloat16>());
   } else if (sb) {
-    int_impl<Codes>(xp, M, K, g, wp, scales.data_ptr<c10::BFloat16>(), b, n, out.data_ptr<float>());
+    run(xp, M, K, scales.data_ptr<c10::BFloat16>(), b, out.data_ptr<float>());
   } else if (ob) {
-    int_impl<Codes>(xp, M, K, g, wp, scales.data_ptr<float>(), b, n, out.data_ptr<c10::BFloat16>());
+    run(xp, M, K, scales.data_ptr<float>(), b, out.data_ptr<c10::BFloat16>());
   } else {
-    int_impl<Codes>(xp, M, K, g, wp, scales.data_ptr<float>(), b, n, out.data_ptr<float>());
+    run(xp, M, K, scales.data_ptr<float>(), b, out.data_ptr<float>());
   }
   return out;
 }
 
-// codes [S, K, 8] int32, scales [S, K / g, 2, 8, 8]
+// codes [S, K / 8, 8, 32] uint8, scales [S, K / g, 2, 8, 8]
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t g,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && scales.dim() == 5,
-              "int4_linear: x [M, K], codes [S, K, 8], scales [S, G, 2, 8, 8] expected");
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 4 && scales.dim() == 5,
+              "int4_linear: x [M, K], codes [S, K / 8, 8, 32], scales [S, G, 2, 8, 8] expected");
   const int64_t K = x.size(1), NB = codes.size(0);
-  TORCH_CHECK(codes.size(1) == K && codes.size(2) == IB && codes.scalar_type() == at::kInt,
-              "int4_linear: codes must be int32 [S, ", K, ", 8]");
-  TORCH_CHECK(g > 0 && K % g == 0, "int4_linear: group size ", g, " does not divide ", K);
+  TORCH_CHECK(g > 0 && g % QB == 0 && K % g == 0, "int4_linear: group size ", g,
+              " must be a multiple of 32 dividing ", K);
+  TORCH_CHECK(codes.size(1) == K / 8 && codes.size(2) == IB && codes.size(3) == 32 &&
+                  codes.scalar_type() == at::kByte,
+              "int4_linear: codes must be uint8 [S, ", K / 8, ", 8, 32]");
   TORCH_CHECK(scales.size(0) == NB && scales.size(1) == K / g && scales.size(2) == 2 && scales.size(3) == IB &&
                   scales.size(4) == IL,
               "int4_linear: scales must be [", NB, ", ", K / g, ", 2, 8, 8]");
-  return int_linear<Int4Codes>("int4_linear", x, codes, scales, n, g, bias);
+  const uint8_t* wp = codes.data_ptr<uint8_t>();
+  return int_linear("int4_linear", x, codes, scales, n, bias,
+                    [&](const float* xp, int64_t M, int64_t K, const auto* sz, const float* b, auto* out) {
+                      int4_impl(xp, M, K, g, wp, sz, b, n, out);
+                    });
 }
 
 // codes [S, K, 64] int8, scales [S, 8, 8]
@@ -585,7 +742,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
               "int8_linear: codes must be int8 [S, ", K, ", 64]");
   TORCH_CHECK(scales.size(0) == NB && scales.size(1) == IB && scales.size(2) == IL,
               "int8_linear: scales must be [", NB, ", 8, 8]");
-  return int_linear<Int8Codes>("int8_linear", x, codes, scales, n, K, bias);
+  const auto* wp = reinterpret_cast<const uint64_t*>(codes.data_ptr());
+  return int_linear("int8_linear", x, codes, scales, n, bias,
+                    [&](const float* xp, int64_t M, int64_t K, const auto* sz, const float* b, auto* out) {
+                      int8_impl(xp, M, K, wp, sz, b, n, out);
+                    });
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
