@@ -80,6 +80,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -521,14 +522,18 @@ void int8_impl(const float* x, int64_t M, int64_t K, const uint64_t* wp, const S
 // row alone.
 constexpr int QB = 32;
 
-// a row's activations as Q8 blocks: q int8 [K], d [K / QB]
-inline void quantize_q8(const float* x, int64_t K, int8_t* q, float* d) {
+// a row's activations (fp32 or bf16) as Q8 blocks: q int8 [K], d [K / QB]
+template <typename T>
+inline void quantize_q8(const T* x, int64_t K, int8_t* q, float* d) {
   for (int64_t b = 0; b < K / QB; ++b) {
-    float amax = 0.f;
-    for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(x[b * QB + i]));
+    float v[QB], amax = 0.f;
+    for (int i = 0; i < QB; ++i) {
+      v[i] = static_cast<float>(x[b * QB + i]);
+      amax = std::max(amax, std::fabs(v[i]));
+    }
     const float db = amax / 127.f, id = db > 0.f ? 1.f / db : 0.f;
     d[b] = db;
-    for (int i = 0; i < QB; ++i) q[b * QB + i] = static_cast<int8_t>(std::nearbyint(x[b * QB + i] * id));
+    for (int i = 0; i < QB; ++i) q[b * QB + i] = static_cast<int8_t>(std::nearbyint(v[i] * id));
   }
 }
 
@@ -650,8 +655,8 @@ inline void int4_tile_any(int rows, int panels, const int8_t* xq, const float* x
   }
 }
 
-template <typename S, typename O>
-void int4_impl(const float* x, int64_t M, int64_t K, int64_t g, const uint8_t* wp, const S* sz, const float* bias,
+template <typename T, typename S, typename O>
+void int4_impl(const T* x, int64_t M, int64_t K, int64_t g, const uint8_t* wp, const S* sz, const float* bias,
                int64_t N, O* out) {
   const int64_t G = K / g, KB = K / QB;
   std::vector<float> xs(M * G), xd(M * KB);  // each row's quantized group sums, Q8 scales
@@ -677,7 +682,7 @@ void int4_impl(const float* x, int64_t M, int64_t K, int64_t g, const uint8_t* w
 
 // x [M, K] (fp32 or bf16) times a packed integer weight (see above) -> [M, n] in x's dtype
 // (+ bias in fp32 before the one rounding); the callers have checked the shapes.
-// run(x fp32, M, K, scales, bias, out) with the scales and out typed
+// run(x contiguous in its dtype, scales, bias, out) with the scales and out typed
 template <typename Run>
 at::Tensor int_linear(const char* op, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
                       const std::optional<at::Tensor>& bias, const Run& run) {
@@ -688,7 +693,7 @@ at::Tensor int_linear(const char* op, const at::Tensor& x, const at::Tensor& cod
   const int64_t NB = codes.size(0);
   TORCH_CHECK(n > (NB - 1) * IB * IL && n <= NB * IB * IL, op, ": ", n, " outputs do not fit ", NB, " blocks of 64");
   const int64_t M = x.size(0), K = x.size(1);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xc = x.contiguous();
   at::Tensor bf;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " values for ", n, " outputs");
@@ -697,16 +702,15 @@ at::Tensor int_linear(const char* op, const at::Tensor& x, const at::Tensor& cod
   const float* b = bf.defined() ? bf.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return out;
-  const float* xp = xf.data_ptr<float>();
   const bool sb = scales.scalar_type() == at::kBFloat16, ob = x.scalar_type() == at::kBFloat16;
   if (sb && ob) {
-    run(xp, M, K, scales.data_ptr<c10::BFloat16>(), b, out.data_ptr<c10::BFloat16>());
+    run(xc, scales.data_ptr<c10::BFloat16>(), b, out.data_ptr<c10::BFloat16>());
   } else if (sb) {
-    run(xp, M, K, scales.data_ptr<c10::BFloat16>(), b, out.data_ptr<float>());
+    run(xc, scales.data_ptr<c10::BFloat16>(), b, out.data_ptr<float>());
   } else if (ob) {
-    run(xp, M, K, scales.data_ptr<float>(), b, out.data_ptr<c10::BFloat16>());
+    run(xc, scales.data_ptr<float>(), b, out.data_ptr<c10::BFloat16>());
   } else {
-    run(xp, M, K, scales.data_ptr<float>(), b, out.data_ptr<float>());
+    run(xc, scales.data_ptr<float>(), b, out.data_ptr<float>());
   }
   return out;
 }
@@ -727,8 +731,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
               "int4_linear: scales must be [", NB, ", ", K / g, ", 2, 8, 8]");
   const uint8_t* wp = codes.data_ptr<uint8_t>();
   return int_linear("int4_linear", x, codes, scales, n, bias,
-                    [&](const float* xp, int64_t M, int64_t K, const auto* sz, const float* b, auto* out) {
-                      int4_impl(xp, M, K, g, wp, sz, b, n, out);
+                    [&](const at::Tensor& xc, const auto* sz, const float* b, auto* out) {
+                      if (xc.scalar_type() == at::kBFloat16)  // quantized from bf16 as it is (exact in fp32)
+                        int4_impl(xc.data_ptr<c10::BFloat16>(), xc.size(0), K, g, wp, sz, b, n, out);
+                      else
+                        int4_impl(xc.data_ptr<float>(), xc.size(0), K, g, wp, sz, b, n, out);
                     });
 }
 
@@ -744,8 +751,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
               "int8_linear: scales must be [", NB, ", 8, 8]");
   const auto* wp = reinterpret_cast<const uint64_t*>(codes.data_ptr());
   return int_linear("int8_linear", x, codes, scales, n, bias,
-                    [&](const float* xp, int64_t M, int64_t K, const auto* sz, const float* b, auto* out) {
-                      int8_impl(xp, M, K, wp, sz, b, n, out);
+                    [&](const at::Tensor& xc, const auto* sz, const float* b, auto* out) {
+                      const at::Tensor xf = xc.to(at::kFloat);
+                      int8_impl(xf.data_ptr<float>(), xf.size(0), K, wp, sz, b, n, out);
                     });
 }
 
@@ -1040,9 +1048,75 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
-// x * cos + roll(x, D / 2) * sin (models/layers.apply_rope, op for op)
+// one value rounded to T as an ATen op on T tensors rounds its fp32 result (nearest even)
+template <typename T>
+inline float as_t(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+template <typename T>
+void rope_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  const int64_t B = x.size(0), H = x.size(1), L = x.size(2), D = x.size(3), half = D / 2;
+  const T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t l = 0; l < L; ++l) {
+        const T* xr = xp + b * x.stride(0) + h * x.stride(1) + l * x.stride(2);
+        const T* cr = cp + b * cos.stride(0) + l * cos.stride(2);
+        const T* sr = sp + b * sin.stride(0) + l * sin.stride(2);
+        T* o = op + ((b * H + h) * L + l) * D;
+        for (int64_t i = 0; i < D; ++i) {
+          const float a = as_t<T>(static_cast<float>(xr[i]) * static_cast<float>(cr[i]));
+          const float r = as_t<T>(static_cast<float>(xr[(i + half) % D]) * static_cast<float>(sr[i]));
+          o[i] = static_cast<T>(a + r);
+        }
+      }
+}
+
+// x [B, H, T, D] (any strides; the last one 1) rotated by cos / sin [B, 1, T, D] of x's dtype:
+// x * cos + roll(x, D / 2) * sin (models/layers.apply_rope) with each op's fp32 result rounded
+// to the dtype as ATen's mul and add round it, so the same values as those three ops and the
+// roll, in one pass (they cost ~30 us a layer in calls); [B, H, T, D] contiguous. Another
+// dtype mix: the ATen ops.
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  return at::add(at::mul(x, cos), at::mul(at::roll(x, {x.size(-1) / 2}, {-1}), sin));
+  const auto dt = x.scalar_type();
+  const bool own = x.dim() == 4 && cos.dim() == 4 && sin.dim() == 4 && cos.scalar_type() == dt &&
+                   sin.scalar_type() == dt && x.stride(3) == 1 && cos.stride(3) == 1 && sin.stride(3) == 1 &&
+                   x.size(3) % 2 == 0 && cos.size(0) == x.size(0) && cos.size(1) == 1 && cos.size(2) == x.size(2) &&
+                   cos.size(3) == x.size(3) && sin.sizes() == cos.sizes() &&
+                   (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf);
+  if (!own) return at::add(at::mul(x, cos), at::mul(at::roll(x, {x.size(-1) / 2}, {-1}), sin));
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (dt == at::kFloat) rope_impl<float>(x, cos, sin, out);
+  else if (dt == at::kBFloat16) rope_impl<c10::BFloat16>(x, cos, sin, out);
+  else rope_impl<c10::Half>(x, cos, sin, out);
+  return out;
+}
+
+// pool[slots[i]] = rows[i] (the paged KV cache's write, as index_put_ writes it): rows [N, ...]
+// (any strides) in the pool's dtype, pool [slots, ...] contiguous; a row copy each instead of
+// index_put_'s ~9 us a call. Another dtype or layout: index_put_.
+void write_rows(at::Tensor& pool, const at::Tensor& slots, const at::Tensor& rows) {
+  if (rows.scalar_type() != pool.scalar_type() || !pool.is_contiguous() || slots.scalar_type() != at::kLong ||
+      rows.dim() != 3 || pool.dim() != 3 || rows.size(1) != pool.size(1) || rows.size(2) != pool.size(2) ||
+      rows.stride(2) != 1) {
+    pool.index_put_({slots}, rows);
+    return;
+  }
+  const at::Tensor sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t n = rows.size(0), heads = rows.size(1), d = rows.size(2), es = pool.element_size();
+  const int64_t slots_n = pool.size(0);
+  auto* pp = static_cast<char*>(pool.data_ptr());
+  const auto* rp = static_cast<const char*>(rows.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < slots_n, "dense_layer: KV slot ", sp[i], " outside the pool of ", slots_n);
+    for (int64_t j = 0; j < heads; ++j)
+      std::memcpy(pp + ((sp[i] * heads + j) * d) * es, rp + (i * rows.stride(0) + j * rows.stride(1)) * es, d * es);
+  }
 }
 
 // RMSNorm.forward with the kernel: over the last dimension, the input's shape kept
@@ -1113,8 +1187,8 @@ at::Tensor dense_layer(const at::Tensor& x, const at::Tensor& attn_norm, const a
     k = rope(norm_last(parts[1].view({b, t, hkv, d}), *k_norm, eps).transpose(1, 2), cos, sin).transpose(1, 2);
   }
   const at::Tensor slots = write_slots.reshape({-1});
-  k_pool.index_put_({slots}, k.select(0, 0));
-  v_pool.index_put_({slots}, v.select(0, 0));
+  write_rows(k_pool, slots, k.select(0, 0));
+  write_rows(v_pool, slots, v.select(0, 0));
   at::Tensor att_rows;  // [1, N, H * D]
   if (!ragged) {
     const at::Tensor qs = q.select(0, 0).view({h, s, tq, d}).transpose(0, 1);
