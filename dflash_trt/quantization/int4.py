@@ -17,11 +17,12 @@ machine): codes packed once by :func:`pack_int4` into blocks of 64 output rows (
 activation dtype. The activations are quantized per row to int8 in blocks of 32
 (:func:`quantize_activations`, GGUF Q8_1's rule) and each block's dot products are exact
 integers: llama.cpp's Q4_1 x Q8_1 arithmetic (``ggml_vec_dot_q4_1_q8_1``), the zero term over
-the unquantized activations' group sums; the integer sums and a fixed order of the fp32 ones
-make each row's result the same whatever the other rows. The activations' rounding moves an
-output by up to ~1 % of the largest against ``x @ w.T`` of the dequantized weight (random
-weights and inputs). Against decoding every code to fp32 and fp32 activations (this module's
-kernel until 2026-11-28), measured on a 2-core AMD EPYC (AVX2, 2 threads,
+the quantized activations' group sums (as Q8_1's ``s``); the integer sums and a fixed order of
+the fp32 ones make each row's result the same whatever the other rows. The activations'
+rounding moves an output by up to ~1 % of the largest against ``x @ w.T`` of the dequantized
+weight (random weights and inputs); on the default target the logits move as much as
+llama.cpp's do (docs/peers.md). Against decoding every code to fp32 and fp32 activations (this
+module's kernel before 1fa9c19, 2026-11-27), measured on a 2-core AMD EPYC (AVX2, 2 threads,
 bf16 activations, the 120 int4 GEMMs of the default target's 30 layers from memory, three runs
 interleaved): one row 8.9-11.8 ms against 10.5-13.7, four rows 12.8-17.8 against 19.4-21.8,
 16 rows 33.7-39.8 against 56.0-67.4.

@@ -148,7 +148,9 @@ def cpu_weight_layout(
     The target's RMSNorms run through the one-call ``dflash_cpu::rms_norm`` on the CPU in fp32 /
     bf16 where the kernels build, eager and compiled alike (one opaque call in the graph, so both
     paths get the same bits; :func:`~dflash_trt.models.layers.set_cpu_norm_kernel`); the
-    drafter's keep torch's (its outputs stay bit-equal to the z-lab reference's).
+    drafter's in bf16 too, where the kernel gives torch's bits (a drafter norm 55 us through
+    torch's composite, 10 a drafter forward), and torch's in fp32 (the kernel sums in another
+    order there, and the drafter's outputs stay bit-equal to the z-lab reference's).
 
     In the batch-invariant mode on the eager path the target's dense layers are planned for
     ``dflash_cpu::dense_layer`` (``target.dense_layers``, :mod:`~dflash_trt.models.fused_layer`):
@@ -160,6 +162,8 @@ def cpu_weight_layout(
     target.dense_layers = plan_dense_layers(target) if batch_invariant and not compile else None
     if drafter is not None:
         set_batch_invariant(drafter, not compile and drafter_kernel_linears(drafter))
+        dw = drafter.hidden_norm.weight
+        set_cpu_norm_kernel(drafter, dw.dtype == torch.bfloat16 and resolve_batch_invariant(None, dw.device, dw.dtype))
     for model, skip in ((target, ("lm_head",) if tensor_parallel else ()), (drafter, ("k_proj", "v_proj"))):
         if model is None or (model is target and batch_invariant):
             continue
