@@ -109,6 +109,33 @@ def test_packed_int_linear_rows_independent(fmt, group, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_activation_codes_are_quantize_activations(dtype):
+    """``int4_linear`` rounds the activations exactly as :func:`quantize_activations` says
+    (the kernel's vectorized rounding against torch's): with an identity weight (code 1 on the
+    diagonal, scale 1, zero 0) output ``n`` is ``d * q`` of input ``n`` in fp32, bit for bit;
+    the inputs include halfway cases (``x / d`` = j + 0.5, to nearest even), zeros and an
+    all-zero block."""
+    from dflash_trt.quantization.int4 import Int4Linear
+
+    k = 256
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, k, generator=g)
+    x[1, :32] = 0  # an all-zero block: d = 0, codes 0
+    x[2, 32:64] = torch.arange(32) - 15.5  # amax 16.5 -> d = 16.5 / 127
+    x[3, 64:96] = torch.arange(32) - 15.5  # with 127 in the block d = 1: x / d exact halves, ties
+    x[3, 64] = 127
+    x = x.to(dtype)
+    eye = torch.eye(k, dtype=torch.uint8)
+    ones, zeros = torch.ones(k, k // 32), torch.zeros(k, k // 32)
+    mod = Int4Linear.from_codes((eye, ones, zeros), 32, None, torch.float32)
+    q, d = quantize_activations(x)
+    want = q.float() * d.repeat_interleave(32, -1)
+    assert torch.equal(mod(x.float()), want)
+    assert torch.equal(q[1, :32], torch.zeros(32, dtype=torch.int8)) and q.abs().max() <= 127
+    assert q[3, 65:96].tolist() == [round(v - 14.5) for v in range(31)]  # Python's round: to even
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_kernel_equals_torch_and_rows_independent(dtype):
     """``dflash_cpu::rms_norm`` against the torch path of :class:`RMSNorm` (``weight *
     F.rms_norm``): the same bits in bf16 (one rounding after the fp32 normalization, one after

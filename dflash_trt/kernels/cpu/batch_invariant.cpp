@@ -523,6 +523,40 @@ void int8_impl(const float* x, int64_t M, int64_t K, const uint64_t* wp, const S
 constexpr int QB = 32;
 
 // a row's activations (fp32 or bf16) as Q8 blocks: q int8 [K], d [K / QB]
+#if defined(__AVX2__)
+inline __m256 q8_load(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 q8_load(const c10::BFloat16* p) {  // bf16 -> fp32 exactly: the bits shifted up
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+// the same values as the scalar loop below: max |x| is exact in any order, x * (1 / d) the same
+// fp32 product, and vcvtps2dq rounds to nearest even as nearbyint does (the default mode)
+template <typename T>
+inline void quantize_q8(const T* x, int64_t K, int8_t* q, float* d) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < K / QB; ++b) {
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = q8_load(x + b * QB + 8 * i);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    float amax = 0.f;
+    for (int i = 0; i < 8; ++i) amax = std::max(amax, lanes[i]);
+    const float db = amax / 127.f, id = db > 0.f ? 1.f / db : 0.f;
+    d[b] = db;
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i r[4];
+    for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
+    // packs work within 128-bit lanes: the permute puts the 32 bytes back in order
+    const __m256i p16a = _mm256_packs_epi32(r[0], r[1]), p16b = _mm256_packs_epi32(r[2], r[3]);
+    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QB), p8);
+  }
+}
+#else
 template <typename T>
 inline void quantize_q8(const T* x, int64_t K, int8_t* q, float* d) {
   for (int64_t b = 0; b < K / QB; ++b) {
@@ -536,6 +570,7 @@ inline void quantize_q8(const T* x, int64_t K, int8_t* q, float* d) {
     for (int i = 0; i < QB; ++i) q[b * QB + i] = static_cast<int8_t>(std::nearbyint(v[i] * id));
   }
 }
+#endif
 
 #if defined(__AVX2__)
 struct Q4Acc {  // 16 int16 partial sums (pairs of lanes per column; <= 8 * 3810 in magnitude)
