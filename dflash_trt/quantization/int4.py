@@ -192,7 +192,7 @@ def pack_int4(
         ``scales[s, g, 0, c, j]`` the scale of that row in group ``g``, ``scales[s, g, 1, c, j]``
         its zero (rows past ``out`` zero).
     """
-    n, k = q.shape
+    k = q.shape[1]
     qb = rows_to_blocks(q.to(torch.uint8))  # [S, c, j, in]
     qb = qb.view(qb.shape[0], PANEL, PANEL, k // 8, 2, 4)  # [S, c, j, kc, half, i]
     codes = (qb[..., 0, :] | (qb[..., 1, :] << 4)).permute(0, 3, 1, 2, 4)  # [S, kc, c, j, i]
@@ -203,10 +203,9 @@ def pack_int4(
 def unpack_int4(codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> tuple[torch.Tensor, ...]:
     """:func:`pack_int4`'s tensors back as ``(q uint8 [out, in] 0..15, scale fp32 [out, G],
     zero fp32 [out, G])``."""
-    s, kc = codes.shape[:2]
-    c = codes.view(s, kc, PANEL, PANEL, 4).permute(0, 2, 3, 1, 4)  # [S, c, j, kc, i]
-    q = torch.stack([c & 15, c >> 4], dim=-2).reshape(s, PANEL, PANEL, kc * 8)
-    q = blocks_to_rows(q, out_features)
+    nb, kc = codes.shape[:2]
+    c = codes.view(nb, kc, PANEL, PANEL, 4).permute(0, 2, 3, 1, 4)  # [S, c, j, kc, i]
+    q = blocks_to_rows(torch.stack([c & 15, c >> 4], dim=-2).reshape(nb, PANEL, PANEL, kc * 8), out_features)
     s, z = (blocks_to_rows(scales[:, :, i].float().permute(0, 2, 3, 1), out_features) for i in (0, 1))
     return q, s, z
 

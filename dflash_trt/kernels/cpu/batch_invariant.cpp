@@ -91,6 +91,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -220,7 +221,7 @@ inline float hsum(const vf& v) {
 // of x[r, k] * w[k][j] starting from 0 (one FMA per k, in increasing k): the same operations
 // for every output element whatever R, C and the other rows are.
 template <int R, int C, typename W>
-inline void tile(const float* x, int64_t K, const W* wp, float* out, int64_t ldo) {
+__attribute__((noinline)) void tile(const float* x, int64_t K, const W* wp, float* out, int64_t ldo) {
   vf acc[R][C] = {};
   const int64_t ps = K * VL;  // one panel
   // with 1-2 rows the weight streams from memory (a decode step): the next tile's C panels
@@ -242,12 +243,31 @@ inline void tile(const float* x, int64_t K, const W* wp, float* out, int64_t ldo
     for (int c = 0; c < C; ++c) std::memcpy(out + r * ldo + c * VL, &acc[r][c], sizeof(vf));
 }
 
-// R rows x `panels` panels, C panels at a time (the remainder one at a time)
-template <int R, int C, typename W>
-inline void tile_panels(int panels, const float* x, int64_t K, const W* wp, float* out, int64_t ldo) {
+// R rows x `panels` panels of `width` outputs, C panels at a time (the remainder one at a time):
+// tile(R, C, p, out + p * width) for p = 0, C, 2C, ... (R and C as std::integral_constant). The
+// register tiles it calls are kept out of line (noinline): inlined into these generic lambdas,
+// the float GEMM's 4-row tile ran at half its speed.
+template <int R, int C, typename Tile>
+inline void tile_panels(int panels, int64_t width, float* out, const Tile& tile) {
+  using RC = std::integral_constant<int, R>;
   int p = 0;
-  for (; p + C <= panels; p += C) tile<R, C>(x, K, wp + p * K * VL, out + p * VL, ldo);
-  for (; p < panels; ++p) tile<R, 1>(x, K, wp + p * K * VL, out + p * VL, ldo);
+  for (; p + C <= panels; p += C) tile(RC{}, std::integral_constant<int, C>{}, p, out + p * width);
+  for (; p < panels; ++p) tile(RC{}, std::integral_constant<int, 1>{}, p, out + p * width);
+}
+
+// rows (<= MR) x panels through register tiles of C1 .. C6 panels for 1 .. 6 rows (every
+// kernel's tiles: the float GEMM's, int8's and int4's)
+template <int C1, int C2, int C3, int C4, int C5, int C6, typename Tile>
+inline void tile_rows(int rows, int panels, int64_t width, float* out, const Tile& tile) {
+  static_assert(MR == 6, "tile_rows covers up to 6 rows");
+  switch (rows) {
+    case 1: return tile_panels<1, C1>(panels, width, out, tile);
+    case 2: return tile_panels<2, C2>(panels, width, out, tile);
+    case 3: return tile_panels<3, C3>(panels, width, out, tile);
+    case 4: return tile_panels<4, C4>(panels, width, out, tile);
+    case 5: return tile_panels<5, C5>(panels, width, out, tile);
+    default: return tile_panels<6, C6>(panels, width, out, tile);
+  }
 }
 
 // panels taken at a time by a tile of 1..MR rows: as many as the registers hold next to the
@@ -257,20 +277,6 @@ constexpr int PANELS[MR] = {8, 8, 6, 4, 4, 4};  // 32 registers
 #else
 constexpr int PANELS[MR] = {6, 4, 3, 2, 2, 2};  // 16 registers
 #endif
-
-// rows (<= MR) x panels
-template <typename W>
-inline void tile_any(int rows, int panels, const float* x, int64_t K, const W* wp, float* out, int64_t ldo) {
-  static_assert(MR == 6, "tile_any covers up to 6 rows");
-  switch (rows) {
-    case 1: return tile_panels<1, PANELS[0]>(panels, x, K, wp, out, ldo);
-    case 2: return tile_panels<2, PANELS[1]>(panels, x, K, wp, out, ldo);
-    case 3: return tile_panels<3, PANELS[2]>(panels, x, K, wp, out, ldo);
-    case 4: return tile_panels<4, PANELS[3]>(panels, x, K, wp, out, ldo);
-    case 5: return tile_panels<5, PANELS[4]>(panels, x, K, wp, out, ldo);
-    default: return tile_panels<6, PANELS[5]>(panels, x, K, wp, out, ldo);
-  }
-}
 
 template <typename W, typename O>
 void linear_impl(const float* x, int64_t M, int64_t K, const W* wp, const float* bias, int64_t N, O* out) {
@@ -289,7 +295,11 @@ void linear_impl(const float* x, int64_t M, int64_t K, const W* wp, const float*
       const int64_t n0 = p0 * VL, nc = std::min<int64_t>(np * VL, N - n0);
       for (int64_t m = 0; m < M; m += MR) {
         const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
-        tile_any(rows, static_cast<int>(np), x + m * K, K, wp + p0 * K * VL, t.data(), ldt);
+        const W* wg = wp + p0 * K * VL;
+        tile_rows<PANELS[0], PANELS[1], PANELS[2], PANELS[3], PANELS[4], PANELS[5]>(
+            rows, static_cast<int>(np), VL, t.data(), [&](auto r, auto c, int p, float* o) {
+              tile<decltype(r)::value, decltype(c)::value>(x + m * K, K, wg + p * K * VL, o, ldt);
+            });
         for (int r = 0; r < rows; ++r) {
           O* o = out + (m + r) * N + n0;
           const float* tr = t.data() + r * ldt;
@@ -411,8 +421,8 @@ inline v8f int8_decode(uint64_t word) {
 // int8: R rows x C panels (p, p + 1, ...); y = scale * (FMA chain over k) into out (ldo apart
 // per row)
 template <int R, int C, typename S>
-inline void int8_tile(const float* x, int64_t K, const uint64_t* codes, const S* sz, int64_t p, float* out,
-                      int64_t ldo) {
+__attribute__((noinline)) void int8_tile(const float* x, int64_t K, const uint64_t* codes, const S* sz, int64_t p,
+                                          float* out, int64_t ldo) {
   const uint64_t* wc[C];
   const S* sc[C];
   for (int c = 0; c < C; ++c) {
@@ -444,33 +454,11 @@ inline void int8_tile(const float* x, int64_t K, const uint64_t* codes, const S*
   }
 }
 
-// R rows x `panels` panels from p0, C panels at a time (the remainder one at a time)
-template <int R, int C, typename S>
-inline void int8_tile_panels(int panels, const float* x, int64_t K, const uint64_t* codes, const S* sz, int64_t p0,
-                             float* out, int64_t ldo) {
-  int p = 0;
-  for (; p + C <= panels; p += C) int8_tile<R, C>(x, K, codes, sz, p0 + p, out + p * IL, ldo);
-  for (; p < panels; ++p) int8_tile<R, 1>(x, K, codes, sz, p0 + p, out + p * IL, ldo);
-}
-
-template <typename S>
-inline void int8_tile_any(int rows, int panels, const float* x, int64_t K, const uint64_t* codes, const S* sz,
-                          int64_t p0, float* out, int64_t ldo) {
-  static_assert(MR == 6, "int8_tile_any covers up to 6 rows");
-  switch (rows) {
-    case 1: return int8_tile_panels<1, 8>(panels, x, K, codes, sz, p0, out, ldo);
-    case 2: return int8_tile_panels<2, 4>(panels, x, K, codes, sz, p0, out, ldo);
-    case 3: return int8_tile_panels<3, 2>(panels, x, K, codes, sz, p0, out, ldo);
-    case 4: return int8_tile_panels<4, 2>(panels, x, K, codes, sz, p0, out, ldo);
-    case 5: return int8_tile_panels<5, 1>(panels, x, K, codes, sz, p0, out, ldo);
-    default: return int8_tile_panels<6, 1>(panels, x, K, codes, sz, p0, out, ldo);
-  }
-}
-
 // the threading and output stores of the packed integer GEMMs: threads take whole groups of
 // panels (never a split of K), blocks of 8 where there are enough for ~4 groups a thread, else
-// fewer; tile(rows, panels, m, p0, t, ldt) writes rows m .. m + rows - 1 of panels p0 .. into t
-template <typename O, typename Tile>
+// fewer; register tiles of C1 .. C6 panels for 1 .. 6 rows (tile_rows), tile(R, C, m, p, t, ldt)
+// writing rows m .. m + R - 1 of panels p .. p + C - 1 into t (ldt apart per row)
+template <int C1, int C2, int C3, int C4, int C5, int C6, typename O, typename Tile>
 void int_panels(int64_t M, int64_t N, const float* bias, O* out, const Tile& tile) {
   const int64_t P = (N + IL - 1) / IL;  // panels with outputs (the last block's may be fewer)
   const int64_t share = (P + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());
@@ -484,7 +472,8 @@ void int_panels(int64_t M, int64_t N, const float* bias, O* out, const Tile& til
       const int64_t n0 = p0 * IL, nc = std::min<int64_t>(np * IL, N - n0);
       for (int64_t m = 0; m < M; m += MR) {
         const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
-        tile(rows, static_cast<int>(np), m, p0, t.data(), ldt);
+        tile_rows<C1, C2, C3, C4, C5, C6>(rows, static_cast<int>(np), IL, t.data(),
+                                          [&](auto r, auto c, int p, float* o) { tile(r, c, m, p0 + p, o, ldt); });
         for (int r = 0; r < rows; ++r) {
           O* o = out + (m + r) * N + n0;
           const float* tr = t.data() + r * ldt;
@@ -498,8 +487,8 @@ void int_panels(int64_t M, int64_t N, const float* bias, O* out, const Tile& til
 template <typename S, typename O>
 void int8_impl(const float* x, int64_t M, int64_t K, const uint64_t* wp, const S* sz, const float* bias, int64_t N,
                O* out) {
-  int_panels(M, N, bias, out, [&](int rows, int np, int64_t m, int64_t p0, float* t, int64_t ldt) {
-    int8_tile_any(rows, np, x + m * K, K, wp, sz, p0, t, ldt);
+  int_panels<8, 4, 2, 2, 1, 1>(M, N, bias, out, [&](auto r, auto c, int64_t m, int64_t p, float* t, int64_t ldt) {
+    int8_tile<decltype(r)::value, decltype(c)::value>(x + m * K, K, wp, sz, p, t, ldt);
   });
 }
 
@@ -616,8 +605,9 @@ inline v8f q4_sum(const Q4Acc& acc) {
 // R rows x C panels (p, p + 1, ...) over all groups; y accumulates in out (ldo apart per row),
 // set here. xq [R, K], xd [R, K / QB], xs [R, G].
 template <int R, int C, typename S>
-inline void int4_tile(const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t G, int64_t g,
-                      const uint8_t* codes, const S* sz, int64_t p, float* out, int64_t ldo) {
+__attribute__((noinline)) void int4_tile(const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t G,
+                                          int64_t g, const uint8_t* codes, const S* sz, int64_t p, float* out,
+                                          int64_t ldo) {
   constexpr int64_t group_scales = 2 * IB * IL;
   constexpr int64_t chunk = IB * 32;  // bytes of one block's 8 inputs
   const int64_t KC = K / 8, KB = K / QB;
@@ -667,29 +657,6 @@ inline void int4_tile(const int8_t* xq, const float* xd, const float* xs, int64_
   }
 }
 
-template <int R, int C, typename S>
-inline void int4_tile_panels(int panels, const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t G,
-                             int64_t g, const uint8_t* codes, const S* sz, int64_t p0, float* out, int64_t ldo) {
-  int p = 0;
-  for (; p + C <= panels; p += C) int4_tile<R, C>(xq, xd, xs, K, G, g, codes, sz, p0 + p, out + p * IL, ldo);
-  for (; p < panels; ++p) int4_tile<R, 1>(xq, xd, xs, K, G, g, codes, sz, p0 + p, out + p * IL, ldo);
-}
-
-template <typename S>
-inline void int4_tile_any(int rows, int panels, const int8_t* xq, const float* xd, const float* xs, int64_t K,
-                          int64_t G, int64_t g, const uint8_t* codes, const S* sz, int64_t p0, float* out,
-                          int64_t ldo) {
-  static_assert(MR == 6, "int4_tile_any covers up to 6 rows");
-  switch (rows) {
-    case 1: return int4_tile_panels<1, 4>(panels, xq, xd, xs, K, G, g, codes, sz, p0, out, ldo);
-    case 2: return int4_tile_panels<2, 2>(panels, xq, xd, xs, K, G, g, codes, sz, p0, out, ldo);
-    case 3: return int4_tile_panels<3, 2>(panels, xq, xd, xs, K, G, g, codes, sz, p0, out, ldo);
-    case 4: return int4_tile_panels<4, 2>(panels, xq, xd, xs, K, G, g, codes, sz, p0, out, ldo);
-    case 5: return int4_tile_panels<5, 1>(panels, xq, xd, xs, K, G, g, codes, sz, p0, out, ldo);
-    default: return int4_tile_panels<6, 1>(panels, xq, xd, xs, K, G, g, codes, sz, p0, out, ldo);
-  }
-}
-
 template <typename T, typename S, typename O>
 void int4_impl(const T* x, int64_t M, int64_t K, int64_t g, const uint8_t* wp, const S* sz, const float* bias,
                int64_t N, O* out) {
@@ -697,9 +664,9 @@ void int4_impl(const T* x, int64_t M, int64_t K, int64_t g, const uint8_t* wp, c
   std::vector<float> xs(M * G), xd(M * KB);  // each row's quantized group sums, Q8 scales
   std::vector<int8_t> xq(M * K);
   for (int64_t m = 0; m < M; ++m) {
-    const int8_t* q = xq.data() + m * K;
-    const float* d = xd.data() + m * KB;
-    quantize_q8(x + m * K, K, xq.data() + m * K, xd.data() + m * KB);
+    int8_t* q = xq.data() + m * K;
+    float* d = xd.data() + m * KB;
+    quantize_q8(x + m * K, K, q, d);
     for (int64_t gi = 0; gi < G; ++gi) {  // the quantized activations' sum: d_b * sum(q) per block
       float s = 0.f;
       for (int64_t b = gi * (g / QB); b < (gi + 1) * (g / QB); ++b) {
@@ -710,8 +677,9 @@ void int4_impl(const T* x, int64_t M, int64_t K, int64_t g, const uint8_t* wp, c
       xs[m * G + gi] = s;
     }
   }
-  int_panels(M, N, bias, out, [&](int rows, int np, int64_t m, int64_t p0, float* t, int64_t ldt) {
-    int4_tile_any(rows, np, xq.data() + m * K, xd.data() + m * KB, xs.data() + m * G, K, G, g, wp, sz, p0, t, ldt);
+  int_panels<4, 2, 2, 2, 1, 1>(M, N, bias, out, [&](auto r, auto c, int64_t m, int64_t p, float* t, int64_t ldt) {
+    int4_tile<decltype(r)::value, decltype(c)::value>(xq.data() + m * K, xd.data() + m * KB, xs.data() + m * G, K, G,
+                                                      g, wp, sz, p, t, ldt);
   });
 }
 
@@ -1096,12 +1064,14 @@ void rope_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
   T* op = out.data_ptr<T>();
+  const int64_t xb = x.stride(0), xh = x.stride(1), xl = x.stride(2);
+  const int64_t cb = cos.stride(0), cl = cos.stride(2), sb = sin.stride(0), sl = sin.stride(2);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t l = 0; l < L; ++l) {
-        const T* xr = xp + b * x.stride(0) + h * x.stride(1) + l * x.stride(2);
-        const T* cr = cp + b * cos.stride(0) + l * cos.stride(2);
-        const T* sr = sp + b * sin.stride(0) + l * sin.stride(2);
+        const T* xr = xp + b * xb + h * xh + l * xl;
+        const T* cr = cp + b * cb + l * cl;
+        const T* sr = sp + b * sb + l * sl;
         T* o = op + ((b * H + h) * L + l) * D;
         for (int64_t i = 0; i < D; ++i) {
           const float a = as_t<T>(static_cast<float>(xr[i]) * static_cast<float>(cr[i]));
