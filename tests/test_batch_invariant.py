@@ -28,8 +28,7 @@ from dflash_trt.kernels.cpu_ops import bi_attention, bi_linear, bi_paged_attenti
 from dflash_trt.models.batch_invariant import BatchInvariantLinear, check_batch_invariant, set_batch_invariant
 from dflash_trt.models.layers import RMSNorm
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
-from dflash_trt.quantization.int4 import quantize_activations
-from dflash_trt.quantization.packed import PackedLinear
+from dflash_trt.quantization.packed import PackedLinear, quantize_activations
 from dflash_trt.runtime.engine import LLMEngine
 from dflash_trt.runtime.request import LoopStats, Request
 
@@ -75,9 +74,9 @@ def test_packed_int_linear_rows_independent(fmt, group, dtype):
     """``dflash_cpu::int4_linear`` / ``int8_linear`` (the packed modules' GEMMs): a row alone,
     among other rows and in any position gives the same bits, for every register-tile height
     (1-6 rows and more), and the values are those of the format's arithmetic in fp64 to the
-    output's rounding: int8 ``x @ w.T`` of the dequantized weight; int4 the Q4_1 x Q8_1 sums over
-    the activations as :func:`quantize_activations` rounds them (and within the activations'
-    rounding of ``x @ w.T``)."""
+    output's rounding, over the activations as :func:`quantize_activations` rounds them: int8
+    Q8_0 x Q8_0's block sums times the row's scale, int4 Q4_1 x Q8_1's (and within the
+    activations' rounding of ``x @ w.T``)."""
     torch.manual_seed(group)
     for n, k in ((48, 256), (592, 512), (1040, 256)):  # 6, 74, 130 panels: full and partial tiles
         w, b = torch.randn(n, k) * 0.05, torch.randn(n)
@@ -87,17 +86,17 @@ def test_packed_int_linear_rows_independent(fmt, group, dtype):
         full = mod(x)
         assert full.dtype == dtype and full.shape == (23, n)
         exact = F.linear(x.double(), deq.double()) + b.to(dtype).double()
+        q, s, z = (t.double() if t is not None else None for t in mod.int_weight())
+        xq, d = quantize_activations(x)
+        blocks = k // 32
+        dots = (q.view(1, n, blocks, 32) * xq.double().view(23, 1, blocks, 32)).sum(-1) * d.double()[:, None]
         if fmt == "int4":
-            q, s, z = (t.double() for t in mod.int_weight())
-            xq, d = quantize_activations(x)
-            blocks = k // 32
-            dots = (q.view(1, n, blocks, 32) * xq.double().view(23, 1, blocks, 32)).sum(-1) * d.double()[:, None]
             a = dots.view(23, n, k // group, group // 32).sum(-1)
             xs = (xq.double().view(23, blocks, 32).sum(-1) * d.double()).view(23, 1, k // group, group // 32).sum(-1)
             ref = (a * s.to(dtype).double() + z.to(dtype).double() * xs).sum(-1) + b.to(dtype).double()
-            assert (full.double() - exact).abs().max().item() <= 0.03 * exact.abs().max().item()
         else:
-            ref = exact
+            ref = dots.sum(-1) * s.to(dtype).double() + b.to(dtype).double()
+        assert (full.double() - exact).abs().max().item() <= 0.03 * exact.abs().max().item()
         tol = 2e-5 * ref.abs().max().item() if dtype == torch.float32 else 2e-2 * ref.abs().max().item()
         assert (full.double() - ref).abs().max().item() <= tol
         perm = torch.randperm(23)

@@ -15,7 +15,7 @@ machine): codes packed once by :func:`pack_int4` into blocks of 64 output rows (
 32 bytes hold 8 consecutive inputs of a panel's 8 rows, so that one AVX2 vpmaddubsw multiplies
 4 inputs of 8 rows by 4 activation bytes), scales and zeros ``[blocks, in / g, 2, 8, 8]`` in the
 activation dtype. The activations are quantized per row to int8 in blocks of 32
-(:func:`quantize_activations`, GGUF Q8_1's rule) and each block's dot products are exact
+(:func:`~.packed.quantize_activations`, GGUF Q8_1's rule) and each block's dot products are exact
 integers: llama.cpp's Q4_1 x Q8_1 arithmetic (``ggml_vec_dot_q4_1_q8_1``), the zero term over
 the quantized activations' group sums (as Q8_1's ``s``); the integer sums and a fixed order of
 the fp32 ones make each row's result the same whatever the other rows. The activations'
@@ -150,28 +150,6 @@ def q4_0_codes(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b = _gguf_blocks(t, 18)
     d = _fp16_field(b, 0)
     return _gguf_nibbles(b[..., 2:18]), d, -8 * d.float()
-
-
-#: inputs per activation scale of ``dflash_cpu::int4_linear`` (GGUF Q8_1's block)
-Q8_BLOCK = 32
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The activations as ``dflash_cpu::int4_linear`` multiplies them: per row and block of
-    :data:`Q8_BLOCK` inputs, ``d = amax / 127`` and ``q = round(x * (1 / d))`` (to nearest even;
-    0 where ``amax`` is 0), all in fp32 (GGUF ``quantize_row_q8_1``'s rule).
-
-    Args:
-        x: float ``[M, K]``, ``K`` divisible by 32.
-
-    Returns:
-        ``(q int8 [M, K] in -127..127, d fp32 [M, K / 32])`` with ``x ~= q * d``.
-    """
-    m, k = x.shape
-    xb = x.float().reshape(m, k // Q8_BLOCK, Q8_BLOCK)
-    d = xb.abs().amax(-1) / 127
-    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    return (xb * inv.unsqueeze(-1)).round().to(torch.int8).reshape(m, k), d
 
 
 def pack_int4(

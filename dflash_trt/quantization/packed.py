@@ -33,6 +33,28 @@ PANEL = 8
 BLOCK_ROWS = PANEL * PANEL
 
 
+#: inputs per activation scale of ``dflash_cpu::int4_linear`` / ``int8_linear`` (GGUF Q8's block)
+Q8_BLOCK = 32
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activations as ``dflash_cpu::int4_linear`` and ``int8_linear`` multiply them: per row and block of
+    :data:`Q8_BLOCK` inputs, ``d = amax / 127`` and ``q = round(x * (1 / d))`` (to nearest even;
+    0 where ``amax`` is 0), all in fp32 (GGUF ``quantize_row_q8_1``'s rule).
+
+    Args:
+        x: float ``[M, K]``, ``K`` divisible by 32.
+
+    Returns:
+        ``(q int8 [M, K] in -127..127, d fp32 [M, K / 32])`` with ``x ~= q * d``.
+    """
+    m, k = x.shape
+    xb = x.float().reshape(m, k // Q8_BLOCK, Q8_BLOCK)
+    d = xb.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (xb * inv.unsqueeze(-1)).round().to(torch.int8).reshape(m, k), d
+
+
 def rows_to_blocks(t: torch.Tensor) -> torch.Tensor:
     """``[out, ...]`` -> ``[S, 8, 8, ...]`` (block, panel, row of the panel), the rows padded with
     zeros to ``S = ceil(out / 64)`` blocks."""

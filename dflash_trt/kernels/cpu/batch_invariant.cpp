@@ -24,11 +24,13 @@
 // dflash_cpu::int4_linear(x [M, K], codes [S, K / 8, 8, 32] uint8, scales [S, K / g, 2, 8, 8], N, g, bias?)
 //     -> [M, N]: int4 group-wise asymmetric weights (w = q * scale + zero) against activations
 //     quantized per row to int8 in blocks of 32 (GGUF Q8_1's rule), integer dot products per
-//     block (vpmaddubsw, or VNNI vpdpbusd: the same integers), then fp32: llama.cpp's Q4_1 x Q8_1 arithmetic, in a fixed order per row.
-// dflash_cpu::int8_linear(x [M, K], codes [S, K, 64] int8, scales [S, 8, 8], N, bias?)
-//     -> [M, N]: int8 per output row (w = q * scale), each code decoded to fp32 once per
-//     register tile of up to 6 rows, fp32 accumulation. Both: output in x's dtype (layouts and
-//     order of the sums where the kernels are).
+//     block (vpmaddubsw, or VNNI vpdpbusd: the same integers), then fp32: llama.cpp's Q4_1 x
+//     Q8_1 arithmetic, in a fixed order per row.
+// dflash_cpu::int8_linear(x [M, K], codes [S, K / 4, 8, 32] uint8, scales [S, 8, 8], N, bias?)
+//     -> [M, N]: int8 per output row (w = q * scale) against the activations rounded as
+//     int4_linear rounds them, integer dot products per block (VNNI vpdpbusd, or vpmaddubsw),
+//     then fp32: GGUF Q8_0 x Q8_0's arithmetic with a scale per row. Both: output in x's dtype
+//     (layouts and order of the sums where the kernels are).
 //
 // dflash_cpu::bi_attention(q [S, H, T, D], k [S, Hkv, L, D], v, mask [S|1, 1, T, L], scale, sinks?)
 //     -> [S, H, T, D] fp32: each (sequence, head, query) alone: scores over its visible keys in
@@ -356,15 +358,10 @@ at::Tensor bi_linear(const at::Tensor& x, const at::Tensor& w, const std::option
   return linear_packed(x, bi_pack(w), w.size(0), bias);
 }
 
-// ---- packed integer weights: int8 (per output row, symmetric, w = q * scale) and, further
-// down, int4 (group-wise asymmetric, w = q * scale + zero) ----
-// int8 codes [S, K, 8] words (S = ceil(N / 64) blocks of 8 panels of 8 output columns): word
-// (s, k, c), 8 bytes, holds the codes of columns 64s + 8c .. 64s + 8c + 7 at input k (column j
-// in byte j), so that a register tile of 8 panels reads one line per k and a decode step
-// streams the weight in order. Scales [S, 8, 8] (the 64 columns' scales), fp32 or bf16.
-// One output: y = scale * (FMA chain over k in increasing order of x[k] * q[k] from 0). A code
-// is decoded once per register tile and used by every row of it, so the rows of a verify block
-// share the decoding.
+// ---- packed integer weights: int8 (per output row, symmetric, w = q * scale) and int4
+// (group-wise asymmetric, w = q * scale + zero), both against activations rounded to int8 per
+// row in blocks of 32 (GGUF Q8's rule) and multiplied in integers; S = ceil(N / 64) blocks of 8
+// panels of 8 output columns, scales per block as [S, 8, 8] (int4: per group, with zeros). ----
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
@@ -407,53 +404,6 @@ inline v8f fma8(v8f a, v8f b, v8f c) {
 #endif
 }
 
-// 8 int8 codes (one word: column j in byte j) as fp32
-inline v8f int8_decode(uint64_t word) {
-#if defined(__AVX2__)
-  return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(static_cast<long long>(word))));
-#else
-  v8i q;
-  for (int i = 0; i < IL; ++i) q[i] = static_cast<int8_t>(word >> (8 * i));
-  return __builtin_convertvector(q, v8f);
-#endif
-}
-
-// int8: R rows x C panels (p, p + 1, ...); y = scale * (FMA chain over k) into out (ldo apart
-// per row)
-template <int R, int C, typename S>
-__attribute__((noinline)) void int8_tile(const float* x, int64_t K, const uint64_t* codes, const S* sz, int64_t p,
-                                          float* out, int64_t ldo) {
-  const uint64_t* wc[C];
-  const S* sc[C];
-  for (int c = 0; c < C; ++c) {
-    wc[c] = codes + (p + c) / IB * K * IB + (p + c) % IB;
-    sc[c] = sz + (p + c) / IB * IB * IL + (p + c) % IB * IL;
-  }
-  v8f a[R][C] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    // with 1-2 rows the codes stream from memory (a decode step): fetch ~2-4 KiB ahead in the
-    // block (the lines of the next k's), at the rate they are read
-    if constexpr (R <= 2) {
-      if ((k & 1) == 0) __builtin_prefetch(wc[0] + (k + 64) * IB, 0, 1);
-    }
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      const v8f w = int8_decode(wc[c][k * IB]);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) a[r][c] = fma8(bcast8(x + r * K + k), w, a[r][c]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) {
-    const v8f s = load8(sc[c]);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const v8f y = fma8(s, a[r][c], v8f{});
-      std::memcpy(out + r * ldo + c * IL, &y, sizeof(y));
-    }
-  }
-}
-
 // the threading and output stores of the packed integer GEMMs: threads take whole groups of
 // panels (never a split of K), blocks of 8 where there are enough for ~4 groups a thread, else
 // fewer; register tiles of C1 .. C6 panels for 1 .. 6 rows (tile_rows), tile(R, C, m, p, t, ldt)
@@ -481,14 +431,6 @@ void int_panels(int64_t M, int64_t N, const float* bias, O* out, const Tile& til
         }
       }
     }
-  });
-}
-
-template <typename S, typename O>
-void int8_impl(const float* x, int64_t M, int64_t K, const uint64_t* wp, const S* sz, const float* bias, int64_t N,
-               O* out) {
-  int_panels<8, 4, 2, 2, 1, 1>(M, N, bias, out, [&](auto r, auto c, int64_t m, int64_t p, float* t, int64_t ldt) {
-    int8_tile<decltype(r)::value, decltype(c)::value>(x + m * K, K, wp, sz, p, t, ldt);
   });
 }
 
@@ -686,6 +628,24 @@ __attribute__((noinline)) void int4_tile(const int8_t* xq, const float* xd, cons
   }
 }
 
+// the rows' activations as Q8 blocks: codes, scales and per-block code sums
+template <typename T>
+struct Q8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sum;
+  Q8Rows(const T* x, int64_t M, int64_t K) : q(M * K), d(M * (K / QB)), sum(M * (K / QB)) {
+    for (int64_t m = 0; m < M; ++m) {
+      quantize_q8(x + m * K, K, q.data() + m * K, d.data() + m * (K / QB));
+      for (int64_t b = 0; b < K / QB; ++b) {
+        int32_t t = 0;
+        for (int i = 0; i < QB; ++i) t += q[m * K + b * QB + i];
+        sum[m * (K / QB) + b] = t;
+      }
+    }
+  }
+};
+
 // panels of an int4 register tile for 1 .. 6 rows: R x C int32 block sums and R x C fp32 sums
 // live in registers beside 2 C code vectors. With AVX-512's 32 registers 4 rows take 4 panels:
 // 120 GEMMs of the default target's shapes, 4 rows, 2 threads (AMD EPYC Zen 4), 1.88 ms with 2
@@ -696,29 +656,132 @@ __attribute__((noinline)) void int4_tile(const int8_t* xq, const float* xd, cons
 #define INT4_PANELS 4, 2, 2, 2, 1, 1
 #endif
 
+
 template <typename T, typename S, typename O>
 void int4_impl(const T* x, int64_t M, int64_t K, int64_t g, const uint8_t* wp, const S* sz, const float* bias,
                int64_t N, O* out) {
   const int64_t G = K / g, KB = K / QB;
-  std::vector<float> xs(M * G), xd(M * KB);  // each row's quantized group sums, Q8 scales
-  std::vector<int8_t> xq(M * K);
-  for (int64_t m = 0; m < M; ++m) {
-    int8_t* q = xq.data() + m * K;
-    float* d = xd.data() + m * KB;
-    quantize_q8(x + m * K, K, q, d);
-    for (int64_t gi = 0; gi < G; ++gi) {  // the quantized activations' sum: d_b * sum(q) per block
+  const Q8Rows<T> xr(x, M, K);
+  std::vector<float> xs(M * G);  // each row's quantized group sums: d_b * sum(q) per block, in order
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t gi = 0; gi < G; ++gi) {
       float s = 0.f;
-      for (int64_t b = gi * (g / QB); b < (gi + 1) * (g / QB); ++b) {
-        int32_t sq = 0;
-        for (int i = 0; i < QB; ++i) sq += q[b * QB + i];
-        s = std::fma(d[b], static_cast<float>(sq), s);
-      }
+      for (int64_t b = gi * (g / QB); b < (gi + 1) * (g / QB); ++b)
+        s = std::fma(xr.d[m * KB + b], static_cast<float>(xr.sum[m * KB + b]), s);
       xs[m * G + gi] = s;
     }
-  }
   int_panels<INT4_PANELS>(M, N, bias, out, [&](auto r, auto c, int64_t m, int64_t p, float* t, int64_t ldt) {
-    int4_tile<decltype(r)::value, decltype(c)::value>(xq.data() + m * K, xd.data() + m * KB, xs.data() + m * G, K, G,
-                                                      g, wp, sz, p, t, ldt);
+    int4_tile<decltype(r)::value, decltype(c)::value>(xr.q.data() + m * K, xr.d.data() + m * KB, xs.data() + m * G, K,
+                                                      G, g, wp, sz, p, t, ldt);
+  });
+}
+
+// ---- int8 weights against int8 activations (GGUF Q8_0 x Q8_0's arithmetic with one scale
+// per output row; llama.cpp's ggml_vec_dot_q8_0_q8_0 for the default target's Q8_0 LM head) ----
+// Codes [S, K / 4, 8, 32] bytes: the 32 bytes (s, kq, c) hold column 64s + 8c + j's codes + 128
+// (unsigned) at inputs 4kq + i in byte 4j + i, i = 0..3. One output: y = scale * (FMA chain over
+// the 32-input blocks in increasing order of d_b * dot_b from 0), dot_b = sum of q_w * q_x over
+// the block (exact: integers, |dot| <= 127 * 127 * 32), the activations rounded as int4_linear
+// rounds them. With VNNI, vpdpbusd multiplies the unsigned codes by the signed activation bytes
+// (4 a column, summed into its int32) and 128 * sum(q_x) is taken off per block; with AVX2 the
+// codes are made signed again and multiplied as |w| * (x with w's sign) (vpmaddubsw, pairs that
+// cannot saturate: <= 2 * 128 * 127), then vpmaddwd: the same integers either way.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+constexpr bool Q8_OFFSET = true;  // the dots hold sum((q_w + 128) * q_x)
+inline void q8_dot(__m256i w, int32_t x4, __m256i& acc) { acc = dpbusd(acc, w, _mm256_set1_epi32(x4)); }
+#elif defined(__AVX2__)
+constexpr bool Q8_OFFSET = false;
+inline void q8_dot(__m256i w, int32_t x4, __m256i& acc) {
+  const __m256i ws = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));  // q_w as int8
+  const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(_mm256_set1_epi32(x4), ws));
+  acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+#endif
+
+// R rows x C panels (p, p + 1, ...) into out (ldo apart per row). xq [R, K], xd / xsum [R, K / QB]
+// (each block's scale and sum of codes)
+template <int R, int C, typename S>
+__attribute__((noinline)) void int8_tile(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t K,
+                                          const uint8_t* codes, const S* sz, int64_t p, float* out, int64_t ldo) {
+  constexpr int64_t chunk = IB * 32;  // bytes of one block's 4 inputs
+  const int64_t KQ = K / 4, KB = K / QB;
+  const uint8_t* wc[C];
+  const S* sc[C];
+  for (int c = 0; c < C; ++c) {
+    wc[c] = codes + (p + c) / IB * KQ * chunk + (p + c) % IB * 32;
+    sc[c] = sz + (p + c) / IB * IB * IL + (p + c) % IB * IL;
+  }
+  v8f a[R][C] = {};
+  for (int64_t b = 0; b < KB; ++b) {
+#if defined(__AVX2__)
+    __m256i s[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) s[r][c] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int64_t kq = b * (QB / 4); kq < (b + 1) * (QB / 4); ++kq) {
+#pragma GCC unroll 8
+      for (int c = 0; c < C; c += 2) __builtin_prefetch(wc[c] + (kq + 16) * chunk, 0, 1);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc[c] + kq * chunk));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, xq + r * K + kq * 4, 4);
+          q8_dot(w, x4, s[r][c]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const v8f d = bcast8(xd + r * KB + b);
+      const __m256i off = _mm256_set1_epi32(Q8_OFFSET ? 128 * xsum[r * KB + b] : 0);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) a[r][c] = fma8(d, (v8f)_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][c], off)), a[r][c]);
+    }
+#else
+    for (int r = 0; r < R; ++r) {
+      const v8f d = bcast8(xd + r * KB + b);
+      for (int c = 0; c < C; ++c) {
+        v8f f;
+        for (int j = 0; j < IL; ++j) {
+          int32_t dot = 0;
+          for (int64_t kq = b * (QB / 4); kq < (b + 1) * (QB / 4); ++kq)
+            for (int i = 0; i < 4; ++i) dot += (wc[c][kq * chunk + 4 * j + i] - 128) * xq[r * K + kq * 4 + i];
+          f[j] = static_cast<float>(dot);
+        }
+        a[r][c] = fma8(d, f, a[r][c]);
+      }
+    }
+#endif
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    const v8f sv = load8(sc[c]);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const v8f y = fma8(sv, a[r][c], v8f{});
+      std::memcpy(out + r * ldo + c * IL, &y, sizeof(y));
+    }
+  }
+}
+
+// panels of an int8 register tile for 1 .. 6 rows (as INT4_PANELS: int32 and fp32 sums, 1 code
+// vector a panel)
+#ifdef __AVX512F__
+#define INT8_PANELS 8, 4, 4, 4, 2, 2
+#else
+#define INT8_PANELS 4, 2, 2, 2, 1, 1
+#endif
+
+template <typename T, typename S, typename O>
+void int8_impl(const T* x, int64_t M, int64_t K, const uint8_t* wp, const S* sz, const float* bias, int64_t N,
+               O* out) {
+  const Q8Rows<T> xr(x, M, K);
+  const int64_t KB = K / QB;
+  int_panels<INT8_PANELS>(M, N, bias, out, [&](auto r, auto c, int64_t m, int64_t p, float* t, int64_t ldt) {
+    int8_tile<decltype(r)::value, decltype(c)::value>(xr.q.data() + m * K, xr.d.data() + m * KB,
+                                                      xr.sum.data() + m * KB, K, wp, sz, p, t, ldt);
   });
 }
 
@@ -781,21 +844,24 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                     });
 }
 
-// codes [S, K, 64] int8, scales [S, 8, 8]
+// codes [S, K / 4, 8, 32] uint8, scales [S, 8, 8]
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && scales.dim() == 3,
-              "int8_linear: x [M, K], codes [S, K, 64], scales [S, 8, 8] expected");
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 4 && scales.dim() == 3,
+              "int8_linear: x [M, K], codes [S, K / 4, 8, 32], scales [S, 8, 8] expected");
   const int64_t K = x.size(1), NB = codes.size(0);
-  TORCH_CHECK(codes.size(1) == K && codes.size(2) == IB * IL && codes.scalar_type() == at::kChar,
-              "int8_linear: codes must be int8 [S, ", K, ", 64]");
-  TORCH_CHECK(scales.size(0) == NB && scales.size(1) == IB && scales.size(2) == IL,
-              "int8_linear: scales must be [", NB, ", 8, 8]");
-  const auto* wp = reinterpret_cast<const uint64_t*>(codes.data_ptr());
+  TORCH_CHECK(K % QB == 0, "int8_linear: ", K, " inputs are not a multiple of ", QB);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.size(1) == K / 4 && codes.size(2) == IB && codes.size(3) == 32,
+              "int8_linear: codes must be uint8 [S, ", K / 4, ", 8, 32]");
+  TORCH_CHECK(scales.size(0) == NB && scales.size(1) == IB && scales.size(2) == IL, "int8_linear: scales must be [",
+              NB, ", 8, 8]");
+  const uint8_t* wp = codes.data_ptr<uint8_t>();
   return int_linear("int8_linear", x, codes, scales, n, bias,
                     [&](const at::Tensor& xc, const auto* sz, const float* b, auto* out) {
-                      const at::Tensor xf = xc.to(at::kFloat);
-                      int8_impl(xf.data_ptr<float>(), xf.size(0), K, wp, sz, b, n, out);
+                      if (xc.scalar_type() == at::kBFloat16)
+                        int8_impl(xc.data_ptr<c10::BFloat16>(), xc.size(0), K, wp, sz, b, n, out);
+                      else
+                        int8_impl(xc.data_ptr<float>(), xc.size(0), K, wp, sz, b, n, out);
                     });
 }
 
