@@ -590,12 +590,18 @@ __attribute__((noinline)) void int4_tile(const int8_t* xq, const float* xd, cons
   }
   for (int r = 0; r < R; ++r) std::memset(out + r * ldo, 0, sizeof(float) * C * IL);
   const int64_t blocks = g / QB;
+  // the group's fp32 sums stay in memory (L1): in registers beside the R x C integer sums, the
+  // codes and the broadcast activations they overflowed AVX-512's 32 and were spilled inside the
+  // loop over the inputs
+  alignas(32) float a[R][C][IL];
   for (int64_t gi = 0; gi < G; ++gi) {
-    v8f a[R][C] = {};
+    std::memset(a, 0, sizeof(a));
     for (int64_t b = gi * blocks; b < (gi + 1) * blocks; ++b) {
+      asm volatile("" : : "r"(a) : "memory");  // (keeps a[] in memory)
       Q4Acc s[R][C];
 #pragma GCC unroll 4
-      for (int64_t kc = b * (QB / 8); kc < (b + 1) * (QB / 8); ++kc) {
+      for (int64_t k8 = 0; k8 < QB / 8; ++k8) {  // (a constant count: no remainder code)
+        const int64_t kc = b * (QB / 8) + k8;
         // the codes stream from memory: fetch each 64-byte line 8 inputs' chunks ahead
 #pragma GCC unroll 8
         for (int c = 0; c < C; c += 2) __builtin_prefetch(wc[c] + (kc + 8) * chunk, 0, 1);
@@ -610,7 +616,10 @@ __attribute__((noinline)) void int4_tile(const int8_t* xq, const float* xd, cons
       for (int r = 0; r < R; ++r) {
         const v8f d = bcast8(xd + r * KB + b);
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) a[r][c] = fma8(d, q4_sum(s[r][c]), a[r][c]);
+        for (int c = 0; c < C; ++c) {
+          const v8f y = fma8(d, q4_sum(s[r][c]), load8(a[r][c]));
+          std::memcpy(a[r][c], &y, sizeof(y));
+        }
       }
     }
 #pragma GCC unroll 8
@@ -620,7 +629,7 @@ __attribute__((noinline)) void int4_tile(const int8_t* xq, const float* xd, cons
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         float* o = out + r * ldo + c * IL;
-        const v8f y = fma8(s, a[r][c], load8(o));
+        const v8f y = fma8(s, load8(a[r][c]), load8(o));
         const v8f yz = fma8(z, bcast8(xs + r * G + gi), y);
         std::memcpy(o, &yz, sizeof(yz));
       }
@@ -711,14 +720,16 @@ __attribute__((noinline)) void int8_tile(const int8_t* xq, const float* xd, cons
     wc[c] = codes + (p + c) / IB * KQ * chunk + (p + c) % IB * 32;
     sc[c] = sz + (p + c) / IB * IB * IL + (p + c) % IB * IL;
   }
-  v8f a[R][C] = {};
+  alignas(32) float a[R][C][IL] = {};  // in memory, as int4_tile's
   for (int64_t b = 0; b < KB; ++b) {
 #if defined(__AVX2__)
+    asm volatile("" : : "r"(a) : "memory");
     __m256i s[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) s[r][c] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-    for (int64_t kq = b * (QB / 4); kq < (b + 1) * (QB / 4); ++kq) {
+    for (int64_t k4 = 0; k4 < QB / 4; ++k4) {
+      const int64_t kq = b * (QB / 4) + k4;
 #pragma GCC unroll 8
       for (int c = 0; c < C; c += 2) __builtin_prefetch(wc[c] + (kq + 16) * chunk, 0, 1);
 #pragma GCC unroll 8
@@ -737,7 +748,10 @@ __attribute__((noinline)) void int8_tile(const int8_t* xq, const float* xd, cons
       const v8f d = bcast8(xd + r * KB + b);
       const __m256i off = _mm256_set1_epi32(Q8_OFFSET ? 128 * xsum[r * KB + b] : 0);
 #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) a[r][c] = fma8(d, (v8f)_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][c], off)), a[r][c]);
+      for (int c = 0; c < C; ++c) {
+        const v8f y = fma8(d, (v8f)_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][c], off)), load8(a[r][c]));
+        std::memcpy(a[r][c], &y, sizeof(y));
+      }
     }
 #else
     for (int r = 0; r < R; ++r) {
@@ -750,7 +764,8 @@ __attribute__((noinline)) void int8_tile(const int8_t* xq, const float* xd, cons
             for (int i = 0; i < 4; ++i) dot += (wc[c][kq * chunk + 4 * j + i] - 128) * xq[r * K + kq * 4 + i];
           f[j] = static_cast<float>(dot);
         }
-        a[r][c] = fma8(d, f, a[r][c]);
+        const v8f y = fma8(d, f, load8(a[r][c]));
+        std::memcpy(a[r][c], &y, sizeof(y));
       }
     }
 #endif
@@ -760,7 +775,7 @@ __attribute__((noinline)) void int8_tile(const int8_t* xq, const float* xd, cons
     const v8f sv = load8(sc[c]);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const v8f y = fma8(sv, a[r][c], v8f{});
+      const v8f y = fma8(sv, load8(a[r][c]), v8f{});
       std::memcpy(out + r * ldo + c * IL, &y, sizeof(y));
     }
   }
