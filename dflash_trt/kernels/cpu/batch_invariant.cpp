@@ -19,7 +19,9 @@
 //     takes one broadcast input and C weight vectors per k (the GEMM micro-kernel of BLIS and
 //     oneDNN, without their split of K). The tile's size only sets how many outputs share each
 //     load; threads split the output columns, never K. The output has x's dtype (fp32 results
-//     rounded to nearest even for bf16).
+//     rounded to nearest even for bf16). bf16 x with bf16 weights on a CPU with AVX512-BF16:
+//     vdpbf16ps over the pairs of inputs (0, 1), (2, 3), ... instead (tile_bf16; a fixed order
+//     per output too, twice the inputs an instruction).
 //
 // dflash_cpu::int4_linear(x [M, K], codes [S, K / 8, 8, 32] uint8, scales [S, K / g, 2, 8, 8], N, g, bias?)
 //     -> [M, N]: int4 group-wise asymmetric weights (w = q * scale + zero) against activations
@@ -245,6 +247,56 @@ __attribute__((noinline)) void tile(const float* x, int64_t K, const W* wp, floa
     for (int c = 0; c < C; ++c) std::memcpy(out + r * ldo + c * VL, &acc[r][c], sizeof(vf));
 }
 
+#if defined(__AVX512BF16__)
+// bf16 activations x bf16 weights with AVX512-BF16: vdpbf16ps multiplies 16 lanes of bf16 pairs
+// and adds both exact products into the lane's fp32 sum, one rounding each (denormals flushed),
+// twice the inputs of an FMA a lane. A panel's rows k and k + 1 (16 columns each, as bi_pack
+// lays them out) are interleaved into pairs by one vpermt2w shared by the tile's rows; each
+// row's (x[k], x[k + 1]) is one broadcast dword. One output: the pairs of inputs (0, 1), (2, 3),
+// ... in order from 0 (an odd K's last input paired with a zero), whatever the other rows.
+constexpr bool BF16_DOT = true;
+
+inline __m512bh pair_rows(const c10::BFloat16* a, const c10::BFloat16* b, __m512i idx) {
+  const __m512i lo = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+  const __m512i hi = b ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)))
+                       : _mm512_setzero_si512();
+  return (__m512bh)_mm512_permutex2var_epi16(lo, idx, hi);
+}
+
+template <int R, int C>
+__attribute__((noinline)) void tile_bf16(const c10::BFloat16* x, int64_t K, const c10::BFloat16* wp, float* out,
+                                         int64_t ldo) {
+  static_assert(VL == 16, "a zmm of bf16 pairs covers 16 columns");
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t ps = K * VL;  // one panel
+  alignas(64) int16_t order[32];  // word 2i: row k's column i, word 2i + 1: row k + 1's
+  for (int i = 0; i < 16; ++i) order[2 * i] = static_cast<int16_t>(i), order[2 * i + 1] = static_cast<int16_t>(32 + i);
+  const __m512i idx = _mm512_load_si512(order);
+  const char* next = reinterpret_cast<const char*>(wp + C * ps);
+  constexpr int64_t step = static_cast<int64_t>(C) * VL * 2;
+  const uint16_t* xu = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t k = 0; k < K; k += 2) {
+    const bool pair = k + 1 < K;
+    if constexpr (R <= 2) {
+      for (int64_t b = 0; b < 2 * step; b += 64) __builtin_prefetch(next + k * step + b, 0, 1);
+    }
+    __m512bh wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = pair_rows(wp + c * ps + k * VL, pair ? wp + c * ps + (k + 1) * VL : nullptr, idx);
+    for (int r = 0; r < R; ++r) {
+      const uint32_t xp = xu[r * K + k] | (pair ? static_cast<uint32_t>(xu[r * K + k + 1]) << 16 : 0u);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xp));
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, wv[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * ldo + c * VL, acc[r][c]);
+}
+#else
+constexpr bool BF16_DOT = false;
+#endif
+
 // R rows x `panels` panels of `width` outputs, C panels at a time (the remainder one at a time):
 // tile(R, C, p, out + p * width) for p = 0, C, 2C, ... (R and C as std::integral_constant). The
 // register tiles it calls are kept out of line (noinline): inlined into these generic lambdas,
@@ -280,8 +332,9 @@ constexpr int PANELS[MR] = {8, 8, 6, 4, 4, 4};  // 32 registers
 constexpr int PANELS[MR] = {6, 4, 3, 2, 2, 2};  // 16 registers
 #endif
 
-template <typename W, typename O>
-void linear_impl(const float* x, int64_t M, int64_t K, const W* wp, const float* bias, int64_t N, O* out) {
+// x [M, K] fp32 (any weight: the FMA tile) or bf16 (bf16 weights with BF16_DOT: tile_bf16)
+template <typename X, typename W, typename O>
+void linear_impl(const X* x, int64_t M, int64_t K, const W* wp, const float* bias, int64_t N, O* out) {
   // threads take whole groups of panels (output columns); never a split of K. A group (~256 KiB:
   // in L2, a multiple of 6 panels) is swept by every register tile of rows in turn.
   const int64_t P = (N + VL - 1) / VL;
@@ -300,7 +353,13 @@ void linear_impl(const float* x, int64_t M, int64_t K, const W* wp, const float*
         const W* wg = wp + p0 * K * VL;
         tile_rows<PANELS[0], PANELS[1], PANELS[2], PANELS[3], PANELS[4], PANELS[5]>(
             rows, static_cast<int>(np), VL, t.data(), [&](auto r, auto c, int p, float* o) {
-              tile<decltype(r)::value, decltype(c)::value>(x + m * K, K, wg + p * K * VL, o, ldt);
+              if constexpr (std::is_same_v<X, float>) {
+                tile<decltype(r)::value, decltype(c)::value>(x + m * K, K, wg + p * K * VL, o, ldt);
+              } else {
+#if defined(__AVX512BF16__)
+                tile_bf16<decltype(r)::value, decltype(c)::value>(x + m * K, K, wg + p * K * VL, o, ldt);
+#endif
+              }
             });
         for (int r = 0; r < rows; ++r) {
           O* o = out + (m + r) * N + n0;
@@ -329,7 +388,9 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp, int64_t N, c
   TORCH_CHECK(wp.scalar_type() == at::kFloat || wp.scalar_type() == at::kBFloat16, "bi_linear: w must be fp32 or bf16");
   TORCH_CHECK(wp.is_contiguous(), "bi_linear: the packed weight must be contiguous");
   const int64_t M = x.size(0), K = x.size(1);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();  // exact for bf16
+  const bool wb = wp.scalar_type() == at::kBFloat16, ob = x.scalar_type() == at::kBFloat16;
+  const bool bf16_dot = BF16_DOT && wb && ob;
+  const at::Tensor xf = bf16_dot ? x.contiguous() : x.to(at::kFloat).contiguous();  // exact for bf16
   at::Tensor bf;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "bi_linear: bias has ", bias->numel(), " values for ", N, " outputs");
@@ -338,8 +399,11 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp, int64_t N, c
   const float* b = bf.defined() ? bf.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
+  if (bf16_dot) {
+    linear_impl(xf.data_ptr<c10::BFloat16>(), M, K, wp.data_ptr<c10::BFloat16>(), b, N, out.data_ptr<c10::BFloat16>());
+    return out;
+  }
   const float* xp = xf.data_ptr<float>();
-  const bool wb = wp.scalar_type() == at::kBFloat16, ob = x.scalar_type() == at::kBFloat16;
   if (wb && ob) {
     linear_impl(xp, M, K, wp.data_ptr<c10::BFloat16>(), b, N, out.data_ptr<c10::BFloat16>());
   } else if (wb) {
@@ -880,12 +944,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                     });
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-// out[b] = hsum(v[b]) for 8 vectors of 8 lanes: transposed (vector i holds lane i of each v[b]),
-// then 0 + lane 0 + lane 1 + ... + lane 7 added in that order as hsum does, 8 keys per add
-inline void hsum8(const vf* v, float* out) {
-  __m256 r[8];
-  for (int i = 0; i < 8; ++i) r[i] = (__m256)v[i];
+#if defined(__AVX2__)
+// the 8 x 8 transpose of r[0..7]: lane[i] holds lane i of each r[b] (b = 0..7)
+inline void transpose8(const __m256* r, __m256* lane) {
   const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
   const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
   const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
@@ -898,13 +959,32 @@ inline void hsum8(const vf* v, float* out) {
   const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
   const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
   const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 lane[8] = {
-      _mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
-      _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
-      _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
-      _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
-  __m256 s = _mm256_setzero_ps();
-  for (int i = 0; i < 8; ++i) s = _mm256_add_ps(s, lane[i]);
+  lane[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  lane[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  lane[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  lane[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  lane[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  lane[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  lane[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  lane[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// out[b] = hsum(v[b]) for 8 vectors: transposed 8 lanes at a time (vector i holds lane i of each
+// v[b]), then 0 + lane 0 + lane 1 + ... + lane VL-1 added in that order as hsum does, 8 keys per add
+inline void hsum8(const vf* v, float* out) {
+  __m256 s = _mm256_setzero_ps(), r[8], lane[8];
+  for (int h = 0; h < VL / 8; ++h) {  // the lanes 8h .. 8h + 7 of every vector
+    for (int i = 0; i < 8; ++i) {
+#if defined(__AVX512F__)
+      const __m512d d = _mm512_castps_pd((__m512)v[i]);
+      r[i] = _mm256_castpd_ps(h ? _mm512_extractf64x4_pd(d, 1) : _mm512_castpd512_pd256(d));
+#else
+      r[i] = (__m256)v[i];
+#endif
+    }
+    transpose8(r, lane);
+    for (int i = 0; i < 8; ++i) s = _mm256_add_ps(s, lane[i]);
+  }
   _mm256_storeu_ps(out, s);
 }
 #endif
@@ -920,7 +1000,7 @@ inline void dots(const float* q, const T* const* kr, int64_t D, float* scores) {
     const vf qv = loadv(q + d);
     for (int b = 0; b < KB; ++b) acc[b] = fmav(qv, loadv(kr[b] + d), acc[b]);
   }
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__)
   if constexpr (KB == 8) {
     if (D >= VL) {  // hsum of the 8 keys at once: lane i of every key in one vector (a transpose), the same adds
       hsum8(acc, scores);
