@@ -138,7 +138,8 @@ def bi_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
         bias: optional ``[N]`` (any float dtype; added in fp32 before the final rounding).
 
     Returns:
-        ``[M, N]`` in ``x``'s dtype; fp32 accumulation, one rounding at the end.
+        ``[M, N]`` in ``x``'s dtype; fp32 accumulation (bf16 x bf16 on an AVX512-BF16 CPU: pairs
+        of inputs per ``vdpbf16ps``, a fixed order too), one rounding at the end.
     """
     load()
     return torch.ops.dflash_cpu.bi_linear(x, w, bias)

@@ -12,8 +12,8 @@ layout): ``weight`` uint8 ``[out, in / 2]`` (codes, the even element in the low 
 
 Run time: ``dflash_cpu::int4_linear`` (``kernels/cpu/batch_invariant.cpp``, built once per
 machine): codes packed once by :func:`pack_int4` into blocks of 64 output rows (8 panels of 8;
-32 bytes hold 8 consecutive inputs of a panel's 8 rows, so that one AVX2 vpmaddubsw multiplies
-4 inputs of 8 rows by 4 activation bytes), scales and zeros ``[blocks, in / g, 2, 8, 8]`` in the
+32 bytes hold 8 consecutive inputs of a panel's 8 rows, so that one AVX2 vpmaddubsw, or one VNNI
+vpdpbusd, multiplies 4 inputs of 8 rows by 4 activation bytes), scales and zeros ``[blocks, in / g, 2, 8, 8]`` in the
 activation dtype. The activations are quantized per row to int8 in blocks of 32
 (:func:`~.packed.quantize_activations`, GGUF Q8_1's rule) and each block's dot products are exact
 integers: llama.cpp's Q4_1 x Q8_1 arithmetic (``ggml_vec_dot_q4_1_q8_1``), the zero term over
