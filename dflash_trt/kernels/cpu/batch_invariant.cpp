@@ -567,11 +567,9 @@ inline void quantize_q8(const T* x, int64_t K, int8_t* q, float* d) {
 }
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
-// VNNI (AVX512-VNNI / AVX-VNNI): vpdpbusd multiplies the 4 unsigned code bytes of each column by
-// the 4 activation bytes and adds the sum to the column's int32 in one instruction: the same
-// exact integer block sums as vpmaddubsw + vpmaddwd below, in half the instructions
-struct Q4Acc {  // the 8 columns' int32 dot products
+#if defined(__AVX2__)
+struct Q4Acc {  // VNNI: the 8 columns' int32 sums; AVX2: 16 int16 partial sums (pairs of lanes per
+                // column; <= 8 * 3810 in magnitude)
   __m256i v = _mm256_setzero_si256();
 };
 struct Q4Codes {
@@ -581,6 +579,10 @@ inline Q4Codes q4_load(const uint8_t* p) {
   const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), m = _mm256_set1_epi8(0x0F);
   return {_mm256_and_si256(w, m), _mm256_and_si256(_mm256_srli_epi16(w, 4), m)};
 }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+// VNNI (AVX512-VNNI / AVX-VNNI): vpdpbusd multiplies the 4 unsigned code bytes of each column by
+// the 4 activation bytes and adds the sum to the column's int32 in one instruction: the same
+// exact integer block sums as vpmaddubsw + vpmaddwd below, in half the instructions
 inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(acc, u, s);
@@ -596,17 +598,7 @@ inline void q4_dot(const Q4Codes& w, const int8_t* xq, Q4Acc& acc) {
   acc.v = dpbusd(acc.v, w.hi, _mm256_set1_epi32(b));
 }
 inline v8f q4_sum(const Q4Acc& acc) { return (v8f)_mm256_cvtepi32_ps(acc.v); }
-#elif defined(__AVX2__)
-struct Q4Acc {  // 16 int16 partial sums (pairs of lanes per column; <= 8 * 3810 in magnitude)
-  __m256i v = _mm256_setzero_si256();
-};
-struct Q4Codes {
-  __m256i lo, hi;
-};
-inline Q4Codes q4_load(const uint8_t* p) {
-  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), m = _mm256_set1_epi8(0x0F);
-  return {_mm256_and_si256(w, m), _mm256_and_si256(_mm256_srli_epi16(w, 4), m)};
-}
+#else
 inline void q4_dot(const Q4Codes& w, const int8_t* xq, Q4Acc& acc) {
   int32_t a, b;
   std::memcpy(&a, xq, 4);
@@ -617,6 +609,7 @@ inline void q4_dot(const Q4Codes& w, const int8_t* xq, Q4Acc& acc) {
 inline v8f q4_sum(const Q4Acc& acc) {
   return (v8f)_mm256_cvtepi32_ps(_mm256_madd_epi16(acc.v, _mm256_set1_epi16(1)));
 }
+#endif
 #else
 struct Q4Acc {  // the 8 columns' dot products
   int32_t v[IL] = {};
