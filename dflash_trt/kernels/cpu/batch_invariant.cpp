@@ -630,6 +630,17 @@ inline v8f q4_sum(const Q4Acc& acc) {
 }
 #endif
 
+// where panels p .. p + C - 1 of the packed int4 / int8 codes and their scales start: 8 panels a
+// block, `block` bytes of codes and `sblock` scales a block, a panel's 32 bytes / 8 scales in it
+template <int C, typename S>
+inline void panel_starts(const uint8_t* codes, int64_t block, const S* sz, int64_t sblock, int64_t p,
+                         const uint8_t** wc, const S** sc) {
+  for (int c = 0; c < C; ++c) {
+    wc[c] = codes + (p + c) / IB * block + (p + c) % IB * 32;
+    sc[c] = sz + (p + c) / IB * sblock + (p + c) % IB * IL;
+  }
+}
+
 // R rows x C panels (p, p + 1, ...) over all groups; y accumulates in out (ldo apart per row),
 // set here. xq [R, K], xd [R, K / QB], xs [R, G].
 template <int R, int C, typename S>
@@ -641,10 +652,7 @@ __attribute__((noinline)) void int4_tile(const int8_t* xq, const float* xd, cons
   const int64_t KC = K / 8, KB = K / QB;
   const uint8_t* wc[C];
   const S* sc[C];
-  for (int c = 0; c < C; ++c) {
-    wc[c] = codes + (p + c) / IB * KC * chunk + (p + c) % IB * 32;
-    sc[c] = sz + (p + c) / IB * G * group_scales + (p + c) % IB * IL;
-  }
+  panel_starts<C>(codes, KC * chunk, sz, G * group_scales, p, wc, sc);
   for (int r = 0; r < R; ++r) std::memset(out + r * ldo, 0, sizeof(float) * C * IL);
   const int64_t blocks = g / QB;
   // the group's fp32 sums stay in memory (L1): in registers beside the R x C integer sums, the
@@ -773,10 +781,7 @@ __attribute__((noinline)) void int8_tile(const int8_t* xq, const float* xd, cons
   const int64_t KQ = K / 4, KB = K / QB;
   const uint8_t* wc[C];
   const S* sc[C];
-  for (int c = 0; c < C; ++c) {
-    wc[c] = codes + (p + c) / IB * KQ * chunk + (p + c) % IB * 32;
-    sc[c] = sz + (p + c) / IB * IB * IL + (p + c) % IB * IL;
-  }
+  panel_starts<C>(codes, KQ * chunk, sz, IB * IL, p, wc, sc);
   alignas(32) float a[R][C][IL] = {};  // in memory, as int4_tile's
   for (int64_t b = 0; b < KB; ++b) {
 #if defined(__AVX2__)
