@@ -13,19 +13,19 @@ layout): ``weight`` uint8 ``[out, in / 2]`` (codes, the even element in the low 
 Run time: ``dflash_cpu::int4_linear`` (``kernels/cpu/batch_invariant.cpp``, built once per
 machine): codes packed once by :func:`pack_int4` into blocks of 64 output rows (8 panels of 8;
 32 bytes hold 8 consecutive inputs of a panel's 8 rows, so that one AVX2 vpmaddubsw, or one VNNI
-vpdpbusd, multiplies 4 inputs of 8 rows by 4 activation bytes), scales and zeros ``[blocks, in / g, 2, 8, 8]`` in the
-activation dtype. The activations are quantized per row to int8 in blocks of 32
-(:func:`~.packed.quantize_activations`, GGUF Q8_1's rule) and each block's dot products are exact
-integers: llama.cpp's Q4_1 x Q8_1 arithmetic (``ggml_vec_dot_q4_1_q8_1``), the zero term over
-the quantized activations' group sums (as Q8_1's ``s``); the integer sums and a fixed order of
-the fp32 ones make each row's result the same whatever the other rows. The activations'
+vpdpbusd, multiplies 4 inputs of 8 rows by 4 activation bytes), scales and zeros
+``[blocks, in / g, 2, 8, 8]`` in the activation dtype. The activations are quantized per row to int8 in blocks
+of 32 (:func:`~.packed.quantize_activations`, GGUF Q8_1's rule) and each block's dot products
+are exact integers: llama.cpp's Q4_1 x Q8_1 arithmetic (``ggml_vec_dot_q4_1_q8_1``), the zero
+term over the quantized activations' group sums (as Q8_1's ``s``); the integer sums and a fixed
+order of the fp32 ones make each row's result the same whatever the other rows. The activations'
 rounding moves an output by up to ~1 % of the largest against ``x @ w.T`` of the dequantized
-weight (random weights and inputs); on the default target the logits move as much as
-llama.cpp's do (docs/peers.md). Against decoding every code to fp32 and fp32 activations (this
-module's kernel before 1fa9c19, 2026-11-27), measured on a 2-core AMD EPYC (AVX2, 2 threads,
-bf16 activations, the 120 int4 GEMMs of the default target's 30 layers from memory, three runs
-interleaved): one row 8.9-11.8 ms against 10.5-13.7, four rows 12.8-17.8 against 19.4-21.8,
-16 rows 33.7-39.8 against 56.0-67.4.
+weight (random weights and inputs); on the default target the logits move as much as llama.cpp's
+do (docs/peers.md). Against decoding every code to fp32 and fp32 activations (this module's
+kernel before 1fa9c19, 2026-11-27), measured on a 2-core AMD EPYC (AVX2, 2 threads, bf16
+activations, the 120 int4 GEMMs of the default target's 30 layers from memory, three runs
+interleaved): one row 8.9-11.8 ms against 10.5-13.7, four rows 12.8-17.8 against 19.4-21.8, 16
+rows 33.7-39.8 against 56.0-67.4.
 
 GGUF blocks (``ggml/src/ggml-common.h``; each covers 32 consecutive inputs of one output row):
 ``Q4_1`` ``{fp16 d; fp16 m; uint8 qs[16]}`` (20 bytes), ``q[j] = qs[j] & 0xF`` and

@@ -38,9 +38,9 @@ Q8_BLOCK = 32
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The activations as ``dflash_cpu::int4_linear`` and ``int8_linear`` multiply them: per row and block of
-    :data:`Q8_BLOCK` inputs, ``d = amax / 127`` and ``q = round(x * (1 / d))`` (to nearest even;
-    0 where ``amax`` is 0), all in fp32 (GGUF ``quantize_row_q8_1``'s rule).
+    """The activations as ``dflash_cpu::int4_linear`` and ``int8_linear`` multiply them: per row
+    and block of :data:`Q8_BLOCK` inputs, ``d = amax / 127`` and ``q = round(x * (1 / d))`` (to
+    nearest even; 0 where ``amax`` is 0), all in fp32 (GGUF ``quantize_row_q8_1``'s rule).
 
     Args:
         x: float ``[M, K]``, ``K`` divisible by 32.

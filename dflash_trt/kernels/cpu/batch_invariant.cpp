@@ -271,8 +271,9 @@ __attribute__((noinline)) void tile_bf16(const c10::BFloat16* x, int64_t K, cons
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   const int64_t ps = K * VL;  // one panel
-  alignas(64) int16_t order[32];  // word 2i: row k's column i, word 2i + 1: row k + 1's
-  for (int i = 0; i < 16; ++i) order[2 * i] = static_cast<int16_t>(i), order[2 * i + 1] = static_cast<int16_t>(32 + i);
+  // word 2i: row k's column i, word 2i + 1: row k + 1's
+  alignas(64) static constexpr int16_t order[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i idx = _mm512_load_si512(order);
   const char* next = reinterpret_cast<const char*>(wp + C * ps);
   constexpr int64_t step = static_cast<int64_t>(C) * VL * 2;
@@ -358,6 +359,8 @@ void linear_impl(const X* x, int64_t M, int64_t K, const W* wp, const float* bia
               } else {
 #if defined(__AVX512BF16__)
                 tile_bf16<decltype(r)::value, decltype(c)::value>(x + m * K, K, wg + p * K * VL, o, ldt);
+#else
+                static_assert(std::is_same_v<X, float>, "bf16 activations need AVX512-BF16");
 #endif
               }
             });
@@ -399,9 +402,12 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp, int64_t N, c
   const float* b = bf.defined() ? bf.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  if (bf16_dot) {
-    linear_impl(xf.data_ptr<c10::BFloat16>(), M, K, wp.data_ptr<c10::BFloat16>(), b, N, out.data_ptr<c10::BFloat16>());
-    return out;
+  if constexpr (BF16_DOT) {
+    if (bf16_dot) {
+      linear_impl(xf.data_ptr<c10::BFloat16>(), M, K, wp.data_ptr<c10::BFloat16>(), b, N,
+                  out.data_ptr<c10::BFloat16>());
+      return out;
+    }
   }
   const float* xp = xf.data_ptr<float>();
   if (wb && ob) {
@@ -720,16 +726,16 @@ struct Q8Rows {
   }
 };
 
-// panels of an int4 register tile for 1 .. 6 rows: R x C int32 block sums and R x C fp32 sums
-// live in registers beside 2 C code vectors. With AVX-512's 32 registers 4 rows take 4 panels:
-// 120 GEMMs of the default target's shapes, 4 rows, 2 threads (AMD EPYC Zen 4), 1.88 ms with 2
-// panels, 1.61 with 4 (more loads in flight on the streaming weight); 16 registers hold 2.
+// panels of an int4 / int8 register tile for 1 .. 6 rows: R x C int32 block sums in registers
+// beside the codes and the broadcast activations (the fp32 sums are in L1). With AVX-512's 32
+// registers 4 rows take 4 panels: 120 int4 GEMMs of the default target's shapes, 4 rows, 2
+// threads (AMD EPYC Zen 4), 1.88 ms with 2 panels, 1.61 with 4 (more loads in flight on the
+// streaming weight); 16 registers hold 2.
 #ifdef __AVX512F__
-#define INT4_PANELS 8, 4, 4, 4, 2, 2
+#define INT_PANELS 8, 4, 4, 4, 2, 2
 #else
-#define INT4_PANELS 4, 2, 2, 2, 1, 1
+#define INT_PANELS 4, 2, 2, 2, 1, 1
 #endif
-
 
 template <typename T, typename S, typename O>
 void int4_impl(const T* x, int64_t M, int64_t K, int64_t g, const uint8_t* wp, const S* sz, const float* bias,
@@ -744,7 +750,7 @@ void int4_impl(const T* x, int64_t M, int64_t K, int64_t g, const uint8_t* wp, c
         s = std::fma(xr.d[m * KB + b], static_cast<float>(xr.sum[m * KB + b]), s);
       xs[m * G + gi] = s;
     }
-  int_panels<INT4_PANELS>(M, N, bias, out, [&](auto r, auto c, int64_t m, int64_t p, float* t, int64_t ldt) {
+  int_panels<INT_PANELS>(M, N, bias, out, [&](auto r, auto c, int64_t m, int64_t p, float* t, int64_t ldt) {
     int4_tile<decltype(r)::value, decltype(c)::value>(xr.q.data() + m * K, xr.d.data() + m * KB, xs.data() + m * G, K,
                                                       G, g, wp, sz, p, t, ldt);
   });
@@ -843,20 +849,12 @@ __attribute__((noinline)) void int8_tile(const int8_t* xq, const float* xd, cons
   }
 }
 
-// panels of an int8 register tile for 1 .. 6 rows (as INT4_PANELS: int32 and fp32 sums, 1 code
-// vector a panel)
-#ifdef __AVX512F__
-#define INT8_PANELS 8, 4, 4, 4, 2, 2
-#else
-#define INT8_PANELS 4, 2, 2, 2, 1, 1
-#endif
-
 template <typename T, typename S, typename O>
 void int8_impl(const T* x, int64_t M, int64_t K, const uint8_t* wp, const S* sz, const float* bias, int64_t N,
                O* out) {
   const Q8Rows<T> xr(x, M, K);
   const int64_t KB = K / QB;
-  int_panels<INT8_PANELS>(M, N, bias, out, [&](auto r, auto c, int64_t m, int64_t p, float* t, int64_t ldt) {
+  int_panels<INT_PANELS>(M, N, bias, out, [&](auto r, auto c, int64_t m, int64_t p, float* t, int64_t ldt) {
     int8_tile<decltype(r)::value, decltype(c)::value>(xr.q.data() + m * K, xr.d.data() + m * KB,
                                                       xr.sum.data() + m * KB, K, wp, sz, p, t, ldt);
   });
