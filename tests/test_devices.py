@@ -208,16 +208,66 @@ def test_cuda_graphs_give_the_same_tokens(device, block_size):
     ties = sum(check_same(model, r.prompt_ids, a, b) for r, a, b in zip(reqs, want, got))
     gt = graphed.runner.graphs
     keys = sorted((k.batch, k.queries, k.keys) for k in gt.graphs)
+    dg = graphed.runner.proposer.graphs if block_size > 1 else None  # the drafter's (runtime/drafter_graphs.py)
+    drafting = sorted((k.batch, k.keys) for k in dg.drafts) if dg else []
     print(
         f"{device}, block size {block_size}: {gt.replays} replays, graphs {keys}, "
+        f"drafter: {dg.replays if dg else 0} replays, graphs {drafting}, "
+        f"context rows {sorted(dg.contexts) if dg else []}, "
         f"tau {graphed.stats.tau:.2f}, {ties} ties"
     )
     assert {k.batch for k in gt.graphs} >= {1, 2, 4, 8} and {k.keys for k in gt.graphs} == {256, 512}
     assert ties == 0 and got == want and graphed.stats.accepted == eager.stats.accepted
     if block_size > 1:
         assert graphed.stats.tau > 2.0
+        # every drafting iteration drafted from the drafter's graphs, over several batch and key buckets
+        assert dg.replays == graphed.stats.draft_calls > 0
+        assert {b for b, _ in drafting} >= {1, 2, 4} and {k for _, k in drafting} == {256, 512}
+        assert len(dg.contexts) >= 2
     if device != "cpu":  # captured, not run eagerly
         assert all(graph.graph is not None for graph in gt.graphs.values())
+        if dg:
+            assert all(g.graph is not None for g in [*dg.drafts.values(), *dg.contexts.values()])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adaptive_costs_under_cuda_graphs_come_from_replayed_steps(device):
+    """Under CUDA graphs decode iterations replay while prompts run eagerly (on an H200 a
+    12-token prompt cost 3x a replayed 16-sequence decode step), so the adaptive controller's
+    target costs, keyed by tokens, must come from replayed steps alone: the start-up calibration
+    measures decode steps of 1-8 sequences without and with drafts (no prompt sweep), and later
+    prompt chunks are not observed. Without graphs it measures prompts of up to 256 tokens.
+    The outputs equal eager decoding's."""
+    model = tiny_target(device)
+    drafter = init_drafter(model.cfg, 1, 4, MASK, seed=0).to(device)
+    reqs = [Request(p, 24) for p in prompts(6)]
+    seen = {}
+    for graphs in (False, True):
+        cfg = engine_config(
+            block_size=4,
+            adaptive=True,
+            max_batch_size=8,
+            max_num_tokens=256,
+            tokens_per_block=16,
+            kv_capacity=16 * 64,
+            cuda_graphs=graphs,
+        )
+        engine = LLMEngine(model, drafter, (), cfg)
+        sizes = list(engine.controller.target_cost.xs)  # after the calibration
+        observed = []
+        observe = engine.controller.target_cost.observe
+        engine.controller.target_cost.observe = lambda n, s, seen=observed, f=observe: (seen.append(n), f(n, s))
+        for i, r in enumerate(reqs):
+            engine.add_request(r, seq_id=i)
+        engine.run()
+        seen[graphs] = sizes, observed, [engine.result(i).output_ids for i in range(len(reqs))]
+    (eager_sizes, eager_seen, want), (sizes, observed, got) = seen[False], seen[True]
+    print(f"{device}: calibrated sizes eager {eager_sizes}, graphs {sizes}; graphs observed {sorted(set(observed))}")
+    assert max(eager_sizes) == 256 and max(eager_seen) > 32  # prompts measured and observed without graphs
+    assert set(sizes) <= {1, 2, 4, 8, 16, 32} and {1, 4, 8, 32} <= set(sizes)
+    assert observed and max(observed) <= 8 * 4  # decode steps only (the prompts are 3-39 tokens)
+    for r, a, b in zip(reqs, want, got):
+        check_same(model, r.prompt_ids, a, b)
 
 
 def test_parse_device():

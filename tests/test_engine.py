@@ -614,7 +614,11 @@ def test_graph_path_gives_the_same_tokens_and_acceptance(smollm2, reqs16):
         runs[graphs] = plain, dflash, one[4].stats
     eager, graphed = runs[False], runs[True]
     replays = {K: e.runner.graphs.replays for K, e in one.items()}
-    print(f"\nbatch 1: replays {replays}, tau {eager[2].tau:.3f} / {graphed[2].tau:.3f} (eager / graphs)")
-    assert min(replays.values()) >= 30
+    drafting = one[4].runner.proposer.graphs.replays  # the drafter's graphs (runtime/drafter_graphs.py)
+    print(
+        f"\nbatch 1: replays {replays}, drafter {drafting}, "
+        f"tau {eager[2].tau:.3f} / {graphed[2].tau:.3f} (eager / graphs)"
+    )
+    assert min(replays.values()) >= 30 and drafting == graphed[2].draft_calls > 10
     assert graphed[0] == eager[0] and graphed[1] == eager[1]
     assert graphed[2].accepted == eager[2].accepted and graphed[2].tau > 1.5

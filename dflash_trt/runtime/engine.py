@@ -448,7 +448,10 @@ class LLMEngine:
         and, for decode-only iterations where every sequence drafted or none did, the mode's
         host cost and achieved rate from the whole iteration's wall time ``wall_s``."""
         ctl = self.controller
-        ctl.target_cost.observe(out.target_tokens, out.target_s)
+        if out.replayed or not self.config.model.cuda_graphs:
+            # under CUDA graphs the decode-only iterations the controller chooses for replay, and an
+            # eager forward (a prompt chunk beside them) costs several times a replay of its size
+            ctl.target_cost.observe(out.target_tokens, out.target_s)
         drafting = [it.num_draft > 0 for it in plan.items]
         if out.drafter_ran:  # (not when prompt-lookup tokens filled every draft position)
             ctl.draft_cost.observe(sum(drafting), out.draft_s)
@@ -635,7 +638,10 @@ class LLMEngine:
         The drafter sweep stops at :data:`CALIBRATION_MAX_SEQS` sequences: its 32- and 64-sequence
         points were ~3/4 of its cost (each a prefill of 7 tokens per sequence and a verify block
         per sequence), and the cost model extends its last points linearly until the batches the
-        engine really runs measure those sizes."""
+        engine really runs measure those sizes. Under CUDA graphs no prompt is measured: decode
+        steps of the drafter sweep's sizes without and with drafts, each run twice (the first
+        captures its graphs), give the target's costs (``_feedback`` then learns from replayed
+        iterations alone)."""
         ctl, K, bm = self.controller, self.block_size, self.blocks
         sched = self.config.scheduler
         sizes = [n for n in (2**i for i in range(12)) if n <= min(max_tokens, sched.max_num_tokens)]
@@ -653,7 +659,11 @@ class LLMEngine:
             out = self._run(plan)
             return self._run(plan) if warm else out
 
-        for n in sizes:  # target: one prompt of n tokens
+        # under CUDA graphs the decode-only iterations replay and prompts run eagerly (several times
+        # the cost of a replay of their size): the target is measured on replayed decode and verify
+        # steps alone, each run twice (the first captures its graph)
+        graphs = self.config.model.cuda_graphs
+        for n in [] if graphs else sizes:  # target: one prompt of n tokens
             tables = reserve([-1 - len(scratch)], n)
             if tables is None:
                 break
@@ -668,12 +678,15 @@ class LLMEngine:
             if tables is None:
                 break
             self._run(StepPlan([StepItem(sid, [0] * 7, 0, t) for sid, t in zip(sids, tables)]))
+            if graphs:  # a plain decode step of s sequences
+                out = measure(StepPlan([StepItem(sid, [0], 7, t, num_logits=1) for sid, t in zip(sids, tables)]), True)
+                ctl.target_cost.observe(s, out.target_s)
             out = measure(
                 StepPlan(
                     [StepItem(sid, [0], 7, t, num_draft=K - 1, num_logits=K) for sid, t in zip(sids, tables)],
                     draft_block=K,
                 ),
-                j == 0,
+                j == 0 or graphs,
             )
             ctl.draft_cost.observe(s, out.draft_s)
             ctl.target_cost.observe(out.target_tokens, out.target_s)

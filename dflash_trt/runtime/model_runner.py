@@ -112,6 +112,8 @@ class StepOutput:
         target_tokens: tokens in the target forward.
         drafter_ran: the drafter's forward ran (False when nothing was drafted, or when
             prompt-lookup tokens filled every draft position).
+        replayed: the target forward was replayed from a CUDA graph (``runtime/cuda_graphs.py``;
+            False: it ran eagerly).
     """
 
     drafts: list[list[int]]
@@ -121,6 +123,7 @@ class StepOutput:
     target_s: float = 0.0
     target_tokens: int = 0
     drafter_ran: bool = False
+    replayed: bool = False
 
 
 def cpu_weight_layout(
@@ -270,6 +273,8 @@ class ModelRunner:
                 config.scheduler.max_batch_size,
                 capture_graphs=self.device.type == "cuda",
             )
+            if self.proposer is not None:  # and the drafter's forward (runtime/drafter_graphs.py)
+                self.proposer.enable_graphs(config.scheduler.max_batch_size, self.device.type == "cuda")
 
     @property
     def drafter(self) -> DFlashDrafter | None:
@@ -349,6 +354,7 @@ class ModelRunner:
             ids[verify_in["dst"]] = drafts.view(-1)[verify_in["src"]]
         if graph is not None:  # (every token has logits, in order: the rows are 0 .. N - 1)
             res = self.graphs.run(graph, ids, meta, len(packed.flat))
+            out.replayed = True
         else:
             res = self.forward(
                 ids.unsqueeze(0), meta, self.tcache.layers, self.capture, logits_index=index.unsqueeze(0)

@@ -17,6 +17,7 @@ from ...models.drafter import DFlashDrafter, PagedBlocks
 from ...models.target import TargetModel
 from ..attention_meta import plan_packed
 from ..compiled import compiled_forward
+from ..drafter_graphs import GraphedDrafter
 from ..kv_cache import PagedKVCache
 from ..uploads import upload, upload_meta, written_slots
 
@@ -79,6 +80,29 @@ class DFlashProposer:
         # (interpreted on the CPU); else the torch modules
         # (non-causal layers only: a drafter with causal layers drafts through the torch modules)
         self.kernels = kernels_wanted(self.device) and not dc.causal_layers
+        #: drafting replayed from CUDA graphs per bucket (:meth:`enable_graphs`), or None
+        self.graphs: GraphedDrafter | None = None
+
+    def enable_graphs(self, max_batch: int, capture_graphs: bool) -> bool:
+        """Draft from CUDA graphs (:mod:`~..drafter_graphs`) for up to ``max_batch`` sequences;
+        ``capture_graphs`` False runs the same static path uncaptured (CPU, tests). Returns
+        whether graphs are used: not for a drafter with causal layers (it drafts through the
+        torch modules) nor under tensor parallelism."""
+        if self.drafter.cfg.causal_layers or self.tp is not None:
+            return False
+        t = self.target
+        self.graphs = GraphedDrafter(
+            self.drafter,
+            t.embed,
+            t.lm_head,
+            self.cache.k,
+            self.cache.v,
+            self.tpb,
+            self.spare_slot,
+            max_batch,
+            capture_graphs,
+        )
+        return True
 
     # ---- target features waiting for the drafter (public so a test can seed a context) ----
     def store_features(self, seq_id: int, start: int, feats: torch.Tensor) -> None:
@@ -216,6 +240,11 @@ class DFlashProposer:
             ctx_slots = torch.cat([ctx_slots, torch.full((pad,), self.spare_slot, dtype=torch.long)])
         ids = torch.full((len(items), block), d.cfg.mask_token_id, dtype=torch.long)
         ids[:, 0] = torch.tensor([it.tokens[0] for it in items])
+        key = self.graphs.key(starts, block) if self.graphs is not None else None
+        if key is not None:  # two graph replays: KV injection, then the drafting forward and its drafts
+            if len(feats):
+                self.graphs.write_context(feats, ctx_pos, ctx_slots)
+            return self.graphs.draft(key, ids, starts, tables)
         if self.kernels:
             hidden = self._forward_kernels(ids, feats, ctx_pos, ctx_slots, tables, starts, block)
         else:
