@@ -446,8 +446,11 @@ class LLMEngine:
     def _feedback(self, sched: Schedule, plan: StepPlan, out, committed: int, wall_s: float, probe: bool) -> None:
         """The adaptive controller learns from the iteration: forward costs (every iteration),
         and, for decode-only iterations where every sequence drafted or none did, the mode's
-        host cost and achieved rate from the whole iteration's wall time ``wall_s``."""
+        host cost and achieved rate from the whole iteration's wall time ``wall_s``. Nothing is
+        learnt from an iteration that captured a CUDA graph (its times include the capture)."""
         ctl = self.controller
+        if out.captured:
+            return
         if out.replayed or not self.config.model.cuda_graphs:
             # under CUDA graphs the decode-only iterations the controller chooses for replay, and an
             # eager forward (a prompt chunk beside them) costs several times a replay of its size
