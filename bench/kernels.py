@@ -29,8 +29,9 @@ the drafter's (``--windows``); 32 tokens per KV block; 16, 256 and 2,048 context
 
 Timing: on CUDA each call is timed with CUDA events from an idle GPU (synchronised before the
 start event; the L2 cache flushed before each call unless ``--no-flush``), so a figure is one
-eager call's latency, launch overheads included (the drafter's forward is not captured in CUDA
-graphs); median over ``--repeats`` (default 50) after ``--warmup`` calls, in microseconds. On
+eager call's latency, launch overheads included (the runtime replays the drafter's forward
+from CUDA graphs under ``--cuda-graphs``, ``runtime/drafter_graphs.py``, where launches cost
+less); median over ``--repeats`` (default 50) after ``--warmup`` calls, in microseconds. On
 the CPU ``time.perf_counter`` around each call, median over ``--repeats`` (default 5). Without
 CUDA the Triton kernels are skipped unless ``--interpret`` (``TRITON_INTERPRET=1``: the kernel
 code run with numpy, very slow: only tiny sizes make sense, and its figures say nothing about

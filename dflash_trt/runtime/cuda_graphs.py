@@ -35,8 +35,8 @@ path of ``models/moe.py`` inside the graphs (:func:`~dflash_trt.models.moe.stati
 no host read of the routing), on the CPU too; gpt-oss's sliding-window layers read the padded
 ``sliding_mask`` (:func:`pad_decode_meta`).
 
-Limits: the drafter's forward is not captured (its context length varies per iteration); no
-graphs under tensor parallelism (the CLI refuses the combination).
+The drafter's forward has graphs of its own (:mod:`.drafter_graphs`). Limits: no graphs under
+tensor parallelism (the CLI refuses the combination).
 """
 
 from __future__ import annotations
