@@ -149,6 +149,25 @@ def pad_decode_meta(
     return out
 
 
+def capture_graph(run: Callable, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm ``run`` up on a side stream (allocator, cuBLAS workspaces, tables moved to the
+    device, Triton kernels compiled), then capture it into a CUDA graph in memory pool ``pool``.
+
+    Returns:
+        the graph and the captured call's outputs (static, in graph memory: each replay
+        rewrites them).
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
+
+
 @dataclass(frozen=True)
 class GraphKey:
     """What a graph is captured for: ``batch`` sequences (a bucket) of ``queries`` tokens each,
@@ -171,17 +190,8 @@ class _Graph:
         self.ids = ids.clone()
         self.meta = pad_decode_meta(meta, key.batch, key.keys, self.spare_slot)
         self.graph = None
-        if ids.device.type == "cuda":
-            # warm up on a side stream (allocator, cuBLAS workspaces, RoPE tables on the device),
-            # then capture; the warm-up writes the same K/V to the same slots as the replays will
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._forward()
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=target.pool):
-                self.out = self._forward()
+        if ids.device.type == "cuda":  # (the warm-up writes the same K/V to the same slots as the replays will)
+            self.graph, self.out = capture_graph(self._forward, target.pool)
         else:
             self.out = self._forward()
         # the RoPE tables the graph reads: should a later, longer eager forward rebuild them, these

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.drafter import DFlashDrafter, PagedBlocks
-from .cuda_graphs import batch_bucket, key_bucket
+from .cuda_graphs import batch_bucket, capture_graph, key_bucket
 
 #: context rows captured (one graph each); more rows are written eagerly
 CONTEXT_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -60,23 +60,6 @@ class DraftKey:
     batch: int
     block: int
     keys: int
-
-
-def _capture(run, pool) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Warm ``run`` up on a side stream (allocator, cuBLAS workspaces, the drafter's cached
-    heads and RoPE tables on the device), then capture it into a graph in ``pool``; returns the
-    graph and the captured call's outputs (static, in graph memory). Called with the static
-    inputs already holding the first replay's values: the warm-up writes the same K/V to the
-    same slots as that replay does."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = run()
-    return graph, out
 
 
 def _to_static(buf: torch.Tensor, host: torch.Tensor) -> None:
@@ -112,7 +95,7 @@ class _ContextGraph:
             self._run()
             return
         if self.graph is None:
-            self.graph, _ = _capture(self._run, self.owner.pool)
+            self.graph, _ = capture_graph(self._run, self.owner.pool)  # (called with the real inputs in place)
         self.graph.replay()
 
 
@@ -169,7 +152,7 @@ class _DraftGraph:
         if not o.capture_graphs:
             return self._run()[:S].clone()
         if self.graph is None:
-            self.graph, self.out = _capture(self._run, o.pool)
+            self.graph, self.out = capture_graph(self._run, o.pool)  # (with the real inputs in place)
             # the RoPE tables the graph reads stay allocated should a later eager forward rebuild them
             self.tables = (o.drafter.rope.cos_table, o.drafter.rope.sin_table)
         self.graph.replay()
