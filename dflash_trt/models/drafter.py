@@ -204,6 +204,7 @@ class DFlashDrafter(nn.Module):
         slots: torch.Tensor,
         k_pools: torch.Tensor,
         v_pools: torch.Tensor,
+        linears: tuple[nn.Module, nn.Module] | None = None,
     ) -> None:
         """KV injection alone: the context K/V of every layer from target features, written into
         the pools (one GEMM for all layers, then ``dflash::context_kv``: k_norm, RoPE, the writes;
@@ -213,12 +214,17 @@ class DFlashDrafter(nn.Module):
             ctx_features: ``[N, len(target_layer_ids) * hidden]`` target features (N >= 1).
             positions, slots: int64 ``[N]`` their positions and pool slots.
             k_pools, v_pools: ``[L, P, Hkv, D]`` every drafter layer's pool (written in place).
+            linears: ``(fc, stacked k/v)`` modules computing what ``fc`` and the layers' stacked
+                ``[k_proj; v_proj]`` compute, used instead of them (the fused CPU path's
+                batch-invariant copies, ``models/fused_layer.py``).
         """
         from ..kernels import ops
 
         w, b, knorm = self._stacked_kv()
-        h = self.hidden_norm(self.fc(ctx_features))
-        kv = w(h) if isinstance(w, PackedLinear) else F.linear(h, w, b)
+        if linears is not None:
+            fc, w = linears
+        h = self.hidden_norm((fc if linears is not None else self.fc)(ctx_features))
+        kv = w(h) if isinstance(w, nn.Module) else F.linear(h, w, b)
         inv_freq = self.rope.inv_freq.to(h.device)  # fp32 [D / 2]
         if self.rope.attention_factor != 1.0:
             # YaRN multiplies cos and sin by a factor; RoPE is linear in k, so that is the same

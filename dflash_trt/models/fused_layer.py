@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from ..errors import DFlashError
 from .batch_invariant import BatchInvariantLinear, weight_identity
 from .layers import AttentionMetadata, GatedMLP, uniform_queries
 
@@ -109,6 +110,66 @@ def dense_layer_args(layer, dtype: torch.dtype) -> tuple | None:
         attn.sinks,
         (attn.h, attn.hkv, attn.d, hidden, mlp.intermediate),
     )
+
+
+def stacked_linear(mods: list) -> torch.nn.Module | None:
+    """The linears ``mods`` (their output rows one after another) as ONE linear that
+    ``dflash_cpu::dense_layer`` takes (:func:`_linear_args`): packed int4 / int8 linears stacked
+    on their codes (:func:`~dflash_trt.quantization.packed.packed_stack`), dense ones
+    (``nn.Linear``, batch-invariant or oneDNN-prepacked, fp32 / bf16 on the CPU) as one new
+    :class:`~.batch_invariant.BatchInvariantLinear` over their stacked weights (the kernel is
+    the fastest CPU GEMM here at draft sizes); None for a mix or another kind."""
+    from ..quantization.packed import PackedLinear, packed_stack
+    from .cpu_linear import OneDNNLinear
+
+    if all(isinstance(m, PackedLinear) for m in mods):
+        try:
+            return packed_stack(mods) if len(mods) > 1 else mods[0]
+        except DFlashError:  # mixed formats or group sizes
+            return None
+    if len(mods) == 1 and isinstance(mods[0], BatchInvariantLinear):
+        return mods[0]
+    if not all(type(m) in (torch.nn.Linear, BatchInvariantLinear, OneDNNLinear) for m in mods):
+        return None
+    ws = [m.dense_weight() if isinstance(m, OneDNNLinear) else m.weight for m in mods]
+    if ws[0].device.type != "cpu" or ws[0].dtype not in (torch.float32, torch.bfloat16):
+        return None
+    bias = torch.cat([m.bias for m in mods]).detach() if mods[0].bias is not None else None
+    return BatchInvariantLinear(torch.nn.Parameter(torch.cat(ws).detach(), requires_grad=False), bias)
+
+
+def plan_drafter_layers(drafter, dtype: torch.dtype) -> tuple[list[tuple], tuple] | None:
+    """Per layer of ``drafter`` (a :class:`~.drafter.DFlashDrafter`), the arguments of
+    ``dflash_cpu::dense_layer`` (as :func:`dense_layer_args` gives a target layer's): its
+    q / k / v projections stacked into one linear, gate / up into one, the norms (``dtype``,
+    the activations'); and the KV injection's ``(fc, stacked k/v)`` linears in the same kinds
+    (:meth:`~.drafter.DFlashDrafter.write_context_kv`'s ``linears``). None when a layer cannot
+    run through the op (a linear of another kind, norms in another dtype). The drafter's
+    block then runs a layer in one C++ call, its context K/V written beforehand for every
+    layer at once: the same arithmetic as the Python layer up to the order of float sums
+    (drafts only decide speed, never the output)."""
+    context = (stacked_linear([drafter.fc]), stacked_linear([p for a in drafter.layers for p in _kv(a.self_attn)]))
+    if any(m is None for m in context):
+        return None
+    plan = []
+    for layer in drafter.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
+        if any(n.weight.dtype != dtype or n.eps != norms[0].eps for n in norms):
+            return None
+        groups = ([attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj], [mlp.down_proj])
+        linears = [stacked_linear(g) for g in groups]
+        if any(m is None for m in linears):
+            return None
+        weights, scales, biases, kinds = (list(x) for x in zip(*map(_linear_args, linears)))
+        dims = (attn.h, attn.hkv, attn.d, drafter.cfg.hidden_size, drafter.cfg.intermediate_size)
+        plan.append((norms[0].weight, norms[1].weight, norms[0].eps, weights, scales, biases, kinds))
+        plan[-1] += (attn.q_norm.weight, attn.k_norm.weight, None, dims)
+    return plan, context
+
+
+def _kv(attn) -> tuple:
+    return attn.k_proj, attn.v_proj
 
 
 def run_dense_layer(

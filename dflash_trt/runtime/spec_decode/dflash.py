@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import DFlashError
+from ...models.batch_invariant import resolve_batch_invariant
 from ...models.drafter import DFlashDrafter, PagedBlocks
+from ...models.fused_layer import fused_forward_wanted, plan_drafter_layers
 from ...models.target import TargetModel
 from ..attention_meta import plan_packed
 from ..compiled import compiled_forward
@@ -82,6 +85,10 @@ class DFlashProposer:
         self.kernels = kernels_wanted(self.device) and not dc.causal_layers
         #: drafting replayed from CUDA graphs per bucket (:meth:`enable_graphs`), or None
         self.graphs: GraphedDrafter | None = None
+        # on the eager CPU path, each drafter layer as one ``dflash_cpu::dense_layer`` call and the
+        # KV injection's linears (models/fused_layer.py): planned at the first draft, False where
+        # it does not apply
+        self._fused: tuple[list[tuple], tuple] | bool | None = None
 
     def enable_graphs(self, max_batch: int, capture_graphs: bool) -> bool:
         """Draft from CUDA graphs (:mod:`~..drafter_graphs`) for up to ``max_batch`` sequences;
@@ -247,6 +254,8 @@ class DFlashProposer:
             return self.graphs.draft(key, ids, starts, tables)
         if self.kernels:
             hidden = self._forward_kernels(ids, feats, ctx_pos, ctx_slots, tables, starts, block)
+        elif self.fused_layers():
+            hidden = self._forward_fused(ids, feats, ctx_pos, ctx_slots, tables, starts, block)
         else:
             # one metadata per kind of layer (window, causality): most drafters have one kind
             metas = {}
@@ -273,6 +282,58 @@ class DFlashProposer:
         if self.tp is not None:
             drafts = self.tp.broadcast(drafts)
         return drafts
+
+    def fused_layers(self) -> tuple[list[tuple], tuple] | None:
+        """The drafter's layers as ``dflash_cpu::dense_layer`` arguments and its KV injection's
+        linears (:func:`~dflash_trt.models.fused_layer.plan_drafter_layers`), planned once, or None
+        where drafting runs the torch modules: off the CPU, compiled, under tensor parallelism,
+        without the CPU kernels, a drafter with causal layers or layers of different windows."""
+        if self._fused is None:
+            d, dtype = self.drafter, self.target.embed.weight.dtype
+            plan = None
+            if (
+                self.device.type == "cpu"
+                and not self.compile
+                and self.tp is None
+                and len(set(d.cfg.layer_kinds)) == 1
+                and not d.cfg.causal_layers
+                and resolve_batch_invariant(None, self.device, dtype)
+            ):
+                plan = plan_drafter_layers(d, dtype)
+            self._fused = plan or False
+        return self._fused or None
+
+    def _forward_fused(self, ids, feats, ctx_pos, ctx_slots, tables, starts, block) -> torch.Tensor:
+        """The drafter forward with each layer in one ``dflash_cpu::dense_layer`` call: every
+        layer's context K/V first (one stacked GEMM), then the blocks, whose attention reads
+        the context from the pools; hidden states ``[1, S * block, hidden]``."""
+        d = self.drafter
+        layers, context = self._fused
+        if len(feats):
+            d.write_context_kv(feats, ctx_pos, ctx_slots, self.cache.k, self.cache.v, context)
+        n = len(starts)
+        window = d.cfg.layer_kinds[0][1]
+        plan = plan_packed(
+            starts,
+            [block] * n,
+            [i * block for i in range(n)],
+            block,
+            tables,
+            self.tpb,
+            self.spare_slot,
+            window,
+            causal=False,
+        )
+        meta, ids = upload_meta(self.device, plan, ids)
+        x = self.target.embed(ids.view(-1)).unsqueeze(0)  # [1, S * B, hidden]
+        if not fused_forward_wanted(x, meta, self.cache.layers):
+            raise DFlashError("the drafter's fused layers need one uniform attention group")  # (never: S blocks of B)
+        cos, sin = d.rope(meta.positions, x.dtype, meta.max_position)
+        scale = d.cfg.head_dim**-0.5
+        for args, (k, v) in zip(layers, self.cache.layers):
+            slots = (k, v, meta.write_slots, meta.read_slots)
+            x = torch.ops.dflash_cpu.dense_layer(x, *args, cos, sin, *slots, meta.mask, scale, None, None)
+        return d.norm(x)
 
     def _forward_kernels(self, ids, feats, ctx_pos, ctx_slots, tables, starts, block) -> torch.Tensor:
         """The drafter forward through the drafter kernels over the paged pools
