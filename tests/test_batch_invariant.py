@@ -419,6 +419,7 @@ def test_runner_puts_the_drafter_linears_on_the_kernel(smollm2, monkeypatch):
         assert drafter.state_dict().keys() == before.keys()
         assert all(torch.equal(drafter.state_dict()[k], v) for k, v in before.items())
         proposer, hidden, drafts = runner.proposer, [], []
+        proposer._fused = False  # the modules' forward (the fused layers: tests/test_fused_drafter.py)
         forward = proposer.forward
         proposer.forward = lambda *a, f=forward, h=hidden: h.append(f(*a).clone()) or h[-1]
         feats = full_features(model, ids, drafter.cfg.target_layer_ids)
