@@ -222,9 +222,10 @@ class DFlashDrafter(nn.Module):
         from ..kernels.context_kv import context_kv_reference
 
         w, b, knorm = self._stacked_kv()
+        fc = self.fc
         if linears is not None:
             fc, w = linears
-        h = self.hidden_norm((fc if linears is not None else self.fc)(ctx_features))
+        h = self.hidden_norm(fc(ctx_features))
         kv = w(h) if isinstance(w, nn.Module) else F.linear(h, w, b)
         inv_freq = self.rope.inv_freq.to(h.device)  # fp32 [D / 2]
         if self.rope.attention_factor != 1.0:

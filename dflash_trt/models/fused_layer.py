@@ -148,7 +148,8 @@ def plan_drafter_layers(drafter, dtype: torch.dtype) -> tuple[list[tuple], tuple
     block then runs a layer in one C++ call, its context K/V written beforehand for every
     layer at once: the same arithmetic as the Python layer up to the order of float sums
     (drafts only decide speed, never the output)."""
-    context = (stacked_linear([drafter.fc]), stacked_linear([p for a in drafter.layers for p in _kv(a.self_attn)]))
+    kv = [p for layer in drafter.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+    context = (stacked_linear([drafter.fc]), stacked_linear(kv))
     if any(m is None for m in context):
         return None
     plan = []
@@ -163,23 +164,20 @@ def plan_drafter_layers(drafter, dtype: torch.dtype) -> tuple[list[tuple], tuple
             return None
         weights, scales, biases, kinds = (list(x) for x in zip(*map(_linear_args, linears)))
         dims = (attn.h, attn.hkv, attn.d, drafter.cfg.hidden_size, drafter.cfg.intermediate_size)
-        plan.append((norms[0].weight, norms[1].weight, norms[0].eps, weights, scales, biases, kinds))
-        plan[-1] += (attn.q_norm.weight, attn.k_norm.weight, None, dims)
+        head_norms = (attn.q_norm.weight, attn.k_norm.weight, None)  # (no attention sinks)
+        plan.append((norms[0].weight, norms[1].weight, norms[0].eps, weights, scales, biases, kinds, *head_norms, dims))
     return plan, context
 
 
-def _kv(attn) -> tuple:
-    return attn.k_proj, attn.v_proj
-
-
 def run_dense_layer(
-    layer, args: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, meta: AttentionMetadata
+    args: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, meta: AttentionMetadata, window=None
 ) -> torch.Tensor:
-    """``layer(x, cos, sin, kv, meta)`` through ``dflash_cpu::dense_layer`` (``args``: the
-    layer's entry of :func:`plan_dense_layers`): ``x [1, N, hidden]`` -> ``[1, N, hidden]``, the
-    layer's K/V written into the pools ``kv``."""
-    scale = 1.0 / math.sqrt(layer.attn.d)
-    mask = meta.mask_for(layer.attn.window)
+    """A layer through ``dflash_cpu::dense_layer`` (``args``: its entry of
+    :func:`plan_dense_layers` or :func:`plan_drafter_layers`): ``x [1, N, hidden]`` ->
+    ``[1, N, hidden]``, the layer's K/V written into the pools ``kv``; ``window``: the layer's
+    sliding window (its mask in ``meta``), None for full attention."""
+    scale = 1.0 / math.sqrt(args[-1][2])  # dims: (heads, KV heads, head dim, hidden, intermediate)
     pools_and_slots = (kv[0], kv[1], meta.write_slots, meta.read_slots)
     gathers = (meta.query_index, meta.query_rows)  # None for a uniform step: its queries are taken as views
+    mask = meta.mask_for(window)
     return torch.ops.dflash_cpu.dense_layer(x, *args, cos, sin, *pools_and_slots, mask, scale, *gathers)

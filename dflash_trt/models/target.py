@@ -162,7 +162,7 @@ class TargetModel(nn.Module):
             layer = self.layers[i]
             args = dense[i] if dense is not None else None
             if args is not None:
-                x = run_dense_layer(layer, args, x, cos, sin, kv_cache[i], meta)
+                x = run_dense_layer(args, x, cos, sin, kv_cache[i], meta, layer.attn.window)
             else:
                 x = layer(x, cos, sin, kv_cache[i], meta)
             if i in wanted:

@@ -36,12 +36,10 @@ attend non-causally); no graphs under tensor parallelism.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..models.drafter import DFlashDrafter, PagedBlocks
-from .cuda_graphs import batch_bucket, capture_graph, key_bucket
+from .cuda_graphs import GraphKey, batch_bucket, capture_graph, key_bucket
 
 #: context rows captured (one graph each); more rows are written eagerly
 CONTEXT_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -50,16 +48,6 @@ CONTEXT_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
 def context_bucket(n: int) -> int | None:
     """The smallest of :data:`CONTEXT_BUCKETS` ``>= n``, or None above the largest."""
     return next((b for b in CONTEXT_BUCKETS if b >= n), None)
-
-
-@dataclass(frozen=True)
-class DraftKey:
-    """What a drafting graph is captured for: ``batch`` sequences (a bucket) with blocks of
-    ``block`` tokens, over ``keys`` key columns at most (a bucket)."""
-
-    batch: int
-    block: int
-    keys: int
 
 
 def _to_static(buf: torch.Tensor, host: torch.Tensor) -> None:
@@ -100,14 +88,15 @@ class _ContextGraph:
 
 
 class _DraftGraph:
-    """The drafting forward of ``key.batch`` blocks: one static int64 input buffer holding ids,
+    """The drafting forward of ``key.batch`` blocks of ``key.queries`` (the block size) tokens:
+    one static int64 input buffer holding ids,
     positions and slots ``[batch * block]`` each, block tables ``[batch, keys / tokens_per_block]``
     and key lengths ``[batch]``; static drafts int64 ``[batch, block - 1]``."""
 
-    def __init__(self, owner: GraphedDrafter, key: DraftKey):
+    def __init__(self, owner: GraphedDrafter, key: GraphKey):
         self.owner, self.key = owner, key
         self.width = -(-key.keys // owner.tpb)  # block-table entries per sequence
-        m = key.batch * key.block
+        m = key.batch * key.queries
         self.sizes = (m, m, m, key.batch * self.width, key.batch)
         self.inputs = torch.zeros(sum(self.sizes), dtype=torch.long, device=owner.device)
         self.graph, self.out, self.tables = None, None, None  # captured at the first replay (real inputs)
@@ -122,18 +111,18 @@ class _DraftGraph:
             o.no_slots,
             pos,
             key.keys - 1,
-            PagedBlocks(slots, tables.view(key.batch, self.width).int(), lens.int(), key.block, o.tpb),
+            PagedBlocks(slots, tables.view(key.batch, self.width).int(), lens.int(), key.queries, o.tpb),
             o.k_pools,
             o.v_pools,
         )
-        return o.drafter.propose(hidden.view(key.batch, key.block, -1)[:, 1:], o.lm_head)
+        return o.drafter.propose(hidden.view(key.batch, key.queries, -1)[:, 1:], o.lm_head)
 
     def replay(self, ids: torch.Tensor, starts: list[int], tables: list[list[int]]) -> torch.Tensor:
         """Drafts int64 ``[S, block - 1]`` (memory of their own) for ``S`` blocks with token ids
         ``ids`` (int64 ``[S, block]``, host) at positions ``starts[i] ..`` of sequences with block
         tables ``tables``."""
         o, key = self.owner, self.key
-        S, B, W = len(starts), key.block, self.width
+        S, B, W = len(starts), key.queries, self.width
         host = torch.zeros(sum(self.sizes), dtype=torch.long)
         h_ids, h_pos, h_slots, h_tables, h_lens = host.split(self.sizes)
         h_ids.view(key.batch, B)[:S] = ids
@@ -197,15 +186,16 @@ class GraphedDrafter:
         # host-to-device copy cannot be captured
         drafter.rope(self.no_slots.view(1, 0), self.dtype, 0)
         self.contexts: dict[int, _ContextGraph] = {}
-        self.drafts: dict[DraftKey, _DraftGraph] = {}
+        self.drafts: dict[GraphKey, _DraftGraph] = {}
         self.replays = 0  # drafting forwards served from graphs (for tests and logs)
 
-    def key(self, starts: list[int], block: int) -> DraftKey | None:
-        """The graph for blocks of ``block`` tokens at positions ``starts[i] ..``, or None when
-        the drafting runs eagerly (more sequences or keys than the largest bucket)."""
+    def key(self, starts: list[int], block: int) -> GraphKey | None:
+        """The graph (:class:`~.cuda_graphs.GraphKey`, ``queries`` = ``block``) for blocks of
+        ``block`` tokens at positions ``starts[i] ..``, or None when the drafting runs eagerly
+        (more sequences or keys than the largest bucket)."""
         batch = batch_bucket(len(starts), self.max_batch)
         keys = key_bucket(max(starts) + block)
-        return None if batch is None or keys is None else DraftKey(batch, block, keys)
+        return None if batch is None or keys is None else GraphKey(batch, block, keys)
 
     def write_context(self, feats: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """KV injection of ``feats`` ``[N, F]`` (device) at host ``positions`` / ``slots`` (int64
@@ -221,7 +211,7 @@ class GraphedDrafter:
             g = self.contexts[rows] = _ContextGraph(self, rows)
         g.replay(feats, positions, slots)
 
-    def draft(self, key: DraftKey, ids: torch.Tensor, starts: list[int], tables: list[list[int]]) -> torch.Tensor:
+    def draft(self, key: GraphKey, ids: torch.Tensor, starts: list[int], tables: list[list[int]]) -> torch.Tensor:
         """Greedy drafts int64 ``[S, block - 1]`` on the device for the blocks ``ids`` (int64
         ``[S, block]`` on the host) at ``starts`` with block ``tables``, from ``key``'s graph
         (captured now if new). Their context must be in the pools (:meth:`write_context`)."""
