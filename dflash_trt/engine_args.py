@@ -63,6 +63,11 @@ class EngineArgs:
         "replay decode and verify steps from CUDA graphs captured per batch-size bucket (one CUDA GPU)",
         default=False,
     )
+    cuda_graph_capture_len: int = arg(
+        "with --cuda-graphs: capture the graphs of contexts up to this many tokens when the engine starts "
+        "(longer ones, up to 8192, on first use; 0 = all on first use)",
+        default=1024,
+    )
     batch_invariant: bool | None = arg(
         "compute each row of the target's forward independently of the others (CPU kernels built on first "
         "use), so that DFlash gives plain decoding's tokens exactly in bf16 too (default: on for fp32 and "
@@ -141,6 +146,7 @@ class EngineArgs:
                 fp8_gemm=self.fp8_gemm,
                 compile=self.compile,
                 cuda_graphs=self.cuda_graphs,
+                cuda_graph_capture_len=self.cuda_graph_capture_len,
                 batch_invariant=self.batch_invariant,
             ),
             cache=CacheConfig(self.tokens_per_block, self.kv_capacity, self.enable_prefix_caching),

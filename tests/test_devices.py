@@ -174,13 +174,16 @@ def test_time_boxed_training_on_device(device, tmp_path):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block_size", [1, 4])
-def test_cuda_graphs_give_the_same_tokens(device, block_size):
+@pytest.mark.parametrize("ahead", [False, True], ids=["first-use", "at-start"])
+def test_cuda_graphs_give_the_same_tokens(device, block_size, ahead):
     """Decode and verify iterations replayed from graphs per batch and key bucket
     (``runtime/cuda_graphs.py``; on a GPU captured CUDA graphs, on the CPU the same padded
     static-buffer path without capture) give the eager runner's tokens and accepted drafts.
     Prompts of 3-300 tokens finishing at different times: batches of 6 down to 1 (buckets 8,
     4, 2, 1), contexts over and under 256 keys (key buckets 512 and 256), an oracle drafter
-    (long accepted prefixes, KV rollback between replays)."""
+    (long accepted prefixes, KV rollback between replays). Graphs captured on first use (with
+    the iteration's inputs) or when the runner starts (``cuda_graph_capture_len``: on padding
+    only; then no iteration makes a graph)."""
     model = tiny_target(device)
     g = torch.Generator().manual_seed(7)
     lengths, max_new = (3, 40, 120, 230, 260, 300), (60, 50, 40, 30, 20, 10)
@@ -197,14 +200,20 @@ def test_cuda_graphs_give_the_same_tokens(device, block_size):
             tokens_per_block=16,
             kv_capacity=16 * 160,
             cuda_graphs=graphs,
+            cuda_graph_capture_len=512 if ahead else 0,
         )
         runner = ModelRunner(model, drafter, cfg.with_defaults(block_size), proposer_cls=OracleProposer)
         engine = LLMEngine(model, drafter, (), cfg, runner=runner)
+        made = runner.graph_count()
         for i, r in enumerate(reqs):
             engine.add_request(r, seq_id=i)
         engine.run()
         runs[graphs] = engine, [engine.result(i).output_ids for i in range(len(reqs))]
     (eager, want), (graphed, got) = runs[False], runs[True]
+    if ahead:  # every bucket made at start: 4 batch x 1 or 4 queries x 2 key buckets (+ the drafter's)
+        assert made == graphed.runner.graph_count() == 8 * block_size + (8 + 8 if block_size > 1 else 0)
+    else:
+        assert made == 0
     ties = sum(check_same(model, r.prompt_ids, a, b) for r, a, b in zip(reqs, want, got))
     gt = graphed.runner.graphs
     keys = sorted((k.batch, k.queries, k.keys) for k in gt.graphs)
@@ -253,6 +262,7 @@ def test_adaptive_costs_under_cuda_graphs_come_from_replayed_steps(device):
             tokens_per_block=16,
             kv_capacity=16 * 64,
             cuda_graphs=graphs,
+            cuda_graph_capture_len=0,  # (graphs captured on first use: such iterations are not learnt)
         )
         engine = LLMEngine(model, drafter, (), cfg)
         sizes = list(engine.controller.target_cost.xs)  # after the calibration
@@ -355,3 +365,17 @@ def test_an_iteration_synchronises_once(device, temperature, graphs):
         torch.cuda.set_sync_debug_mode(0)
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 1, syncs
+
+
+def test_graph_buckets_captured_at_start():
+    """What the runner captures at start-up (``ModelRunner.capture_graphs``): every query count of
+    a block up to 8, beyond that 1, the powers of two and the block; the key buckets of contexts up
+    to the capture length, largest first, capped at 8,192; a negative length is refused."""
+    from dflash_trt.runtime.cuda_graphs import capture_queries, key_buckets
+
+    assert capture_queries(1) == [1] and capture_queries(4) == [1, 2, 3, 4]
+    assert capture_queries(16) == [1, 2, 4, 8, 16] and capture_queries(10) == [1, 2, 4, 8, 10]
+    assert key_buckets(0) == [] and key_buckets(100) == [256] and key_buckets(1024) == [1024, 512, 256]
+    assert key_buckets(1025)[0] == 2048 and key_buckets(10**6)[0] == 8192
+    with pytest.raises(DFlashError, match="cuda_graph_capture_len must be >= 0"):
+        engine_config(cuda_graphs=True, cuda_graph_capture_len=-1)

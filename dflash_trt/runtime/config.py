@@ -58,6 +58,9 @@ class ModelConfig:
         compile: the target's forward compiled by torch.compile (``runtime/compiled.py``).
         cuda_graphs: decode and verify iterations replayed from CUDA graphs
             (``runtime/cuda_graphs.py``; one CUDA GPU).
+        cuda_graph_capture_len: with ``cuda_graphs``: the graphs of contexts up to this many
+            tokens are captured when the engine starts (every batch bucket); longer contexts (up to
+            8,192) capture theirs on first use; 0: every graph on first use.
         batch_invariant: each row of the target's forward computed independently of the others
             (``models/batch_invariant.py``); None: on for fp32 / bf16 CPU targets.
     """
@@ -70,6 +73,7 @@ class ModelConfig:
     fp8_gemm: bool = False
     compile: bool = False
     cuda_graphs: bool = False
+    cuda_graph_capture_len: int = 1024
     batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
@@ -79,6 +83,8 @@ class ModelConfig:
         _check(not (self.engine_dir and self.target), "engine", "holds the target; drop the target checkpoint")
         _check(not self.fp8_gemm or bool(self.engine_dir), "fp8_gemm", "needs an FP8 engine directory")
         _check(not (self.cuda_graphs and self.batch_invariant), "cuda_graphs", "runs without the batch-invariant mode")
+        n = self.cuda_graph_capture_len
+        _check(n >= 0, "cuda_graph_capture_len", f"must be >= 0, got {n}")
 
 
 @dataclass(frozen=True)

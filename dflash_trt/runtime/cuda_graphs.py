@@ -7,9 +7,15 @@ item is a decode item that verifies the same ``q`` tokens (plain decoding: ``q =
 the anchor plus ``q - 1`` draft tokens, all with logits). Its ``S`` sequences are padded to a
 batch bucket ``S_b >= S`` (:data:`BATCH_BUCKETS`) and its key length to a power-of-two key
 bucket ``L_b >= kv_len`` (:data:`MIN_KEYS` .. :data:`MAX_KEYS`; vLLM's ``max_seq_len_to_capture``
-is the same 8,192), and the forward is replayed from the graph captured for ``(S_b, q, L_b)``,
-captured on first use. Other iterations (prompt chunks, mixed draft lengths, longer contexts)
-run eagerly.
+is the same 8,192), and the forward is replayed from the graph captured for ``(S_b, q, L_b)``.
+Other iterations (prompt chunks, mixed draft lengths, longer contexts) run eagerly.
+
+Graphs are captured when the engine starts (as vLLM captures its batch sizes), for every batch
+bucket, every ``q`` of :func:`capture_queries` and every key bucket of contexts up to
+``ModelConfig.cuda_graph_capture_len`` tokens (:meth:`GraphedTarget.capture_ahead`, on buckets of
+padding only); the others on first use, with that iteration's inputs. A capture costs tens of
+milliseconds against a ~5 ms replayed step (one H200, docs/gpu-runs.md): captured while serving,
+they cost a 48-request load run at 16 sequences ~14 of them.
 
 Padding is exact: padded key columns are masked, so a real query's softmax gets exact zeros
 there; padded sequences write their K/V to the pool's spare slot, read only that slot, and
@@ -69,13 +75,15 @@ def check_cuda_graphs(enabled: bool, device: torch.device, tp_size: int = 1) -> 
         raise ConfigError("cuda_graphs", "is not supported with tensor parallelism yet")
 
 
+def batch_buckets(max_batch: int) -> list[int]:
+    """The batch buckets of an engine of at most ``max_batch`` sequences, ascending:
+    :data:`BATCH_BUCKETS` below ``max_batch``, then ``max_batch`` itself."""
+    return sorted({b for b in BATCH_BUCKETS if b < max_batch} | {max_batch})
+
+
 def batch_bucket(n: int, max_batch: int) -> int | None:
-    """The smallest bucket ``>= n`` among :data:`BATCH_BUCKETS` capped at ``max_batch`` (which
-    is always a bucket itself), or None when ``n > max_batch``."""
-    for b in sorted({b for b in BATCH_BUCKETS if b < max_batch} | {max_batch}):
-        if b >= n:
-            return b
-    return None
+    """The smallest of :func:`batch_buckets` ``>= n``, or None when ``n > max_batch``."""
+    return next((b for b in batch_buckets(max_batch) if b >= n), None)
 
 
 def key_bucket(n: int) -> int | None:
@@ -85,6 +93,41 @@ def key_bucket(n: int) -> int | None:
     while b < n:
         b *= 2
     return b if b <= MAX_KEYS else None
+
+
+def key_buckets(max_len: int) -> list[int]:
+    """The key buckets of contexts of up to ``max_len`` tokens (capped at :data:`MAX_KEYS`),
+    descending; empty for ``max_len < 1``."""
+    if max_len < 1:
+        return []
+    out = [key_bucket(min(max_len, MAX_KEYS))]
+    while out[-1] > MIN_KEYS:
+        out.append(out[-1] // 2)
+    return out
+
+
+def capture_queries(block_size: int) -> list[int]:
+    """The per-sequence query counts whose graphs are captured ahead for an engine of block size
+    ``block_size`` (1: plain decoding; ``1 + k`` for ``k`` draft tokens, any ``k`` the adaptive
+    controller may choose): all of ``1 .. block_size`` up to 8, beyond that 1, the powers of two
+    and ``block_size`` (a 16-token block would otherwise mean 16 graphs per bucket; the others
+    are captured on first use)."""
+    if block_size <= 8:
+        return list(range(1, block_size + 1))
+    return sorted({1, block_size} | {2**i for i in range(block_size.bit_length()) if 2**i < block_size})
+
+
+def padding_meta(queries: int, device: torch.device, window: int | None = None) -> AttentionMetadata:
+    """The uniform decode metadata of no sequence at all (``queries`` each): what
+    :func:`pad_decode_meta` turns into a bucket of padding only, for a graph captured before any
+    sequence runs (every row writes and reads only the spare slot). ``window``: the target's
+    sliding window (gpt-oss), planned as :func:`~.attention_meta.plan_packed` plans it."""
+    none = torch.zeros(1, 0, dtype=torch.long, device=device)
+    mask = torch.zeros(0, 1, queries, 0, dtype=torch.bool, device=device)
+    meta = AttentionMetadata(none, none, mask, 0, read_slots=none.view(0, 0), max_position=0, uniform=True)
+    if window is not None:
+        meta.sliding_mask, meta.window = mask, window
+    return meta
 
 
 def pad_decode_meta(
@@ -270,6 +313,16 @@ class GraphedTarget:
     def pad_ids(self, key: GraphKey, ids: torch.Tensor) -> torch.Tensor:
         """Host token ids (int64 ``[N]``) padded with zeros to ``key``'s ``batch * q``."""
         return torch.cat([ids, ids.new_zeros(key.batch * key.queries - len(ids))])
+
+    def capture_ahead(self, keys: list[GraphKey], device: torch.device, window: int | None) -> None:
+        """Make the graphs of ``keys`` now, each on a bucket of padding only (:func:`padding_meta`:
+        no sequence's K/V is read or written), so that no serving iteration pays for a capture.
+        Keys with the most key columns should come first: the RoPE tables are then sized once.
+        ``window``: the target's sliding window (gpt-oss) or None."""
+        for key in keys:
+            if key not in self.graphs:
+                ids = torch.zeros(1, key.batch * key.queries, dtype=torch.long, device=device)
+                self.graphs[key] = _Graph(self, key, padding_meta(key.queries, device, window), ids)
 
     def run(self, key: GraphKey, ids: torch.Tensor, meta: AttentionMetadata, n: int) -> TargetOutput:
         """The forward of padded ``ids`` (int64 ``[batch * q]`` on the device) under ``meta`` (the

@@ -22,6 +22,9 @@ A drafting iteration runs two graphs, each replayed as one launch:
   wide, RoPE tables sized for ``L_b`` once). Padded sequences write their block to the spare
   slot and attend over their own ``B`` keys only; their drafts are dropped.
 
+Like the target's, these graphs are captured when the engine starts (:meth:`GraphedDrafter.capture_ahead`:
+every context bucket, and the drafting graphs of the target's batch and key buckets), others on first use.
+
 The inputs of a replay travel in ONE host-to-device copy into the graph's static int64 buffer
 (ids, positions, slots, block tables, key lengths side by side); the drafts are copied out of
 graph memory at once (the target's graphs replay next and may reuse it).
@@ -131,7 +134,7 @@ class _DraftGraph:
         pos = torch.tensor(starts, dtype=torch.long).view(S, 1) + offs  # [S, B]
         h_pos.view(key.batch, B)[:S] = pos
         h_pos.view(key.batch, B)[S:] = offs
-        t = torch.tensor([tb[:W] + [0] * (W - min(len(tb), W)) for tb in tables], dtype=torch.long)
+        t = torch.tensor([tb[:W] + [0] * (W - min(len(tb), W)) for tb in tables], dtype=torch.long).view(S, W)
         h_tables.view(key.batch, W)[:S] = t
         h_slots.view(key.batch, B)[:S] = t.gather(1, pos // o.tpb) * o.tpb + pos % o.tpb
         h_slots.view(key.batch, B)[S:] = o.spare_slot
@@ -196,6 +199,20 @@ class GraphedDrafter:
         batch = batch_bucket(len(starts), self.max_batch)
         keys = key_bucket(max(starts) + block)
         return None if batch is None or keys is None else GraphKey(batch, block, keys)
+
+    def capture_ahead(self, keys: list[GraphKey]) -> None:
+        """Make every context-row bucket's graph and the drafting graphs of ``keys`` now, each
+        replayed once on padding only (no sequence's K/V is written: every row goes to the spare
+        slot), so that no serving iteration pays for a capture; keys with the most key columns
+        first (the RoPE tables are then sized once)."""
+        for rows in CONTEXT_BUCKETS:
+            if rows not in self.contexts:
+                self.contexts[rows] = _ContextGraph(self, rows)
+                self.contexts[rows].replay(self.no_context, self.no_slots.cpu(), self.no_slots.cpu())
+        for key in keys:
+            if key not in self.drafts:
+                self.drafts[key] = _DraftGraph(self, key)
+                self.drafts[key].replay(torch.zeros(0, key.queries, dtype=torch.long), [], [])
 
     def write_context(self, feats: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """KV injection of ``feats`` ``[N, F]`` (device) at host ``positions`` / ``slots`` (int64

@@ -13,11 +13,13 @@ device, the target's token after every logits row and each block's accepted pref
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
+from tqdm import tqdm
 
 from ..errors import ConfigError
 from ..models.batch_invariant import resolve_batch_invariant, set_batch_invariant
@@ -30,12 +32,14 @@ from .attention_meta import plan_packed
 from .compiled import compiled_forward
 from .config import EngineConfig
 from .cpu_memory import retain_freed_memory
-from .cuda_graphs import GraphedTarget
+from .cuda_graphs import GraphedTarget, GraphKey, batch_buckets, capture_queries, key_buckets
 from .kv_cache import PagedKVCache
 from .spec_decode.dflash import DFlashProposer
 from .spec_decode.prompt_lookup import merge_lookup
 from .spec_decode.verify import SampledRows, accepted, target_tokens
 from .uploads import upload_meta
+
+log = logging.getLogger("dflash_trt.runtime")
 
 
 @dataclass
@@ -278,6 +282,48 @@ class ModelRunner:
             )
             if self.proposer is not None:  # and the drafter's forward (runtime/drafter_graphs.py)
                 self.proposer.enable_graphs(config.scheduler.max_batch_size, self.device.type == "cuda")
+            if m.cuda_graph_capture_len:
+                self.capture_graphs(m.cuda_graph_capture_len, config.speculative.block_size or 1)
+
+    def capture_graphs(self, max_len: int, block_size: int) -> int:
+        """Capture the CUDA graphs of contexts up to ``max_len`` tokens now (at start-up, as vLLM
+        does): the target's for every batch bucket x :func:`~.cuda_graphs.capture_queries` of
+        ``block_size`` x key bucket, and the drafter's (every context-row bucket, a drafting
+        graph per batch and key bucket), each on padding only, so that no serving iteration pays
+        for a capture (on an H200 tens of milliseconds each against a ~5 ms replayed step). On
+        the CPU the same static buffers are made without capture. Returns the graphs made
+        (those already there count once).
+
+        Raises:
+            ValueError: CUDA graphs are not enabled on this runner.
+        """
+        if self.graphs is None:
+            raise ValueError("capture_graphs needs a runner built with cuda_graphs")
+        t, before = time.perf_counter(), self.graph_count()
+        # the largest first (as vLLM): the RoPE tables are sized once, and the graph pool's memory,
+        # sized by the first capture, serves the smaller ones
+        batches = batch_buckets(self.graphs.max_batch)[::-1]
+        keys = key_buckets(max_len)
+        queries = capture_queries(block_size if self.proposer is not None else 1)[::-1]
+        target = [GraphKey(b, q, k) for k in keys for b in batches for q in queries]
+        dg = self.proposer.graphs if self.proposer is not None else None
+        drafting = [GraphKey(b, block_size, k) for k in keys for b in batches] if dg is not None else []
+        bar = tqdm(
+            total=len(target) + len(drafting),
+            desc=f"capturing CUDA graphs (contexts up to {keys[0] if keys else 0} tokens)",
+            unit="graph",
+            disable=self.device.type != "cuda",
+        )
+        with self.grad_mode(), bar:
+            for key in target:
+                self.graphs.capture_ahead([key], self.device, self.target_window)
+                bar.update()
+            for key in drafting:
+                dg.capture_ahead([key])
+                bar.update()
+        made = self.graph_count() - before
+        log.info("CUDA graphs: %d made for contexts up to %s tokens in %.1f s", made, keys[:1], time.perf_counter() - t)
+        return made
 
     @property
     def drafter(self) -> DFlashDrafter | None:
