@@ -258,6 +258,11 @@ def summarize(records: list[_Record], stats: LoopStats, iteration_s: list[float]
         "iteration_max_s": max(iteration_s, default=None),
         "mean_draft_tokens": stats.mean_draft_tokens,
         "tau": stats.tau,
+        # under CUDA graphs: iterations whose target forward ran eagerly (prompt chunks, ...) and
+        # those that captured a graph, out of all (the medians above hide both)
+        "iterations": stats.iterations,
+        "eager_iterations": stats.iterations - stats.replayed_iterations,
+        "capture_iterations": stats.capture_iterations,
     }
 
 
@@ -465,6 +470,8 @@ class _LoadRun:
                 "tokens_per_block": a.tokens_per_block,
                 "kv_capacity_tokens": self.kv_cap,
                 "kv_capacity_source": kv_src,
+                "cuda_graphs": a.cuda_graphs,
+                "cuda_graph_capture_len": a.cuda_graph_capture_len,
             },
             "tp_size": tp.size if tp is not None else 1,
             "load": rows,
@@ -502,6 +509,8 @@ def format_load_table(r: dict) -> str:
             note += f" ({len(x['divergences'])} diverged" + (
                 f", top-2 margin <= {max(margins):.2g})" if margins else ")"
             )
+        if r["engine_config"].get("cuda_graphs") and x.get("iterations"):
+            note += f"; eager {x['eager_iterations']}/{x['iterations']} iterations, {x['capture_iterations']} captured"
         lines.append(
             f"{x['concurrency']:>4} {x['mode']:<7} {x['requests']:>5} {x['output_tokens']:>7} "
             f"{x['output_tokens_per_s']:>8.1f} {x['per_user_tokens_per_s']:>10.1f} "

@@ -499,6 +499,9 @@ class LLMEngine:
         """Commit and stream the iteration's tokens (the runner chose the target's tokens and
         accepted drafts against them on the device); returns how many were committed."""
         st = self.stats
+        st.iterations += 1
+        st.replayed_iterations += out.replayed
+        st.capture_iterations += out.captured
         if sched.decode:
             st.verify_s += out.target_s
             st.verify_calls += 1

@@ -89,7 +89,9 @@ class LoopStats:
     ``tau`` is the mean number of tokens committed per verify step (bonus included);
     ``acceptance_per_position[k-1]`` is P(draft slot k accepted | slot k reached).
     ``lookup_steps`` counts the verify steps whose drafts began with prompt-lookup tokens
-    (``ngram.py``). Times are wall seconds.
+    (``ngram.py``). ``iterations`` counts the engine's iterations, ``replayed_iterations`` those
+    whose target forward replayed a CUDA graph and ``capture_iterations`` those that captured
+    one (``runtime/cuda_graphs.py``). Times are wall seconds.
     """
 
     block_size: int
@@ -105,6 +107,9 @@ class LoopStats:
     verify_calls: int = 0
     prefill_s: float = 0.0
     lookup_steps: int = 0
+    iterations: int = 0
+    replayed_iterations: int = 0
+    capture_iterations: int = 0
 
     def __post_init__(self) -> None:
         self.reached = [0] * max(self.block_size - 1, 0)
