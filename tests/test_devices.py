@@ -210,22 +210,28 @@ def test_cuda_graphs_give_the_same_tokens(device, block_size, ahead):
         engine.run()
         runs[graphs] = engine, [engine.result(i).output_ids for i in range(len(reqs))]
     (eager, want), (graphed, got) = runs[False], runs[True]
-    if ahead:  # every bucket made at start: 4 batch x 1 or 4 queries x 2 key buckets (+ the drafter's)
-        assert made == graphed.runner.graph_count() == 8 * block_size + (8 + 8 if block_size > 1 else 0)
+    if ahead:  # every bucket made at start: 4 batch x 1 or 4 queries x 2 key buckets, 5 + 6 prompt-chunk
+        # buckets (16 .. 256 and 16 .. 512 tokens), and the drafter's 8 context and 4 x 2 drafting graphs
+        assert made == graphed.runner.graph_count() == 8 * block_size + 11 + (8 + 8 if block_size > 1 else 0)
     else:
         assert made == 0
     ties = sum(check_same(model, r.prompt_ids, a, b) for r, a, b in zip(reqs, want, got))
     gt = graphed.runner.graphs
     keys = sorted((k.batch, k.queries, k.keys) for k in gt.graphs)
+    chunks = sorted((k.queries, k.keys) for k in gt.prompts)
     dg = graphed.runner.proposer.graphs if block_size > 1 else None  # the drafter's (runtime/drafter_graphs.py)
     drafting = sorted((k.batch, k.keys) for k in dg.drafts) if dg else []
     print(
         f"{device}, block size {block_size}: {gt.replays} replays, graphs {keys}, "
+        f"{gt.prompt_replays} prompt-chunk replays, graphs {chunks}, "
         f"drafter: {dg.replays if dg else 0} replays, graphs {drafting}, "
         f"context rows {sorted(dg.contexts) if dg else []}, "
         f"tau {graphed.stats.tau:.2f}, {ties} ties"
     )
     assert {k.batch for k in gt.graphs} >= {1, 2, 4, 8} and {k.keys for k in gt.graphs} == {256, 512}
+    # every prompt chunk replayed (6 prompts over 512-token budgets: chunked, beside decode steps), none eager
+    assert gt.prompt_replays >= 7 and {k for _, k in chunks} == {256, 512}
+    assert graphed.stats.replayed_iterations == graphed.stats.iterations
     assert ties == 0 and got == want and graphed.stats.accepted == eager.stats.accepted
     if block_size > 1:
         assert graphed.stats.tau > 2.0
@@ -234,7 +240,7 @@ def test_cuda_graphs_give_the_same_tokens(device, block_size, ahead):
         assert {b for b, _ in drafting} >= {1, 2, 4} and {k for _, k in drafting} == {256, 512}
         assert len(dg.contexts) >= 2
     if device != "cpu":  # captured, not run eagerly
-        assert all(graph.graph is not None for graph in gt.graphs.values())
+        assert all(graph.graph is not None for graph in [*gt.graphs.values(), *gt.prompts.values()])
         if dg:
             assert all(g.graph is not None for g in [*dg.drafts.values(), *dg.contexts.values()])
 

@@ -604,6 +604,7 @@ def test_graph_path_gives_the_same_tokens_and_acceptance(smollm2, reqs16):
                 reqs[:1],
                 prompt_lookup_min=2,
                 cuda_graphs=graphs,
+                cuda_graph_capture_len=256,  # (graphs of longer contexts on first use)
                 kv_capacity=1024,
                 max_num_tokens=512,
             )
@@ -620,5 +621,6 @@ def test_graph_path_gives_the_same_tokens_and_acceptance(smollm2, reqs16):
         f"tau {eager[2].tau:.3f} / {graphed[2].tau:.3f} (eager / graphs)"
     )
     assert min(replays.values()) >= 30 and drafting == graphed[2].draft_calls > 10
+    assert min(e.runner.graphs.prompt_replays for e in one.values()) == len(reqs)  # each prompt from its chunk graph
     assert graphed[0] == eager[0] and graphed[1] == eager[1]
     assert graphed[2].accepted == eager[2].accepted and graphed[2].tau > 1.5

@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from ..models.drafter import DFlashDrafter, PagedBlocks
-from .cuda_graphs import GraphKey, batch_bucket, capture_graph, key_bucket
+from .cuda_graphs import GraphKey, batch_bucket, capture_graph, key_bucket, to_static
 
 #: context rows captured (one graph each); more rows are written eagerly
 CONTEXT_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -51,14 +51,6 @@ CONTEXT_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
 def context_bucket(n: int) -> int | None:
     """The smallest of :data:`CONTEXT_BUCKETS` ``>= n``, or None above the largest."""
     return next((b for b in CONTEXT_BUCKETS if b >= n), None)
-
-
-def _to_static(buf: torch.Tensor, host: torch.Tensor) -> None:
-    """Copy a host tensor into a static device buffer (pinned, non-blocking: no synchronisation)."""
-    if buf.device.type == "cuda":
-        buf.copy_(host.pin_memory(), non_blocking=True)
-    else:
-        buf.copy_(host)
 
 
 class _ContextGraph:
@@ -81,7 +73,7 @@ class _ContextGraph:
         host = torch.full((2, self.rows), self.owner.spare_slot, dtype=torch.long)
         host[0] = 0
         host[0, :n], host[1, :n] = positions, slots
-        _to_static(self.where, host)
+        to_static(self.where, host)
         if not self.owner.capture_graphs:
             self._run()
             return
@@ -140,7 +132,7 @@ class _DraftGraph:
         h_slots.view(key.batch, B)[S:] = o.spare_slot
         h_lens[:S] = pos[:, -1] + 1
         h_lens[S:] = B  # a padded block attends over its own keys (block 0 of the tables' zeros)
-        _to_static(self.inputs, host)
+        to_static(self.inputs, host)
         if not o.capture_graphs:
             return self._run()[:S].clone()
         if self.graph is None:

@@ -451,9 +451,10 @@ class LLMEngine:
         ctl = self.controller
         if out.captured:
             return
-        if out.replayed or not self.config.model.cuda_graphs:
+        if (out.replayed and not out.prompt_replays) or not self.config.model.cuda_graphs:
             # under CUDA graphs the decode-only iterations the controller chooses for replay, and an
-            # eager forward (a prompt chunk beside them) costs several times a replay of its size
+            # eager forward (a prompt chunk beside them) costs several times a replay of its size,
+            # prompt chunks replayed one by one otherwise than a decode step of their size
             ctl.target_cost.observe(out.target_tokens, out.target_s)
         drafting = [it.num_draft > 0 for it in plan.items]
         if out.drafter_ran:  # (not when prompt-lookup tokens filled every draft position)

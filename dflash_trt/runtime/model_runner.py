@@ -26,18 +26,26 @@ from ..models.batch_invariant import resolve_batch_invariant, set_batch_invarian
 from ..models.cpu_linear import onednn_available, pack_linears, unpack_linears
 from ..models.drafter import DFlashDrafter
 from ..models.fused_layer import plan_dense_layers
-from ..models.layers import set_cpu_norm_kernel
-from ..models.target import TargetModel
-from .attention_meta import plan_packed
+from ..models.layers import AttentionMetadata, set_cpu_norm_kernel
+from ..models.target import TargetModel, TargetOutput
+from .attention_meta import MetaPlan, plan_packed
 from .compiled import compiled_forward
 from .config import EngineConfig
 from .cpu_memory import retain_freed_memory
-from .cuda_graphs import GraphedTarget, GraphKey, batch_buckets, capture_queries, key_buckets
+from .cuda_graphs import (
+    MAX_PROMPT_REPLAYS,
+    PROMPT_BUCKETS,
+    GraphedTarget,
+    GraphKey,
+    batch_buckets,
+    capture_queries,
+    key_buckets,
+)
 from .kv_cache import PagedKVCache
 from .spec_decode.dflash import DFlashProposer
 from .spec_decode.prompt_lookup import merge_lookup
 from .spec_decode.verify import SampledRows, accepted, target_tokens
-from .uploads import upload_meta
+from .uploads import upload, upload_meta
 
 log = logging.getLogger("dflash_trt.runtime")
 
@@ -116,8 +124,9 @@ class StepOutput:
         target_tokens: tokens in the target forward.
         drafter_ran: the drafter's forward ran (False when nothing was drafted, or when
             prompt-lookup tokens filled every draft position).
-        replayed: the target forward was replayed from a CUDA graph (``runtime/cuda_graphs.py``;
+        replayed: the target forward was replayed from CUDA graphs (``runtime/cuda_graphs.py``;
             False: it ran eagerly).
+        prompt_replays: of those, prompt chunks replayed from prompt-chunk graphs (one each).
         captured: the iteration captured a graph (the target's or the drafter's) on first use:
             its timings include the capture (on an H200 tens of milliseconds against a ~5 ms step).
     """
@@ -130,6 +139,7 @@ class StepOutput:
     target_tokens: int = 0
     drafter_ran: bool = False
     replayed: bool = False
+    prompt_replays: int = 0
     captured: bool = False
 
 
@@ -279,6 +289,8 @@ class ModelRunner:
                 self.spare_slot,
                 config.scheduler.max_batch_size,
                 capture_graphs=self.device.type == "cuda",
+                tokens_per_block=self.tpb,
+                window=self.target_window,
             )
             if self.proposer is not None:  # and the drafter's forward (runtime/drafter_graphs.py)
                 self.proposer.enable_graphs(config.scheduler.max_batch_size, self.device.type == "cuda")
@@ -306,17 +318,21 @@ class ModelRunner:
         keys = key_buckets(max_len)
         queries = capture_queries(block_size if self.proposer is not None else 1)[::-1]
         target = [GraphKey(b, q, k) for k in keys for b in batches for q in queries]
+        chunks = [GraphKey(1, t, k) for k in keys for t in PROMPT_BUCKETS[::-1] if t <= k]
         dg = self.proposer.graphs if self.proposer is not None else None
         drafting = [GraphKey(b, block_size, k) for k in keys for b in batches] if dg is not None else []
         bar = tqdm(
-            total=len(target) + len(drafting),
+            total=len(target) + len(chunks) + len(drafting),
             desc=f"capturing CUDA graphs (contexts up to {keys[0] if keys else 0} tokens)",
             unit="graph",
             disable=self.device.type != "cuda",
         )
         with self.grad_mode(), bar:
             for key in target:
-                self.graphs.capture_ahead([key], self.device, self.target_window)
+                self.graphs.capture_ahead([key], [], self.device)
+                bar.update()
+            for key in chunks:
+                self.graphs.capture_ahead([], [key], self.device)
                 bar.update()
             for key in drafting:
                 dg.capture_ahead([key])
@@ -360,7 +376,7 @@ class ModelRunner:
 
     def graph_count(self) -> int:
         """Graphs made so far (the target's and the drafter's; 0 without CUDA graphs)."""
-        n = len(self.graphs.graphs) if self.graphs is not None else 0
+        n = len(self.graphs.graphs) + len(self.graphs.prompts) if self.graphs is not None else 0
         dg = self.proposer.graphs if self.proposer is not None else None
         return n + (len(dg.drafts) + len(dg.contexts) if dg is not None else 0)
 
@@ -390,27 +406,26 @@ class ModelRunner:
             drafts, out.drafter_ran = self._draft([items[i] for i in drafting], plan.draft_block)
         clock.mark()
         packed = _Packed(items, drafting, drafts.shape[1] if drafting else 0)
-        plan_meta = plan_packed(
-            [it.start for it in items],
-            packed.lengths,
-            packed.offsets,
-            packed.lengths,
-            [it.table for it in items],
-            self.tpb,
-            self.spare_slot,
-            target_window=self.target_window,
-        )
+        # under CUDA graphs: items[:P] replay as prompt chunks, the rest (planned as plan_meta) from
+        # its decode graph; else one eager forward of every item
+        prompt_keys, plan_meta, graph = self._target_plan(items, packed)
+        P = len(prompt_keys)
+        off = packed.offsets[P] if len(items) > P else len(packed.flat)  # the decode part's first token
         flat_t = torch.tensor(packed.flat, dtype=torch.long)
-        # a decode-only iteration (every token has logits) replays its bucket's graph
-        graph = self.graphs.key(plan_meta, len(packed.rows) == len(packed.flat)) if self.graphs is not None else None
-        if graph is not None:
-            flat_t = self.graphs.pad_ids(graph, flat_t)
+        if graph is not None:  # padded to the bucket's batch * q tokens
+            flat_t = torch.cat([flat_t, flat_t.new_zeros(graph.batch * graph.queries - (len(flat_t) - off))])
         host = [flat_t, torch.tensor(packed.rows, dtype=torch.long), *packed.host_inputs()]
-        meta, ids, index, *extra = upload_meta(self.device, plan_meta, *host)  # the iteration's one host -> device copy
+        if plan_meta is not None:
+            meta, ids, index, *extra = upload_meta(self.device, plan_meta, *host)  # the iteration's host -> device copy
+        else:  # prompt chunks only: their graphs take their tokens from the host
+            meta, (ids, index, *extra) = None, upload(self.device, *host)
         verify_in = packed.device_inputs(extra)
         if drafting:  # drafts go into the packed input on the device
             ids[verify_in["dst"]] = drafts.view(-1)[verify_in["src"]]
-        if graph is not None:  # (every token has logits, in order: the rows are 0 .. N - 1)
+        if P:
+            res = self._replay_parts(items[:P], prompt_keys, graph, ids[off:], meta, len(packed.flat) - off)
+            out.replayed, out.prompt_replays = True, P
+        elif graph is not None:  # (every token has logits, in order: the rows are 0 .. N - 1)
             res = self.graphs.run(graph, ids, meta, len(packed.flat))
             out.replayed = True
         else:
@@ -431,6 +446,79 @@ class ModelRunner:
             for it, o, n in zip(items, packed.offsets, packed.lengths):
                 self.proposer.store_features(it.seq_id, it.start, res.features[0, o : o + n])
         return out
+
+    def _target_plan(
+        self, items: list[StepItem], packed: _Packed
+    ) -> tuple[list[GraphKey], MetaPlan | None, GraphKey | None]:
+        """How the iteration's target forward runs: ``(prompt_keys, plan, graph)``. Without CUDA
+        graphs, or when neither part below qualifies: ``([], plan of every item, None)``, one
+        eager forward. A decode-only iteration whose sequences verify the same number of tokens:
+        ``([], plan, its graph)``. Under graphs an iteration with prompt chunks (the leading
+        items, up to the last that is not a decode item; at most :data:`~.cuda_graphs.MAX_PROMPT_REPLAYS`)
+        replays each chunk from a prompt graph (``prompt_keys``) and the decode items after them
+        from their decode graph (``plan`` of those items alone, ``graph``; None, None when there
+        are none); if any chunk is longer than the buckets or the decode part has no graph (mixed
+        draft lengths), the iteration runs eagerly instead."""
+
+        def plan(first: int) -> MetaPlan:  # the metadata plan of items[first:], packed from their first token
+            sub, base = items[first:], packed.offsets[first]
+            lengths = packed.lengths[first:]
+            offsets = [o - base for o in packed.offsets[first:]]
+            return plan_packed(
+                [it.start for it in sub],
+                lengths,
+                offsets,
+                lengths,
+                [it.table for it in sub],
+                self.tpb,
+                self.spare_slot,
+                target_window=self.target_window,
+            )
+
+        whole = plan(0)
+        if self.graphs is None:
+            return [], whole, None
+        graph = self.graphs.key(whole, len(packed.rows) == len(packed.flat))
+        if graph is not None:
+            return [], whole, graph
+        decode = [len(it.tokens) == 1 and it.num_logits == 1 + it.num_draft for it in items]
+        P = max((i + 1 for i, d in enumerate(decode) if not d), default=0)
+        if not 0 < P <= MAX_PROMPT_REPLAYS:
+            return [], whole, None
+        keys = [self.graphs.prompt_key(len(it.tokens), it.start) for it in items[:P]]
+        if None in keys:
+            return [], whole, None
+        if len(items) == P:
+            return keys, None, None
+        rest = plan(P)
+        graph = self.graphs.key(rest, True)  # (decode items: every token has logits)
+        return (keys, rest, graph) if graph is not None else ([], whole, None)
+
+    def _replay_parts(
+        self,
+        chunks: list[StepItem],
+        keys: list[GraphKey],
+        graph: GraphKey | None,
+        ids: torch.Tensor,
+        meta: AttentionMetadata | None,
+        n: int,
+    ) -> TargetOutput:
+        """The target forward of an iteration with prompt ``chunks`` from graphs: each chunk
+        from its prompt graph (``keys``), then the ``n`` decode tokens ``ids`` (padded, on the
+        device) under ``meta`` from ``graph`` (None: no decode items). Returns logits in packed
+        row order (each chunk's last ``num_logits`` rows, then every decode token's) and
+        features ``[1, N, F]`` in packed order."""
+        parts = [
+            self.graphs.run_prompt(k, it.tokens, it.start, it.table, it.num_logits, self.device)
+            for it, k in zip(chunks, keys)
+        ]
+        if graph is not None:
+            parts.append(self.graphs.run(graph, ids, meta, n))
+        feats = [p.features for p in parts]
+        return TargetOutput(
+            logits=torch.cat([p.logits for p in parts], dim=1),
+            features=None if feats[0] is None else torch.cat(feats, dim=1),
+        )
 
 
 class _Packed:
