@@ -333,14 +333,32 @@ constexpr int PANELS[MR] = {8, 8, 6, 4, 4, 4};  // 32 registers
 constexpr int PANELS[MR] = {6, 4, 3, 2, 2, 2};  // 16 registers
 #endif
 
+// Panels per group when P panels are split over the threads in whole groups: a multiple of
+// `unit` (the register tile's width for the rows that dominate, so that no group ends in
+// one-panel tiles), at most max(cap, unit), and the most even split over the threads those
+// allow (at::parallel_for gives each thread a contiguous run of ceil(groups / threads) groups;
+// ties go to larger groups). With 2 threads, 36 panels in groups of 12 left one thread idle a
+// third of the projection; in groups of 6 with 4-panel tiles, each group ended in 2 one-panel tiles.
+inline int64_t balanced_panels(int64_t P, int64_t unit, int64_t cap) {
+  const int64_t T = std::max(1, at::get_num_threads());
+  const int64_t units = (P + unit - 1) / unit, most = std::max<int64_t>(1, cap / unit);
+  int64_t best = 1, best_load = std::numeric_limits<int64_t>::max();
+  for (int64_t per = 1; per <= most; ++per) {
+    const int64_t groups = (units + per - 1) / per, threads = std::min(T, groups);
+    const int64_t load = std::min((groups + threads - 1) / threads * per, units);  // the busiest thread's units
+    if (load <= best_load) best = per, best_load = load;
+  }
+  return best * unit;
+}
+
 // x [M, K] fp32 (any weight: the FMA tile) or bf16 (bf16 weights with BF16_DOT: tile_bf16)
 template <typename X, typename W, typename O>
 void linear_impl(const X* x, int64_t M, int64_t K, const W* wp, const float* bias, int64_t N, O* out) {
   // threads take whole groups of panels (output columns); never a split of K. A group (~256 KiB:
-  // in L2, a multiple of 6 panels) is swept by every register tile of rows in turn.
+  // in L2) is swept by every register tile of rows in turn.
   const int64_t P = (N + VL - 1) / VL;
   const int64_t fit = (int64_t{256} << 10) / std::max<int64_t>(1, K * VL * static_cast<int64_t>(sizeof(W)));
-  const int64_t pb = std::clamp<int64_t>(fit / 6 * 6, 6, 48);
+  const int64_t pb = balanced_panels(P, PANELS[std::min<int64_t>(M, MR) - 1], std::min<int64_t>(fit, 48));
   const int64_t groups = (P + pb - 1) / pb;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * VL * pb));  // >= ~64K MACs a task
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
