@@ -278,16 +278,26 @@ __attribute__((noinline)) void tile_bf16(const c10::BFloat16* x, int64_t K, cons
   const char* next = reinterpret_cast<const char*>(wp + C * ps);
   constexpr int64_t step = static_cast<int64_t>(C) * VL * 2;
   const uint16_t* xu = reinterpret_cast<const uint16_t*>(x);
-  for (int64_t k = 0; k < K; k += 2) {
-    const bool pair = k + 1 < K;
+  const int64_t K2 = K & ~int64_t{1};  // the whole pairs; an odd K's last input pairs with a zero after them
+  for (int64_t k = 0; k < K2; k += 2) {
     if constexpr (R <= 2) {
       for (int64_t b = 0; b < 2 * step; b += 64) __builtin_prefetch(next + k * step + b, 0, 1);
     }
     __m512bh wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = pair_rows(wp + c * ps + k * VL, pair ? wp + c * ps + (k + 1) * VL : nullptr, idx);
+    for (int c = 0; c < C; ++c) wv[c] = pair_rows(wp + c * ps + k * VL, wp + c * ps + (k + 1) * VL, idx);
     for (int r = 0; r < R; ++r) {
-      const uint32_t xp = xu[r * K + k] | (pair ? static_cast<uint32_t>(xu[r * K + k + 1]) << 16 : 0u);
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xp));
+      // (x[k], x[k + 1]) as one dword: a broadcast straight from memory
+      int32_t xp;
+      std::memcpy(&xp, xu + r * K + k, sizeof(xp));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, wv[c]);
+    }
+  }
+  if (K2 < K) {
+    __m512bh wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = pair_rows(wp + c * ps + K2 * VL, nullptr, idx);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xu[r * K + K2]));
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, wv[c]);
     }
   }
