@@ -303,8 +303,40 @@ class GraphKey:
     keys: int
 
 
-class _Graph:
-    """One captured forward: static inputs (token ids ``[1, batch * q]``, positions, write
+class _StaticForward:
+    """A target forward over static input buffers (filled by the subclass before each replay),
+    ending at the final norm: on a CUDA device captured into a CUDA graph whose outputs are
+    static (graph memory, rewritten by every replay); elsewhere run at every replay with its
+    results copied into the first run's outputs, so that the CPU exercises the same buffers."""
+
+    graph = None
+
+    def _forward(self) -> TargetOutput:
+        raise NotImplementedError
+
+    def _capture(self, target: GraphedTarget, device: torch.device) -> None:
+        if device.type == "cuda":  # (the warm-up writes the same K/V to the same slots as the replays will)
+            self.graph, self.out = capture_graph(self._forward, target.pool)
+        else:
+            self.out = self._forward()
+        # the RoPE tables the graph reads: should a later, longer eager forward rebuild them, these
+        # stay allocated (and correct for every position a bucket holds) instead of being freed
+        # under the graph
+        self.tables = (target.rope.cos_table, target.rope.sin_table)
+
+    def _replay(self) -> TargetOutput:
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        res = self._forward()  # no GPU: the same static buffers, results copied into static outputs
+        self.out.hidden.copy_(res.hidden)
+        if res.features is not None:
+            self.out.features.copy_(res.features)
+        return self.out
+
+
+class _Graph(_StaticForward):
+    """One captured decode forward: static inputs (token ids ``[1, batch * q]``, positions, write
     slots, read slots, mask) and static outputs (final-norm hidden states ``[1, batch * q,
     hidden]``, features ``[1, batch * q, F]``)."""
 
@@ -314,15 +346,7 @@ class _Graph:
         # static inputs: allocated outside the graph pool, refilled before each replay
         self.ids = ids.clone()
         self.meta = pad_decode_meta(meta, key.batch, key.keys, self.spare_slot)
-        self.graph = None
-        if ids.device.type == "cuda":  # (the warm-up writes the same K/V to the same slots as the replays will)
-            self.graph, self.out = capture_graph(self._forward, target.pool)
-        else:
-            self.out = self._forward()
-        # the RoPE tables the graph reads: should a later, longer eager forward rebuild them, these
-        # stay allocated (and correct for every position a bucket holds) instead of being freed
-        # under the graph
-        self.tables = (target.rope.cos_table, target.rope.sin_table)
+        self._capture(target, ids.device)
 
     def _forward(self) -> TargetOutput:
         # MoE layers take their static-shape expert path (no host read of the routing: capturable)
@@ -334,17 +358,10 @@ class _Graph:
         there) and replay; returns the static outputs."""
         self.ids.copy_(ids)
         pad_decode_meta(meta, self.key.batch, self.key.keys, self.spare_slot, out=self.meta)
-        if self.graph is not None:
-            self.graph.replay()
-            return self.out
-        res = self._forward()  # no GPU: the same static buffers, results copied into static outputs
-        self.out.hidden.copy_(res.hidden)
-        if res.features is not None:
-            self.out.features.copy_(res.features)
-        return self.out
+        return self._replay()
 
 
-class _PromptGraph:
+class _PromptGraph(_StaticForward):
     """One prompt chunk's forward: ``key.queries`` tokens (a :data:`PROMPT_BUCKETS` size; ``key.batch``
     is 1) over ``key.keys`` key columns, its metadata built inside the graph (:func:`chunk_meta`)
     from one static int64 buffer: ids ``[queries]``, start ``[1]``, length ``[1]``, block table
@@ -356,12 +373,7 @@ class _PromptGraph:
         self.width = -(-key.keys // target.tpb)
         self.sizes = (key.queries, 1, 1, self.width)
         self.inputs = torch.zeros(sum(self.sizes), dtype=torch.long, device=device)
-        self.graph = None
-        if device.type == "cuda":
-            self.graph, self.out = capture_graph(self._forward, target.pool)
-        else:
-            self.out = self._forward()
-        self.tables = (target.rope.cos_table, target.rope.sin_table)  # (as _Graph's)
+        self._capture(target, device)
 
     def _forward(self) -> TargetOutput:
         t, key = self.target, self.key
@@ -380,14 +392,7 @@ class _PromptGraph:
         tb = table[: self.width]
         host[q + 2 : q + 2 + len(tb)] = torch.tensor(tb, dtype=torch.long)
         to_static(self.inputs, host)
-        if self.graph is not None:
-            self.graph.replay()
-            return self.out
-        res = self._forward()  # no GPU: the same static buffers, results copied into static outputs
-        self.out.hidden.copy_(res.hidden)
-        if res.features is not None:
-            self.out.features.copy_(res.features)
-        return self.out
+        return self._replay()
 
 
 class GraphedTarget:
