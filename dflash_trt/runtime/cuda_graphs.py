@@ -21,7 +21,7 @@ chunks longer than the largest bucket, mixed draft lengths or longer contexts ru
 
 Graphs are captured when the engine starts (as vLLM captures its batch sizes), for every batch
 bucket, every ``q`` of :func:`capture_queries` and every key bucket of contexts up to
-``ModelConfig.cuda_graph_capture_len`` tokens (:meth:`GraphedTarget.capture_ahead`, on buckets of
+``ModelConfig.cuda_graph_capture_len`` tokens (``ModelRunner.capture_graphs``, on buckets of
 padding only); the others on first use, with that iteration's inputs. A capture costs tens of
 milliseconds against a ~5 ms replayed step (one H200, docs/gpu-runs.md): captured while serving,
 they cost a 48-request load run at 16 sequences ~14 of them.
@@ -450,18 +450,20 @@ class GraphedTarget:
             return None
         return GraphKey(batch, g.tq, keys)
 
-    def capture_ahead(self, keys: list[GraphKey], prompt_keys: list[GraphKey], device: torch.device) -> None:
-        """Make the decode graphs of ``keys`` and the prompt-chunk graphs of ``prompt_keys`` now,
-        each on padding only (:func:`padding_meta`, :func:`chunk_meta` of length 0: no sequence's
-        K/V is read or written), so that no serving iteration pays for a capture. Keys with the
-        most key columns should come first: the RoPE tables are then sized once."""
-        for key in keys:
-            if key not in self.graphs:
-                ids = torch.zeros(1, key.batch * key.queries, dtype=torch.long, device=device)
-                self.graphs[key] = _Graph(self, key, padding_meta(key.queries, device, self.window), ids)
-        for key in prompt_keys:
-            if key not in self.prompts:
-                self.prompts[key] = _PromptGraph(self, key, device)
+    def capture_decode(self, key: GraphKey, device: torch.device) -> None:
+        """Make ``key``'s decode graph now (unless made), on padding only (:func:`padding_meta`:
+        no sequence's K/V is read or written), so that no serving iteration pays for it."""
+        if key not in self.graphs:
+            ids = torch.zeros(1, key.batch * key.queries, dtype=torch.long, device=device)
+            self.graphs[key] = _Graph(self, key, padding_meta(key.queries, device, self.window), ids)
+
+    def prompt_graph(self, key: GraphKey, device: torch.device) -> _PromptGraph:
+        """``key``'s prompt-chunk graph, made now if new (on padding only: :func:`chunk_meta` of
+        length 0)."""
+        g = self.prompts.get(key)
+        if g is None:
+            g = self.prompts[key] = _PromptGraph(self, key, device)
+        return g
 
     def prompt_key(self, n: int, start: int) -> GraphKey | None:
         """The graph of a prompt chunk of ``n`` tokens at positions ``start ..``, or None when it
@@ -481,10 +483,7 @@ class GraphedTarget:
             ``[1, n, F]`` of its ``n`` tokens, both in memory of their own (the next replay
             reuses the graph's).
         """
-        g = self.prompts.get(key)
-        if g is None:
-            g = self.prompts[key] = _PromptGraph(self, key, device)
-        out = g.replay(tokens, start, table)
+        out = self.prompt_graph(key, device).replay(tokens, start, table)
         self.prompt_replays += 1
         n = len(tokens)
         features = None if out.features is None else out.features[:, :n].clone()

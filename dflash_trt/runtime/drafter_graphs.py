@@ -22,8 +22,8 @@ A drafting iteration runs two graphs, each replayed as one launch:
   wide, RoPE tables sized for ``L_b`` once). Padded sequences write their block to the spare
   slot and attend over their own ``B`` keys only; their drafts are dropped.
 
-Like the target's, these graphs are captured when the engine starts (:meth:`GraphedDrafter.capture_ahead`:
-every context bucket, and the drafting graphs of the target's batch and key buckets), others on first use.
+Like the target's, these graphs are captured when the engine starts (:meth:`GraphedDrafter.capture_contexts`,
+:meth:`GraphedDrafter.capture_draft` for the target's batch and key buckets), others on first use.
 
 The inputs of a replay travel in ONE host-to-device copy into the graph's static int64 buffer
 (ids, positions, slots, block tables, key lengths side by side); the drafts are copied out of
@@ -192,19 +192,20 @@ class GraphedDrafter:
         keys = key_bucket(max(starts) + block)
         return None if batch is None or keys is None else GraphKey(batch, block, keys)
 
-    def capture_ahead(self, keys: list[GraphKey]) -> None:
-        """Make every context-row bucket's graph and the drafting graphs of ``keys`` now, each
-        replayed once on padding only (no sequence's K/V is written: every row goes to the spare
-        slot), so that no serving iteration pays for a capture; keys with the most key columns
-        first (the RoPE tables are then sized once)."""
+    def capture_contexts(self) -> None:
+        """Make every context-row bucket's graph now (unless made), replayed once on padding only
+        (every row goes to the spare slot), so that no serving iteration pays for it."""
         for rows in CONTEXT_BUCKETS:
             if rows not in self.contexts:
                 self.contexts[rows] = _ContextGraph(self, rows)
                 self.contexts[rows].replay(self.no_context, self.no_slots.cpu(), self.no_slots.cpu())
-        for key in keys:
-            if key not in self.drafts:
-                self.drafts[key] = _DraftGraph(self, key)
-                self.drafts[key].replay(torch.zeros(0, key.queries, dtype=torch.long), [], [])
+
+    def capture_draft(self, key: GraphKey) -> None:
+        """Make ``key``'s drafting graph now (unless made), replayed once on padding only (every
+        block written to the spare slot)."""
+        if key not in self.drafts:
+            self.drafts[key] = _DraftGraph(self, key)
+            self.drafts[key].replay(torch.zeros(0, key.queries, dtype=torch.long), [], [])
 
     def write_context(self, feats: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """KV injection of ``feats`` ``[N, F]`` (device) at host ``positions`` / ``slots`` (int64

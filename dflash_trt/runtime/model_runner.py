@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import accumulate
 
 import torch
@@ -317,28 +318,19 @@ class ModelRunner:
         batches = batch_buckets(self.graphs.max_batch)[::-1]
         keys = key_buckets(max_len)
         queries = capture_queries(block_size if self.proposer is not None else 1)[::-1]
-        target = [GraphKey(b, q, k) for k in keys for b in batches for q in queries]
-        chunks = [GraphKey(1, t, k) for k in keys for t in PROMPT_BUCKETS[::-1] if t <= k]
+        gt, dev = self.graphs, self.device
         dg = self.proposer.graphs if self.proposer is not None else None
-        drafting = [GraphKey(b, block_size, k) for k in keys for b in batches] if dg is not None else []
-        bar = tqdm(
-            total=len(target) + len(chunks) + len(drafting),
-            desc=f"capturing CUDA graphs (contexts up to {keys[0] if keys else 0} tokens)",
-            unit="graph",
-            disable=self.device.type != "cuda",
-        )
-        with self.grad_mode(), bar:
-            for key in target:
-                self.graphs.capture_ahead([key], [], self.device)
-                bar.update()
-            for key in chunks:
-                self.graphs.capture_ahead([], [key], self.device)
-                bar.update()
-            for key in drafting:
-                dg.capture_ahead([key])
-                bar.update()
+        jobs = [partial(gt.capture_decode, GraphKey(b, q, k), dev) for k in keys for b in batches for q in queries]
+        jobs += [partial(gt.prompt_graph, GraphKey(1, n, k), dev) for k in keys for n in PROMPT_BUCKETS[::-1] if n <= k]
+        if dg is not None:
+            jobs.append(dg.capture_contexts)
+            jobs += [partial(dg.capture_draft, GraphKey(b, block_size, k)) for k in keys for b in batches]
+        desc = f"capturing CUDA graphs (contexts up to {keys[0] if keys else 0} tokens)"
+        with self.grad_mode():
+            for job in tqdm(jobs, desc=desc, unit="graph", disable=dev.type != "cuda"):
+                job()
         made = self.graph_count() - before
-        log.info("CUDA graphs: %d made for contexts up to %s tokens in %.1f s", made, keys[:1], time.perf_counter() - t)
+        log.info("CUDA graphs: %d made in %.1f s", made, time.perf_counter() - t)
         return made
 
     @property
@@ -475,24 +467,21 @@ class ModelRunner:
                 target_window=self.target_window,
             )
 
-        whole = plan(0)
         if self.graphs is None:
-            return [], whole, None
-        graph = self.graphs.key(whole, len(packed.rows) == len(packed.flat))
-        if graph is not None:
-            return [], whole, graph
+            return [], plan(0), None
         decode = [len(it.tokens) == 1 and it.num_logits == 1 + it.num_draft for it in items]
-        P = max((i + 1 for i, d in enumerate(decode) if not d), default=0)
-        if not 0 < P <= MAX_PROMPT_REPLAYS:
-            return [], whole, None
-        keys = [self.graphs.prompt_key(len(it.tokens), it.start) for it in items[:P]]
-        if None in keys:
-            return [], whole, None
+        P = max((i + 1 for i, d in enumerate(decode) if not d), default=0)  # the prompt chunks: items[:P]
+        if P == 0:  # decode only (every token has logits)
+            whole = plan(0)
+            return [], whole, self.graphs.key(whole, True)
+        keys = [self.graphs.prompt_key(len(it.tokens), it.start) for it in items[:P]] if P <= MAX_PROMPT_REPLAYS else []
+        if not keys or None in keys:
+            return [], plan(0), None
         if len(items) == P:
             return keys, None, None
         rest = plan(P)
-        graph = self.graphs.key(rest, True)  # (decode items: every token has logits)
-        return (keys, rest, graph) if graph is not None else ([], whole, None)
+        graph = self.graphs.key(rest, True)
+        return (keys, rest, graph) if graph is not None else ([], plan(0), None)
 
     def _replay_parts(
         self,
