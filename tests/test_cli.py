@@ -230,7 +230,7 @@ def test_bench_json(tmp_path, capsys):
     ):
         assert key in r, key
     assert r["dataset"] == "humaneval" and r["num_prompts"] == 2 and r["block_size"] == 4
-    assert r["lossless"] is True
+    assert r["lossless"] is True and r["adaptive"] is False and r["mean_draft_tokens"] > 0
     assert len(r["acceptance_per_position"]) == 3
     assert 1.0 <= r["tau"] <= 4.0
     assert r["peers"]["hf"]["tokens_per_s"] > 0 and r["peers"]["hf"]["identical_to_ar"] is True
@@ -239,6 +239,21 @@ def test_bench_json(tmp_path, capsys):
     assert (lk["min_n"], lk["max_n"]) == (2, 4) and 0 <= lk["lookup_step_share"] <= 1
     assert "plain decoding" in proc.out and "peer: hf" in proc.out and "DFlash + lookup" in proc.out
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_batch1_adaptive(tmp_path, capsys):
+    """``bench --adaptive`` without ``--concurrency``: the DFlash mode runs the adaptive
+    draft-length controller as serving does (at most block size - 1 drafts a step, as many as it
+    chooses), still token for token plain decoding's; the table says so."""
+    out = tmp_path / "bench.json"
+    capsys.readouterr()
+    argv = ["bench", "--num-prompts", "2", "--max-new-tokens", "12", "--block-size", "4", "--adaptive"]
+    rc = main([*argv, "--json", str(out)])
+    proc = capsys.readouterr()
+    assert rc == 0, proc.err[-2000:]
+    r = json.loads(out.read_text())
+    assert r["adaptive"] is True and 0 <= r["mean_draft_tokens"] <= 3 and r["lossless"] is True
+    assert "DFlash (ours, K<=4)" in proc.out and "drafts/step" in proc.out and "(mean, adaptive)" in proc.out
 
 
 def test_init_drafter_writes_loadable_drafter(tmp_path, capsys):

@@ -114,8 +114,10 @@ def _run_modes(
 
 def batch1_engines(cfg: BenchConfig, models: LoadedModels, prompts: list[list[int]]) -> list[LLMEngine]:
     """The engines of the batch-1 modes on the same loaded models: plain decoding (block size
-    1), DFlash at the configured block size, and DFlash with prompt lookup when asked for; one
-    sequence at a time, a KV cache just large enough for the longest prompt and its answer.
+    1), DFlash at the configured block size (block size - 1 drafts every step, or with
+    ``engine_args.adaptive`` as many as the adaptive controller chooses), and DFlash with prompt
+    lookup when asked for; one sequence at a time, a KV cache just large enough for the longest
+    prompt and its answer.
 
     Raises:
         ConfigError: a block size the drafter cannot serve.
@@ -129,9 +131,9 @@ def batch1_engines(cfg: BenchConfig, models: LoadedModels, prompts: list[list[in
         kv_capacity=-(-longest // a.tokens_per_block) * a.tokens_per_block,
         max_batch_size=1,
         max_num_tokens=max(longest, a.max_num_tokens),
-        adaptive=False,
+        adaptive=bool(a.adaptive),
     )
-    engines = [create_engine(base.replace(block_size=1, prompt_lookup_min=0), models)]
+    engines = [create_engine(base.replace(block_size=1, prompt_lookup_min=0, adaptive=False), models)]
     engines.append(create_engine(base.replace(block_size=K, prompt_lookup_min=0), models))
     if a.prompt_lookup_min:  # a third mode: DFlash with prompt-lookup tokens merged in
         engines.append(create_engine(base.replace(block_size=K), models))
@@ -338,6 +340,9 @@ def _result(cfg: BenchConfig, models, prompts, modes, runs) -> dict:
         "num_prompts": len(prompts),
         "max_new_tokens": cfg.max_new_tokens,
         "block_size": modes[1].block_size,
+        "adaptive": modes[1].controller is not None,
+        # draft tokens per DFlash step (block size - 1 unless adaptive; 0 where it decoded plainly)
+        "mean_draft_tokens": df_stats.mean_draft_tokens,
         "temperature": cfg.temperature,
         "target": str(target.path),
         "drafter": str(a.drafter) if a.drafter else "default",
@@ -413,12 +418,13 @@ def _identical(r: dict, n: int) -> str:
 def format_table(r: dict) -> str:
     """A plain-text table of a :func:`run_bench` result."""
     rows = [("plain decoding (ours, K=1)", r["ar_tokens_per_s"], 1.0, "")]
+    adaptive = f", {r['mean_draft_tokens']:.2f} drafts/step" if r.get("adaptive") else ""
     rows.append(
         (
-            f"DFlash (ours, K={r['block_size']})",
+            f"DFlash (ours, K{'<=' if r.get('adaptive') else '='}{r['block_size']})",
             r["dflash_tokens_per_s"],
             r["speedup"],
-            f"tau {r['tau']:.2f}, lossless {r['lossless']}" + _identical(r, r["num_prompts"]),
+            f"tau {r['tau']:.2f}{adaptive}, lossless {r['lossless']}" + _identical(r, r["num_prompts"]),
         )
     )
     lk = r.get("prompt_lookup")
@@ -446,8 +452,11 @@ def format_table(r: dict) -> str:
             f"plain decoding (ours): decode {r['ar_decode_tokens_per_s']:.1f} tok/s, "
             f"prefill {r['ar_prefill_tokens_per_s']:.0f} tok/s"
         )
+    which = (
+        "a DFlash step's target forward (mean, adaptive)" if r.get("adaptive") else f"verify cost (K={r['block_size']})"
+    )
     lines.append(
-        f"verify cost (K={r['block_size']}) {r['verify_cost_ratio']:.2f}x a decode step "
+        f"{which} {r['verify_cost_ratio']:.2f}x a decode step "
         f"({r['decode_step_ms']:.1f} ms); draft cost {r['draft_cost_ratio']:.2f}x"
     )
     acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])

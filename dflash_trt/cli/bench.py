@@ -11,7 +11,7 @@ from . import flags
 
 #: engine settings that only the load benchmark uses (the batch-1 comparison sizes its own
 #: engines): given without --concurrency they are an error, not silently ignored
-LOAD_ONLY = ("max_batch_size", "max_num_tokens", "tokens_per_block", "kv_capacity", "adaptive")
+LOAD_ONLY = ("max_batch_size", "max_num_tokens", "tokens_per_block", "kv_capacity")
 
 
 def register(sub) -> None:
@@ -45,8 +45,11 @@ def register(sub) -> None:
     )
     EngineArgs.add_cli_args(
         b,
-        defaults=dict.fromkeys(LOAD_ONLY),
-        helps={"adaptive": "load benchmark: the adaptive draft-length controller (default: on)"},
+        defaults=dict.fromkeys((*LOAD_ONLY, "adaptive")),
+        helps={
+            "adaptive": "the adaptive draft-length controller, as serving runs it (default: on for the load "
+            "benchmark; off for batch 1, whose DFlash mode drafts block size - 1 tokens every step)"
+        },
     )
     b.set_defaults(run=run)
 
@@ -92,6 +95,7 @@ def run(args) -> None:
         raise DFlashError(f"{', '.join(given)}: load benchmark flag(s); add --concurrency")
     from ..bench.batch1 import BenchConfig, format_table, run_bench
 
+    args.adaptive = bool(args.adaptive)
     cfg = BenchConfig(
         engine_args=EngineArgs.from_cli_args(args),
         peers=tuple(p for p in args.peers.split(",") if p),
