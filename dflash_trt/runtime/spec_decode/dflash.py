@@ -121,22 +121,23 @@ class DFlashProposer:
         With a sliding-window drafter, whole chunks that no later block can see (every position
         before ``start + 1 - window + 1``: the next anchor is at ``start + 1`` or later) are dropped,
         so a sequence keeps O(window) rows however long it decodes without drafting."""
+        n = feats.shape[0]  # (not len(): Tensor.__len__ is a Python call, and this runs per sequence per step)
         old = self._features.get(seq_id)
         if old is None:
-            self._features[seq_id] = (start, [feats], start + len(feats))
+            self._features[seq_id] = (start, [feats], start + n)
             return
         first, chunks, end = old
-        while chunks and end - len(chunks[-1]) >= start:  # whole chunks at or past ``start``
-            end -= len(chunks.pop())
+        while chunks and end - chunks[-1].shape[0] >= start:  # whole chunks at or past ``start``
+            end -= chunks.pop().shape[0]
         if chunks and end > start:
-            chunks[-1] = chunks[-1][: len(chunks[-1]) - (end - start)]
+            chunks[-1] = chunks[-1][: chunks[-1].shape[0] - (end - start)]
         if not chunks:
             first = start
         chunks.append(feats)
         if self.window is not None:
-            while len(chunks) > 1 and first + len(chunks[0]) < start + 2 - self.window:
-                first += len(chunks.pop(0))
-        self._features[seq_id] = (first, chunks, start + len(feats))
+            while len(chunks) > 1 and first + chunks[0].shape[0] < start + 2 - self.window:
+                first += chunks.pop(0).shape[0]
+        self._features[seq_id] = (first, chunks, start + n)
 
     def _take_features(self, seq_id: int, upto: int) -> tuple[int, torch.Tensor]:
         """Features of positions ``[lo, upto)`` (removed from the store) and ``lo``: ``lo`` is the
