@@ -1,7 +1,9 @@
 """The packed forward's attention metadata, built from a plan of a few integers per sequence
 (``runtime/attention_meta.py``), against the definition: for random packed batches (verify
 blocks beside prompt chunks, causal and non-causal, with and without a sliding window, ragged
-tables) every query sees exactly the pool slots of the key positions it may attend to."""
+tables) every query sees exactly the pool slots of the key positions it may attend to, with
+both builders: the vectorized torch ops (any device) and the host's one C++ call per group
+(``dflash_cpu::paged_meta_*``), which give the same tensors."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import random
 import pytest
 import torch
 
-from dflash_trt.runtime.attention_meta import SHORT_QUERIES, plan_packed
+from dflash_trt.kernels import cpu_ops
+from dflash_trt.runtime.attention_meta import SHORT_QUERIES, MetaPlan, plan_packed
 from dflash_trt.runtime.block_manager import slots_of
 
 SPARE = 10_000
@@ -28,8 +31,17 @@ def random_batch(rng: random.Random):
     return starts, lengths, qlen, tables, tpb
 
 
+def build(plan: MetaPlan, builder: str):
+    """The plan's metadata from ``builder`` (``torch`` / ``cpu``: the C++ call)."""
+    if builder == "torch":
+        return plan._build_torch()
+    cpu_ops.load()
+    return plan._build_cpu()
+
+
+@pytest.mark.parametrize("builder", ["torch", "cpu"])
 @pytest.mark.parametrize("mode", ["causal", "non-causal", "window"])
-def test_every_query_sees_exactly_its_keys(mode):
+def test_every_query_sees_exactly_its_keys(mode, builder):
     rng = random.Random(mode)
     groups_seen = set()
     for _ in range(60):
@@ -37,7 +49,8 @@ def test_every_query_sees_exactly_its_keys(mode):
         window = rng.randint(4, 40) if mode == "window" else None
         qfrom = [sum(qlen[:i]) for i in range(len(qlen))]
         pre = (torch.tensor([3, 4]), torch.tensor([77, 78]))
-        meta = plan_packed(starts, lengths, qfrom, qlen, tables, tpb, SPARE, window, mode == "causal", pre).build()
+        plan = plan_packed(starts, lengths, qfrom, qlen, tables, tpb, SPARE, window, mode == "causal", pre)
+        meta = build(plan, builder)
         # written tokens: the pre rows, then each sequence's positions and their slots
         pos = [torch.arange(s, s + n) for s, n in zip(starts, lengths)]
         assert torch.equal(meta.positions[0], torch.cat([pre[0], *pos]))
@@ -72,3 +85,33 @@ def test_every_query_sees_exactly_its_keys(mode):
                     assert sorted(got) == sorted(slots_of(tables[i], torch.tensor(keys), tpb).tolist())
         assert sorted(seen) == list(range(sum(qlen)))  # every query once
     assert groups_seen == {1, 2}  # batches with and without a prompt chunk beside verify blocks
+
+
+FIELDS = ("positions", "write_slots", "read_slots", "mask", "sliding_mask", "query_rows", "query_out")
+FIELDS += ("query_index", "query_valid", "kv_len", "max_position", "uniform", "window")
+
+
+def test_cpu_builder_gives_the_torch_builders_tensors():
+    """The host's C++ builder against the torch ops, field by field (dtype, shape, values) on
+    random plans of every kind: causal with a target's sliding window, non-causal with and
+    without the drafter's window, pre rows or none, one group or two; and ``build`` on the CPU
+    takes the C++ builder once the ops are loaded."""
+    rng = random.Random(7)
+    cpu_ops.load()
+    for n in range(120):
+        starts, lengths, qlen, tables, tpb = random_batch(rng)
+        causal = n % 3 != 0
+        window = rng.randint(4, 40) if not causal and n % 2 else None
+        target_window = rng.randint(2, 60) if causal and n % 2 else None
+        qfrom = [sum(qlen[:i]) for i in range(len(qlen))]
+        pre = (torch.tensor([3, 4]), torch.tensor([77, 78])) if n % 4 == 1 else None
+        plan = plan_packed(starts, lengths, qfrom, qlen, tables, tpb, SPARE, window, causal, pre, target_window)
+        a, b = plan._build_torch(), plan.build()
+        assert len(a.groups or []) == len(b.groups or [])
+        for ga, gb in zip([a, *(a.groups or [])], [b, *(b.groups or [])]):
+            for f in FIELDS:
+                x, y = getattr(ga, f), getattr(gb, f)
+                if isinstance(x, torch.Tensor):
+                    assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), (n, f)
+                else:
+                    assert x == y, (n, f)

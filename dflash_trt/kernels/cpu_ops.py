@@ -1,8 +1,8 @@
 """The batch-invariant CPU kernels (``cpu/batch_invariant.cpp``) as torch ops
 ``dflash_cpu::bi_linear`` (with ``bi_pack`` / ``bi_linear_packed``, the same arithmetic over a
 weight packed once), ``dflash_cpu::int4_linear`` / ``int8_linear`` (packed integer weights),
-``dflash_cpu::bi_attention``, ``dflash_cpu::rms_norm`` and the one-call dense layer, built once
-per machine.
+``dflash_cpu::bi_attention``, ``dflash_cpu::rms_norm`` and the one-call dense layer, with the
+host-side paged attention metadata builder (``cpu/paged_meta.cpp``), built once per machine.
 
 The C++ source is compiled with the machine's own compiler on first use
 (``torch.utils.cpp_extension``, ``-O3 -march=native -ffp-contract=off``; ~15-60 s on 2 cores) into
@@ -28,6 +28,8 @@ import torch
 from ..errors import DFlashError
 
 SOURCE = Path(__file__).with_name("cpu") / "batch_invariant.cpp"
+#: every source of the extension: the kernels, and the host-side paged attention metadata builder
+SOURCES = (SOURCE, SOURCE.with_name("paged_meta.cpp"))
 
 _lock = threading.Lock()
 _loaded = False
@@ -50,7 +52,8 @@ def build_dir() -> Path:
     from ..checkpoints.sources import cache_root
 
     root = Path(os.environ["DFLASH_TRT_EXT_DIR"]) if os.environ.get("DFLASH_TRT_EXT_DIR") else cache_root() / "ext"
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    code = b"".join(src.read_bytes() for src in SOURCES)
+    key = hashlib.sha256(code + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:16]
     return root / f"batch_invariant-{key}"
 
 
@@ -78,7 +81,7 @@ def load() -> None:
         try:
             cpp_extension.load(
                 name="dflash_cpu_batch_invariant",
-                sources=[str(SOURCE)],
+                sources=[str(src) for src in SOURCES],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(out),
@@ -95,6 +98,11 @@ def load() -> None:
             raise _failed from None
         _register_fakes()
         _loaded = True
+
+
+def loaded() -> bool:
+    """Whether the ``dflash_cpu`` ops are loaded in this process (without building them)."""
+    return _loaded
 
 
 def _register_fakes() -> None:

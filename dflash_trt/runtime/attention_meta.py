@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels import cpu_ops
 from ..models.drafter import sliding_visible
 from ..models.layers import AttentionMetadata
 
@@ -91,6 +92,12 @@ class MetaPlan:
         groups become :attr:`AttentionMetadata.groups` under a base that holds the positions. A
         single uniform group has no query gathers (None): attention takes its queries as views.
         ``query_index`` of a padding query is ``queries`` (the padding row)."""
+        if self.starts.device.type == "cpu" and cpu_ops.loaded():
+            return self._build_cpu()
+        return self._build_torch()
+
+    def _build_torch(self) -> AttentionMetadata:
+        """:meth:`build` in vectorized torch ops on the plan's device (no host synchronisation)."""
         dev, tpb = self.starts.device, self.tokens_per_block
         S = len(self.starts)
         seq = torch.repeat_interleave(torch.arange(S, device=dev), self.lengths, output_size=self.tokens)
@@ -101,14 +108,57 @@ class MetaPlan:
         # one uniform group: attention takes its queries as views (the gathers are never read)
         gathers = len(self.groups) > 1 or not self.groups[0].uniform
         metas = [self._group(g, ends, gathers) for g in self.groups]
+        pre = (torch.cat([self.pre_positions, pos]).unsqueeze(0), torch.cat([self.pre_slots, slots]).unsqueeze(0))
+        return self._base(metas, *pre)
+
+    def _build_cpu(self) -> AttentionMetadata:
+        """:meth:`build` on the host in one C++ call per group (``dflash_cpu::paged_meta_*``,
+        ``kernels/cpu/paged_meta.cpp``): the same tensors without ~25 torch ops' dispatch each
+        (~0.3 ms of a batch-1 decode step on a 2-core CPU)."""
+        ops, tpb = torch.ops.dflash_cpu, self.tokens_per_block
+        gathers = len(self.groups) > 1 or not self.groups[0].uniform
+        metas = []
+        for g in self.groups:
+            read, mask, sliding, rows, out, index, valid = ops.paged_meta_group(
+                self.starts,
+                self.lengths,
+                self.query_from,
+                self.qlen,
+                self.lo,
+                self.tables,
+                g.idx,
+                g.kv_len,
+                g.tq,
+                self.queries,
+                tpb,
+                self.spare_slot,
+                self.window or 0,
+                self.causal,
+                self.target_window or 0,
+                gathers,
+            )
+            meta = AttentionMetadata(None, None, mask, g.kv_len, read_slots=read, uniform=g.uniform)
+            has_sliding = self.causal and self.target_window is not None
+            meta.sliding_mask, meta.window = (sliding, self.target_window) if has_sliding else (None, None)
+            if gathers:
+                meta.query_rows, meta.query_out, meta.query_index, meta.query_valid = rows, out, index, valid
+            metas.append(meta)
+        return self._base(
+            metas,
+            *ops.paged_meta_positions(
+                self.starts, self.lengths, self.tables, self.pre_positions, self.pre_slots, tpb, self.tokens
+            ),
+        )
+
+    def _base(self, metas: list[AttentionMetadata], positions: torch.Tensor, slots: torch.Tensor):
+        """The metadata of the groups ``metas`` (one: itself; several: under a base) with the
+        written ``positions`` and ``slots`` int64 ``[1, P + T]``."""
         if len(metas) == 1:
             base = metas[0]
         else:
             base = AttentionMetadata(None, None, None, self.max_position + 1)
             base.groups = metas
-        base.positions = torch.cat([self.pre_positions, pos]).unsqueeze(0)
-        base.write_slots = torch.cat([self.pre_slots, slots]).unsqueeze(0)
-        base.max_position = self.max_position
+        base.positions, base.write_slots, base.max_position = positions, slots, self.max_position
         return base
 
     def _group(self, g: GroupPlan, ends: torch.Tensor, gathers: bool) -> AttentionMetadata:
