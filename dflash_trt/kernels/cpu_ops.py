@@ -90,7 +90,10 @@ def load() -> None:
             )
         except (RuntimeError, OSError, FileNotFoundError) as e:
             (out / "build.log").write_text(str(e))
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            lines = str(e).strip().splitlines()
+            # the compiler's first error, not ninja's first command line
+            errors = [ln.strip() for ln in lines if any(m in ln for m in (": error", "fatal error", "Killed"))]
+            first = (errors or lines or [type(e).__name__])[0]
             _failed = DFlashError(
                 f"the batch-invariant CPU kernels could not be built (needs a C++ compiler, g++): {first}; "
                 f"log in {out / 'build.log'}"

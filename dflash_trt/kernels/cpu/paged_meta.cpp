@@ -21,8 +21,12 @@
 //     query_index of a padding query is `queries`.
 // All int64 inputs are contiguous CPU tensors (the planner's); nothing here is floating point.
 
-#include <torch/extension.h>
+// (ATen and the op registry only: no Python headers, which a runtime image does not have)
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace {
