@@ -91,8 +91,9 @@ def load() -> None:
         except (RuntimeError, OSError, FileNotFoundError) as e:
             (out / "build.log").write_text(str(e))
             lines = str(e).strip().splitlines()
-            # the compiler's first error, not ninja's first command line
-            errors = [ln.strip() for ln in lines if any(m in ln for m in (": error", "fatal error", "Killed"))]
+            # the compiler's first error (or the shell's: no compiler), not ninja's first command line
+            marks = (": error", "fatal error", "Killed", ": not found")
+            errors = [ln.strip() for ln in lines if any(m in ln for m in marks)]
             first = (errors or lines or [type(e).__name__])[0]
             _failed = DFlashError(
                 f"the batch-invariant CPU kernels could not be built (needs a C++ compiler, g++): {first}; "
