@@ -131,7 +131,7 @@ def batch1_engines(cfg: BenchConfig, models: LoadedModels, prompts: list[list[in
         kv_capacity=-(-longest // a.tokens_per_block) * a.tokens_per_block,
         max_batch_size=1,
         max_num_tokens=max(longest, a.max_num_tokens),
-        adaptive=bool(a.adaptive),
+        adaptive=a.adaptive,
     )
     engines = [create_engine(base.replace(block_size=1, prompt_lookup_min=0, adaptive=False), models)]
     engines.append(create_engine(base.replace(block_size=K, prompt_lookup_min=0), models))
@@ -418,13 +418,14 @@ def _identical(r: dict, n: int) -> str:
 def format_table(r: dict) -> str:
     """A plain-text table of a :func:`run_bench` result."""
     rows = [("plain decoding (ours, K=1)", r["ar_tokens_per_s"], 1.0, "")]
-    adaptive = f", {r['mean_draft_tokens']:.2f} drafts/step" if r.get("adaptive") else ""
+    adaptive = r.get("adaptive")
+    drafts = f", {r['mean_draft_tokens']:.2f} drafts/step" if adaptive else ""
     rows.append(
         (
-            f"DFlash (ours, K{'<=' if r.get('adaptive') else '='}{r['block_size']})",
+            f"DFlash (ours, K{'<=' if adaptive else '='}{r['block_size']})",
             r["dflash_tokens_per_s"],
             r["speedup"],
-            f"tau {r['tau']:.2f}{adaptive}, lossless {r['lossless']}" + _identical(r, r["num_prompts"]),
+            f"tau {r['tau']:.2f}{drafts}, lossless {r['lossless']}" + _identical(r, r["num_prompts"]),
         )
     )
     lk = r.get("prompt_lookup")
@@ -452,9 +453,7 @@ def format_table(r: dict) -> str:
             f"plain decoding (ours): decode {r['ar_decode_tokens_per_s']:.1f} tok/s, "
             f"prefill {r['ar_prefill_tokens_per_s']:.0f} tok/s"
         )
-    which = (
-        "a DFlash step's target forward (mean, adaptive)" if r.get("adaptive") else f"verify cost (K={r['block_size']})"
-    )
+    which = "a DFlash step's target forward (mean, adaptive)" if adaptive else f"verify cost (K={r['block_size']})"
     lines.append(
         f"{which} {r['verify_cost_ratio']:.2f}x a decode step "
         f"({r['decode_step_ms']:.1f} ms); draft cost {r['draft_cost_ratio']:.2f}x"

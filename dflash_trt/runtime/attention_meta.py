@@ -84,6 +84,12 @@ class MetaPlan:
         groups = [dataclasses.replace(g, idx=t) for g, t in zip(self.groups, ts[k:])]
         return dataclasses.replace(self, **dict(zip(self._TENSORS, ts[:k])), groups=groups)
 
+    @property
+    def gathers(self) -> bool:
+        """Whether the groups carry query gathers: not for one uniform group, whose queries
+        attention takes as views."""
+        return len(self.groups) > 1 or not self.groups[0].uniform
+
     def build(self) -> AttentionMetadata:
         """The metadata, on the plan's device: ``positions`` / ``write_slots`` int64 ``[1, P + T]``
         (the pre rows, then every sequence's written tokens in order); per group ``read_slots``
@@ -105,9 +111,7 @@ class MetaPlan:
         pos = self.starts[seq] + torch.arange(self.tokens, device=dev) - first[seq]
         slots = self.tables[seq, pos // tpb] * tpb + pos % tpb
         ends = self.starts + self.lengths
-        # one uniform group: attention takes its queries as views (the gathers are never read)
-        gathers = len(self.groups) > 1 or not self.groups[0].uniform
-        metas = [self._group(g, ends, gathers) for g in self.groups]
+        metas = [self._group(g, ends, self.gathers) for g in self.groups]
         pre = (torch.cat([self.pre_positions, pos]).unsqueeze(0), torch.cat([self.pre_slots, slots]).unsqueeze(0))
         return self._base(metas, *pre)
 
@@ -115,8 +119,8 @@ class MetaPlan:
         """:meth:`build` on the host in one C++ call per group (``dflash_cpu::paged_meta_*``,
         ``kernels/cpu/paged_meta.cpp``): the same tensors without ~25 torch ops' dispatch each
         (~0.3 ms of a batch-1 decode step on a 2-core CPU)."""
-        ops, tpb = torch.ops.dflash_cpu, self.tokens_per_block
-        gathers = len(self.groups) > 1 or not self.groups[0].uniform
+        ops, tpb, gathers = torch.ops.dflash_cpu, self.tokens_per_block, self.gathers
+        has_sliding = self.causal and self.target_window is not None
         metas = []
         for g in self.groups:
             read, mask, sliding, rows, out, index, valid = ops.paged_meta_group(
@@ -138,7 +142,6 @@ class MetaPlan:
                 gathers,
             )
             meta = AttentionMetadata(None, None, mask, g.kv_len, read_slots=read, uniform=g.uniform)
-            has_sliding = self.causal and self.target_window is not None
             meta.sliding_mask, meta.window = (sliding, self.target_window) if has_sliding else (None, None)
             if gathers:
                 meta.query_rows, meta.query_out, meta.query_index, meta.query_valid = rows, out, index, valid

@@ -737,6 +737,11 @@ __attribute__((noinline)) void int4_tile(const int8_t* xq, const float* xd, cons
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// the int4 / int8 register tiles also come in 512-bit panel pairs (int4_tile2, int8_tile2)
+#define INT_PANEL_PAIRS 1
+#endif
+
+#ifdef INT_PANEL_PAIRS
 // int4_tile over pairs of adjacent panels (p even: panels 2h, 2h + 1 of a tile lie side by side
 // in a block of IB, codes and scales alike) in 512-bit vectors: one load, mask, shift and one
 // vpdpbusd per row for 16 columns where the 256-bit tile takes two of each. Every column's
@@ -811,7 +816,6 @@ __attribute__((noinline)) void int4_tile2(const int8_t* xq, const float* xd, con
     }
   }
 }
-#define INT4_TILE2 1  // (int8_tile2 too)
 #endif
 
 // the rows' activations as Q8 blocks: codes, scales and per-block code sums
@@ -858,7 +862,7 @@ void int4_impl(const T* x, int64_t M, int64_t K, int64_t g, const uint8_t* wp, c
     }
   int_panels<INT_PANELS>(M, N, bias, out, [&](auto r, auto c, int64_t m, int64_t p, float* t, int64_t ldt) {
     constexpr int R = decltype(r)::value, C = decltype(c)::value;
-#ifdef INT4_TILE2
+#ifdef INT_PANEL_PAIRS
     if constexpr (C % 2 == 0) {
       if (p % 2 == 0)
         return int4_tile2<R, C>(xr.q.data() + m * K, xr.d.data() + m * KB, xs.data() + m * G, K, G, g, wp, sz, p, t,
@@ -962,7 +966,7 @@ __attribute__((noinline)) void int8_tile(const int8_t* xq, const float* xd, cons
   }
 }
 
-#ifdef INT4_TILE2
+#ifdef INT_PANEL_PAIRS
 // int8_tile over pairs of adjacent panels in 512-bit vectors (as int4_tile2): the same integers
 // and FMAs per column, in the same order, so the same bits as int8_tile.
 template <int R, int C, typename S>
@@ -1024,7 +1028,7 @@ void int8_impl(const T* x, int64_t M, int64_t K, const uint8_t* wp, const S* sz,
   const int64_t KB = K / QB;
   int_panels<INT_PANELS>(M, N, bias, out, [&](auto r, auto c, int64_t m, int64_t p, float* t, int64_t ldt) {
     constexpr int R = decltype(r)::value, C = decltype(c)::value;
-#ifdef INT4_TILE2
+#ifdef INT_PANEL_PAIRS
     if constexpr (C % 2 == 0) {
       if (p % 2 == 0)
         return int8_tile2<R, C>(xr.q.data() + m * K, xr.d.data() + m * KB, xr.sum.data() + m * KB, K, wp, sz, p, t,

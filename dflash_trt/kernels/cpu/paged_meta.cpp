@@ -74,8 +74,9 @@ std::vector<at::Tensor> paged_meta_group(const at::Tensor& starts, const at::Ten
   int64_t nq = 0;
   for (int64_t r = 0; r < G; ++r) nq += ql[ix[r]];
   at::Tensor qrows = at::empty({gathers ? nq : 0}, at::kLong), qout = at::empty({gathers ? nq : 0}, at::kLong);
-  int64_t* rd = read.data_ptr<int64_t>();
-  bool *mk = mask.data_ptr<bool>(), *sl = sliding ? slide.data_ptr<bool>() : nullptr;
+  int64_t *rd = read.data_ptr<int64_t>(), *qi = qindex.data_ptr<int64_t>();
+  int64_t *qr = qrows.data_ptr<int64_t>(), *qo = qout.data_ptr<int64_t>();
+  bool *mk = mask.data_ptr<bool>(), *sl = sliding ? slide.data_ptr<bool>() : nullptr, *qv = qvalid.data_ptr<bool>();
   int64_t q = 0;
   for (int64_t r = 0; r < G; ++r) {
     const int64_t i = ix[r], e = st[i] + ln[i], l0 = lw[i], n = ql[i];
@@ -96,14 +97,14 @@ std::vector<at::Tensor> paged_meta_group(const at::Tensor& starts, const at::Ten
         m[j] = v || !valid;
       }
       if (gathers) {
-        qindex.data_ptr<int64_t>()[r * tq + t] = valid ? qf[i] + t : queries;
-        qvalid.data_ptr<bool>()[r * tq + t] = valid;
+        qi[r * tq + t] = valid ? qf[i] + t : queries;
+        qv[r * tq + t] = valid;
       }
     }
     if (gathers)
       for (int64_t u = 0; u < n; ++u, ++q) {
-        qrows.data_ptr<int64_t>()[q] = r * tq + u;
-        qout.data_ptr<int64_t>()[q] = qf[i] + u;
+        qr[q] = r * tq + u;
+        qo[q] = qf[i] + u;
       }
   }
   return {read, mask, slide, qrows, qout, qindex, qvalid};
