@@ -15,7 +15,8 @@
 //     output: one FMA per k in increasing k, starting from 0 (then + bias), whatever M and
 //     whatever row m sits in. The weight (fp32 or bf16, widened exactly) is read packed: panels
 //     of VL output columns, k-major inside a panel (bi_pack; bi_linear packs the [N, K] weight
-//     on every call, a module packs once), so that a register tile of up to 6 rows x C panels
+//     on every call, a module packs once; bf16 weights on a CPU with AVX512-BF16 with rows k and
+//     k + 1, k even, interleaved column by column), so that a register tile of up to 6 rows x C panels
 //     takes one broadcast input and C weight vectors per k (the GEMM micro-kernel of BLIS and
 //     oneDNN, without their split of K). The tile's size only sets how many outputs share each
 //     load; threads split the output columns, never K. The output has x's dtype (fp32 results
@@ -220,7 +221,8 @@ inline float hsum(const vf& v) {
 }
 
 // Packed weight: [P, K, VL] (P = ceil(N / VL) panels of VL output columns, k-major inside a
-// panel, the last panel's missing columns zero), so that one vector load gives VL columns of one k.
+// panel, the last panel's missing columns zero), so that one vector load gives VL columns of one k
+// (bf16 with AVX512-BF16: rows k and k + 1 interleaved, one load gives both, see tile_bf16).
 // One register tile: R input rows x C panels, y[r][c * VL + j] = fma chain over k = 0, 1, ..., K - 1
 // of x[r, k] * w[k][j] starting from 0 (one FMA per k, in increasing k): the same operations
 // for every output element whatever R, C and the other rows are.
@@ -232,7 +234,26 @@ __attribute__((noinline)) void tile(const float* x, int64_t K, const W* wp, floa
   // (contiguous after these) are fetched at the rate these are read
   const char* next = reinterpret_cast<const char*>(wp + C * ps);
   constexpr int64_t step = static_cast<int64_t>(C) * VL * sizeof(W);
-  for (int64_t k = 0; k < K; ++k) {
+  int64_t k = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<W, c10::BFloat16>) {  // rows k and k + 1 interleaved (bi_pack): one load, then
+    // row k is each dword's low half moved up 16 places and row k + 1 its high half: bf16 -> fp32 exactly
+    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    for (; k + 1 < K; k += 2) {
+      if constexpr (R <= 2) {
+        for (int64_t b = 0; b < 2 * step; b += 64) __builtin_prefetch(next + k * step + b, 0, 1);
+      }
+      for (int c = 0; c < C; ++c) {
+        const __m512i pair = _mm512_loadu_si512(wp + c * ps + k * VL);
+        const vf lo = (vf)_mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+        const vf hi = (vf)_mm512_castsi512_ps(_mm512_and_si512(pair, high));
+        for (int r = 0; r < R; ++r) acc[r][c] = fmav(bcast(x + r * K + k), lo, acc[r][c]);
+        for (int r = 0; r < R; ++r) acc[r][c] = fmav(bcast(x + r * K + k + 1), hi, acc[r][c]);
+      }
+    }
+  }
+#endif
+  for (; k < K; ++k) {  // (an odd K's last row is not interleaved)
     if constexpr (R <= 2) {
       for (int64_t b = 0; b < step; b += 64) __builtin_prefetch(next + k * step + b, 0, 1);
     }
@@ -250,18 +271,13 @@ __attribute__((noinline)) void tile(const float* x, int64_t K, const W* wp, floa
 #if defined(__AVX512BF16__)
 // bf16 activations x bf16 weights with AVX512-BF16: vdpbf16ps multiplies 16 lanes of bf16 pairs
 // and adds both exact products into the lane's fp32 sum, one rounding each (denormals flushed),
-// twice the inputs of an FMA a lane. A panel's rows k and k + 1 (16 columns each, as bi_pack
-// lays them out) are interleaved into pairs by one vpermt2w shared by the tile's rows; each
+// twice the inputs of an FMA a lane. bi_pack lays a panel's rows k and k + 1 (k even) out
+// interleaved (word 2i: row k's column i, word 2i + 1: row k + 1's), so one 512-bit load is the
+// pairs of 16 columns (no vpermt2w per panel and pair of rows to interleave them here); each
 // row's (x[k], x[k + 1]) is one broadcast dword. One output: the pairs of inputs (0, 1), (2, 3),
-// ... in order from 0 (an odd K's last input paired with a zero), whatever the other rows.
+// ... in order from 0 (an odd K's last input, its row not interleaved, paired with a zero),
+// whatever the other rows.
 constexpr bool BF16_DOT = true;
-
-inline __m512bh pair_rows(const c10::BFloat16* a, const c10::BFloat16* b, __m512i idx) {
-  const __m512i lo = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
-  const __m512i hi = b ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)))
-                       : _mm512_setzero_si512();
-  return (__m512bh)_mm512_permutex2var_epi16(lo, idx, hi);
-}
 
 template <int R, int C>
 __attribute__((noinline)) void tile_bf16(const c10::BFloat16* x, int64_t K, const c10::BFloat16* wp, float* out,
@@ -271,11 +287,7 @@ __attribute__((noinline)) void tile_bf16(const c10::BFloat16* x, int64_t K, cons
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   const int64_t ps = K * VL;  // one panel
-  // word 2i: row k's column i, word 2i + 1: row k + 1's
-  alignas(64) static constexpr int16_t order[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
-                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i idx = _mm512_load_si512(order);
-  const char* next = reinterpret_cast<const char*>(wp + C * ps);
+  const char* next = reinterpret_cast<const char*>(wp + C * ps);  // as in tile
   constexpr int64_t step = static_cast<int64_t>(C) * VL * 2;
   const uint16_t* xu = reinterpret_cast<const uint16_t*>(x);
   const int64_t K2 = K & ~int64_t{1};  // the whole pairs; an odd K's last input pairs with a zero after them
@@ -283,8 +295,8 @@ __attribute__((noinline)) void tile_bf16(const c10::BFloat16* x, int64_t K, cons
     if constexpr (R <= 2) {
       for (int64_t b = 0; b < 2 * step; b += 64) __builtin_prefetch(next + k * step + b, 0, 1);
     }
-    __m512bh wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = pair_rows(wp + c * ps + k * VL, wp + c * ps + (k + 1) * VL, idx);
+    __m512bh wv[C];  // rows k and k + 1 of a panel, interleaved by bi_pack
+    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(wp + c * ps + k * VL);
     for (int r = 0; r < R; ++r) {
       // (x[k], x[k + 1]) as one dword: a broadcast straight from memory
       int32_t xp;
@@ -295,7 +307,8 @@ __attribute__((noinline)) void tile_bf16(const c10::BFloat16* x, int64_t K, cons
   }
   if (K2 < K) {
     __m512bh wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = pair_rows(wp + c * ps + K2 * VL, nullptr, idx);
+    for (int c = 0; c < C; ++c)  // the last row's words widened: (w[k][i], 0) per column
+      wv[c] = (__m512bh)_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + c * ps + K2 * VL)));
     for (int r = 0; r < R; ++r) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xu[r * K + K2]));
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, wv[c]);
@@ -320,28 +333,33 @@ inline void tile_panels(int panels, int64_t width, float* out, const Tile& tile)
   for (; p < panels; ++p) tile(RC{}, std::integral_constant<int, 1>{}, p, out + p * width);
 }
 
-// rows (<= MR) x panels through register tiles of C1 .. C6 panels for 1 .. 6 rows (every
-// kernel's tiles: the float GEMM's, int8's and int4's)
-template <int C1, int C2, int C3, int C4, int C5, int C6, typename Tile>
-inline void tile_rows(int rows, int panels, int64_t width, float* out, const Tile& tile) {
-  static_assert(MR == 6, "tile_rows covers up to 6 rows");
-  switch (rows) {
-    case 1: return tile_panels<1, C1>(panels, width, out, tile);
-    case 2: return tile_panels<2, C2>(panels, width, out, tile);
-    case 3: return tile_panels<3, C3>(panels, width, out, tile);
-    case 4: return tile_panels<4, C4>(panels, width, out, tile);
-    case 5: return tile_panels<5, C5>(panels, width, out, tile);
-    default: return tile_panels<6, C6>(panels, width, out, tile);
+// rows (1 .. sizeof...(Cs)) x panels through register tiles of Cs... panels for 1, 2, ... rows
+// (every kernel's tiles: the float GEMM's, int8's and int4's); rows past the last take its tile
+template <int R, int C, int... Cs, typename Tile>
+inline void tile_rows_from(int rows, int panels, int64_t width, float* out, const Tile& tile) {
+  if constexpr (sizeof...(Cs) == 0) {
+    tile_panels<R, C>(panels, width, out, tile);
+  } else {
+    if (rows == R) return tile_panels<R, C>(panels, width, out, tile);
+    tile_rows_from<R + 1, Cs...>(rows, panels, width, out, tile);
   }
 }
 
-// panels taken at a time by a tile of 1..MR rows: as many as the registers hold next to the
-// rows x C accumulators, the C weight vectors and the broadcast input
+template <int... Cs, typename Tile>
+inline void tile_rows(int rows, int panels, int64_t width, float* out, const Tile& tile) {
+  tile_rows_from<1, Cs...>(rows, panels, width, out, tile);
+}
+
+// the float / bf16 GEMM's tiles: up to FR rows (8: one sweep of the weight for an 8-row verify
+// block; 6 then 2 read it twice), panels taken at a time by a tile of 1 .. FR rows: as many as
+// the registers hold next to the rows x C accumulators, the C weight vectors and the broadcast
+constexpr int FR = 8;
 #ifdef __AVX512F__
-constexpr int PANELS[MR] = {8, 8, 6, 4, 4, 4};  // 32 registers
+#define FLOAT_PANELS 8, 8, 6, 4, 4, 4, 3, 3  // 32 registers
 #else
-constexpr int PANELS[MR] = {6, 4, 3, 2, 2, 2};  // 16 registers
+#define FLOAT_PANELS 6, 4, 3, 2, 2, 2, 1, 1  // 16 registers
 #endif
+constexpr int PANELS[FR] = {FLOAT_PANELS};
 
 // Panels per group when P panels are split over the threads in whole groups: a multiple of
 // `unit` (the register tile's width for the rows that dominate, so that no group ends in
@@ -368,25 +386,26 @@ void linear_impl(const X* x, int64_t M, int64_t K, const W* wp, const float* bia
   // in L2) is swept by every register tile of rows in turn.
   const int64_t P = (N + VL - 1) / VL;
   const int64_t fit = (int64_t{256} << 10) / std::max<int64_t>(1, K * VL * static_cast<int64_t>(sizeof(W)));
-  const int64_t pb = balanced_panels(P, PANELS[std::min<int64_t>(M, MR) - 1], std::min<int64_t>(fit, 48));
+  const int64_t pb = balanced_panels(P, PANELS[std::min<int64_t>(M, FR) - 1], std::min<int64_t>(fit, 48));
   const int64_t groups = (P + pb - 1) / pb;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * VL * pb));  // >= ~64K MACs a task
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     const int64_t ldt = pb * VL;
-    std::vector<float> t(MR * ldt);
+    std::vector<float> t(FR * ldt);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p0 = g * pb, np = std::min<int64_t>(pb, P - p0);
       const int64_t n0 = p0 * VL, nc = std::min<int64_t>(np * VL, N - n0);
-      for (int64_t m = 0; m < M; m += MR) {
-        const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
+      for (int64_t m = 0; m < M; m += FR) {
+        const int rows = static_cast<int>(std::min<int64_t>(FR, M - m));
         const W* wg = wp + p0 * K * VL;
-        tile_rows<PANELS[0], PANELS[1], PANELS[2], PANELS[3], PANELS[4], PANELS[5]>(
+        tile_rows<FLOAT_PANELS>(
             rows, static_cast<int>(np), VL, t.data(), [&](auto r, auto c, int p, float* o) {
+              const W* w = wg + p * K * VL;
               if constexpr (std::is_same_v<X, float>) {
-                tile<decltype(r)::value, decltype(c)::value>(x + m * K, K, wg + p * K * VL, o, ldt);
+                tile<decltype(r)::value, decltype(c)::value>(x + m * K, K, w, o, ldt);
               } else {
 #if defined(__AVX512BF16__)
-                tile_bf16<decltype(r)::value, decltype(c)::value>(x + m * K, K, wg + p * K * VL, o, ldt);
+                tile_bf16<decltype(r)::value, decltype(c)::value>(x + m * K, K, w, o, ldt);
 #else
                 static_assert(std::is_same_v<X, float>, "bf16 activations need AVX512-BF16");
 #endif
@@ -408,7 +427,15 @@ at::Tensor bi_pack(const at::Tensor& w) {
   TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "bi_pack: w must be fp32 or bf16");
   const int64_t N = w.size(0), K = w.size(1), P = (N + VL - 1) / VL;
   at::Tensor padded = at::constant_pad_nd(w, {0, 0, 0, P * VL - N}, 0);
-  return padded.view({P, VL, K}).transpose(1, 2).contiguous();
+  at::Tensor packed = padded.view({P, VL, K}).transpose(1, 2).contiguous();
+#if defined(__AVX512BF16__)
+  if (w.scalar_type() == at::kBFloat16 && K >= 2) {  // rows k, k + 1 (k even) interleaved column by column
+    const int64_t K2 = K & ~int64_t{1};
+    at::Tensor pairs = packed.narrow(1, 0, K2).reshape({P, K2 / 2, 2, VL}).transpose(2, 3).contiguous();
+    packed = K2 == K ? pairs.view({P, K, VL}) : at::cat({pairs.view({P, K2, VL}), packed.narrow(1, K2, 1)}, 1);
+  }
+#endif
+  return packed;
 }
 
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp, int64_t N, const std::optional<at::Tensor>& bias) {
