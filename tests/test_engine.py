@@ -429,14 +429,14 @@ def test_controller_prefers_drafting_when_verify_is_flat_and_accepted():
     c = DraftLengthController(max_draft=7, probe=4)
     for n in (1, 8, 64, 128):
         c.target_cost.observe(n, 0.1)  # GPU-like: a forward costs the same for 1..128 tokens
-    c.draft_cost.observe(1, 0.01)
+    c.observe_drafter(1, c.draft_tokens(1, 7), 0.01)  # one sequence, a whole block
     for _ in range(50):
         c.observe_acceptance(7, 7)
     assert c.choose(seqs=1) == (7, False)
     c2 = DraftLengthController(max_draft=7, probe=4)
     for n in (1, 8, 64, 128):
         c2.target_cost.observe(n, 0.01 * n)  # compute-bound: cost linear in tokens
-    c2.draft_cost.observe(16, 0.05)
+    c2.observe_drafter(16, c2.draft_tokens(16, 7), 0.05)
     for _ in range(50):
         c2.observe_acceptance(7, 0)  # nothing accepted
     picks = [c2.choose(seqs=16) for _ in range(12)]

@@ -2,8 +2,10 @@
 maximise expected committed tokens per second, and stay right while the machine is noisy.
 
 Model (measured, not assumed):
-- ``target_cost(n)``: seconds of one target forward over ``n`` tokens; ``draft_cost(s)``:
-  seconds of one drafter forward for ``s`` sequences (:class:`CostModel`: per size the median of
+- ``target_cost(n)``: seconds of one target forward over ``n`` tokens; ``draft_cost(n)``:
+  seconds of one drafter forward over ``n`` tokens (``S`` sequences drafting ``k`` tokens each
+  run ``S * (k + 1)``, or ``S * (max_draft + 1)`` where the drafter runs whole blocks, under CUDA
+  graphs: :meth:`DraftLengthController.draft_tokens`) (:class:`CostModel`: per size the median of
   its recent measurements, fitted non-decreasing in the size with weights that fade for sizes
   not measured lately, so one slow period cannot lock in a wrong choice);
 - ``host_cost[mode](S)``: seconds of an iteration of ``S`` decoding sequences outside those
@@ -15,7 +17,7 @@ Model (measured, not assumed):
 
 With ``S`` sequences decoding, ``k`` drafts each give ``E(k) = 1 + sum_{j<=k} prod_{i<=j} q_i``
 committed tokens per sequence, so the predicted rate is
-``S * E(k) / (target_cost(S * (k + 1)) + [k > 0] draft_cost(S) + host_cost[k > 0](S))``; the
+``S * E(k) / (target_cost(S * (k + 1)) + [k > 0] draft_cost(draft_tokens(S, k)) + host_cost[k > 0](S))``; the
 best ``k`` is taken, unless it drafts and beats ``k = 0`` by less than ``min_gain`` (3 %). The
 model looks at most one draft token past the longest draft whose verify size (``S * (k + 1)``
 tokens) it measured within the cost model's horizon: beyond that the target's cost is an
@@ -26,7 +28,8 @@ per sequence first.
 Exploration keeps both options measured, at a bounded cost:
 - while plain decoding wins, every ``probe`` iterations (doubling up to ``max_probe`` while
   drafting keeps losing, once the probes so far rule out an acceptance at which drafting would
-  win: ``evidence_z``) a drafting iteration runs, alternately ONE sequence drafting (the
+  win: ``evidence_z``; never more often than keeps their predicted loss within
+  ``probe_budget`` of plain decoding's time) a drafting iteration runs, alternately ONE sequence drafting (the
   acceptance of the draft positions stays current) and EVERY sequence drafting one token (the
   drafter's and the verify's costs at this batch size stay current). A one-sequence probe
   drafts only as far as drafts are likely to be accepted (``1 + 2 * (E(max) - 1)`` rounded up:
@@ -248,6 +251,14 @@ class DraftLengthController:
             of one sequence drafting alone (a ragged step). Under CUDA graphs a uniform step is
             replayed and a ragged one runs eagerly: on an H200 at 4 sequences ~25 ms against
             ~5 ms, so one-sequence probes every 8-16 steps held DFlash at 0.77x plain decoding.
+        probe_budget: while plain decoding wins, one-sequence probes come at most as often as
+            keeps their predicted loss within this share of plain decoding's time (at 4 bf16
+            sequences on a 2-core CPU a probe of 3 drafts costs ~1.3x a plain iteration and
+            commits ~0.5 more tokens: one every 8 iterations took ~2.5 % of the throughput); at
+            most 4x ``probe`` apart on this account.
+        full_blocks: the drafter runs a whole block (``max_draft + 1`` positions) a sequence
+            whatever the draft length (its CUDA graphs are captured at it); else ``k + 1``
+            positions for ``k`` drafts (the engine's ``draft_block``).
         min_gain: the model drafts only when the predicted rate beats plain decoding's by this
             much (relative). Near a tie, what the model leaves out decides, and it goes against
             drafting: drafting sequences finish at different times, so waiting prompts are
@@ -276,6 +287,8 @@ class DraftLengthController:
         min_gain: float = 0.03,
         uniform_probes: bool = False,
         reuse: int = 3,
+        probe_budget: float = 0.01,
+        full_blocks: bool = False,
     ):
         self.max_draft = max_draft
         self.decay = decay
@@ -284,6 +297,7 @@ class DraftLengthController:
         self.accepted = [0.0] * max_draft
         self.target_cost = CostModel()
         self.draft_cost = CostModel(age_down=False)
+        self._drafter_seen: dict[int, int] = {}  # sequences drafting -> the iteration the drafter last ran for them
         self.host_cost = {False: CostModel(), True: CostModel()}  # per mode: drafting?
         self.min_probe, self.max_probe = probe, max_probe
         self.probe_every = probe
@@ -295,6 +309,8 @@ class DraftLengthController:
         self.evidence_z = evidence_z
         self.min_gain = min_gain
         self.uniform_probes = uniform_probes
+        self.full_blocks = full_blocks
+        self.probe_budget = probe_budget
         self.realised = _Realised()
         self.iteration = 0
         self.overrides = 0
@@ -341,13 +357,32 @@ class DraftLengthController:
             e += p
         return e
 
+    def draft_tokens(self, seqs: int, k: int) -> int:
+        """Tokens of the drafter forward in which ``seqs`` sequences draft ``k`` tokens each."""
+        return seqs * ((self.max_draft if self.full_blocks else k) + 1)
+
+    def observe_drafter(self, seqs: int, tokens: int, seconds: float) -> None:
+        """One drafter forward: ``seqs`` sequences drafting, ``tokens`` tokens in its blocks
+        (:meth:`draft_tokens`), ``seconds`` long."""
+        self.draft_cost.observe(tokens, seconds)
+        self._drafter_seen[seqs] = self.iteration
+
+    def _drafter_age(self, seqs: int) -> float:
+        """Iterations since the drafter last ran for about ``seqs`` sequences (within the cost
+        model's ``snap``): its cost per token at other batch sizes (another number of contexts
+        to ingest, another share of fixed costs) says little of this one's."""
+        snap = self.draft_cost.snap
+        near = [t for n, t in self._drafter_seen.items() if max(n, seqs) / min(n, seqs) <= snap]
+        return self.iteration - max(near) if near else math.inf
+
     def rate(self, k: int, seqs: int, optimistic: bool = False, acceptance: list[float] | None = None) -> float:
         """Predicted committed tokens per second of an iteration with ``k`` drafts (at
         ``acceptance`` when given); with ``optimistic`` a drafting iteration is charged the
         lowest plausible drafter and host costs instead (the one-sequence drafter cost, plain
         decoding's host cost)."""
         draft, host = (1, False) if optimistic else (seqs, k > 0)
-        cost = self.target_cost(seqs * (k + 1)) + (self.draft_cost(draft) if k else 0.0) + self.host_cost[host](seqs)
+        drafter = self.draft_cost(self.draft_tokens(draft, k)) if k else 0.0
+        cost = self.target_cost(seqs * (k + 1)) + drafter + self.host_cost[host](seqs)
         return seqs * self.expected_committed(k, acceptance) / max(cost, 1e-9)
 
     def choose(self, seqs: int, token_budget: int | None = None) -> tuple[int, bool]:
@@ -390,7 +425,7 @@ class DraftLengthController:
                 best = max(range(1, top + 1), key=lambda k: (rates[k], -k))
                 why = "guard"
             self.overrides += why == "guard"
-        if best > 0 and why == "model" and seqs > 1 and self.draft_cost.age(seqs) > self.draft_cost.horizon:
+        if best > 0 and why == "model" and seqs > 1 and self._drafter_age(seqs) > self.draft_cost.horizon:
             # drafting predicted to win on a drafter cost not measured lately at this batch size
             # (never, or aged toward the one-sequence probes' cost): one token each first, which
             # measures it at a fraction of a full-length draft's price if the prediction is wrong
@@ -432,18 +467,33 @@ class DraftLengthController:
         plausible = self.plausible_acceptance()
         best_plausible = max(self.rate(k, seqs, acceptance=plausible) for k in range(1, top + 1))
         close = best_plausible >= (1 - self.guard_margin / 2) * plain_rate
-        self.probe_every = self.min_probe if close else min(2 * self.probe_every, self.max_probe)
+        k = min(top, math.ceil(1 + 2 * (self.expected_committed(top) - 1) - 1e-9))  # a one-sequence probe's drafts
+        # (and never more often than ``probe_budget`` allows: a ragged step on a CPU costs ~1.3x a
+        # plain one; at most 4x ``probe`` apart on that account, as the costs it rests on may be a
+        # passing spike's that only the next probes re-measure)
+        least = min(max(self.min_probe, self._affordable_interval(seqs, k)), 4 * self.min_probe)
+        self.probe_every = least if close else min(max(2 * self.probe_every, least), self.max_probe)
         self.probes += 1
         # every sequence drafting one token re-measures the drafter and verify costs at this
         # batch size, at up to ~2x a plain iteration: only once those are 2 horizons old; with
         # ``uniform_probes`` always (one sequence drafting alone is a ragged step)
-        stale = self.draft_cost.age(seqs) > 2 * self.draft_cost.horizon
+        stale = self._drafter_age(seqs) > 2 * self.draft_cost.horizon
         if seqs == 1 or not self.uniform_probes and (self.probes % 2 or not may_win or not stale):
-            k = min(top, math.ceil(1 + 2 * (self.expected_committed(top) - 1) - 1e-9))
             self.history.append((self.iteration, seqs, k, "probe"))
             return k, True
         self.history.append((self.iteration, seqs, 1, "probe-batch"))
         return 1, False
+
+    def _affordable_interval(self, seqs: int, k: int) -> int:
+        """Iterations between one-sequence probes of ``k`` drafts at ``seqs`` sequences for
+        which their predicted loss is ``probe_budget`` of plain decoding's time: a probe's
+        iteration costs the verify of ``k`` more tokens and the drafter, and commits
+        ``E(k) - 1`` more tokens, each worth a plain iteration's time over ``seqs``. (0 where a
+        probe is predicted to lose nothing.)"""
+        plain = self.target_cost(seqs) + self.host_cost[False](seqs)
+        probe = self.target_cost(seqs + k) + self.draft_cost(self.draft_tokens(1, k)) + self.host_cost[False](seqs)
+        loss = probe - plain - (self.expected_committed(k) - 1) * plain / seqs
+        return math.ceil(loss / (self.probe_budget * plain)) if loss > 0 and plain > 0 else 0
 
     def _may_win(self, seqs: int, top: int) -> bool:
         """Could drafting win at this batch size at its lowest plausible costs?"""
