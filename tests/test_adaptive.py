@@ -345,6 +345,15 @@ def test_cost_model_rules():
             m.observe(10, 0.2)
             m.observe(20, 0.3)
         assert abs(m(60) - want) < 0.01, (age_down, m(60))
+    # with one fresher (smaller) size, a stale size ages no lower than that size's cost per unit:
+    # 16 CPU sequences' 32-token verify (45 ms) beside their 16-token step (28 ms) stays; one
+    # measured in a spike (120 ms) ages to 56 ms, not to the step's 28 ms
+    for measured, want in ((0.045, 0.045), (0.120, 0.056)):
+        m = CostModel()
+        m.observe(32, measured)
+        for _ in range(400):
+            m.observe(16, 0.028)
+        assert abs(m(32) - want) < 1e-3, (measured, m(32))
     assert _isotonic([3.0, 1.0, 2.0], [1.0, 1.0, 1.0]) == [2.0, 2.0, 2.0]
     assert _isotonic([1.0, 5.0, 2.0], [1.0, 3.0, 1.0]) == [1.0, 4.25, 4.25]
 

@@ -95,10 +95,12 @@ class CostModel:
     it follows a lasting change within a few measurements. A point not measured for ``age``
     ticks ages toward what fresher points imply: its value is pulled down, with half-life
     ``half_life``, toward the line through the two largest fresher smaller sizes at its size (at
-    least the highest value among them; with one fresher size, that value): a slow period that
-    is over must not keep an option looking expensive, and if it is not over the next
-    measurement says so. (Pulled toward the fresher sizes' value itself, flat, a stale 64-row
-    verify aged to a 35-row step's cost and kept a losing drafter looking close.) The curve is
+    least the highest value among them; with one fresher size, that size's cost per unit of
+    size): a slow period that is over must not keep an option looking expensive, and if it is not
+    over the next measurement says so. (Pulled toward the fresher sizes' value itself, flat, a
+    stale 64-row verify aged to a 35-row step's cost and kept a losing drafter looking close; so
+    did a 32-token verify of 16 CPU sequences, 45 ms, aged toward the 16-token step's 28 ms within
+    ~50 iterations, whose only fresher size it was: a batch probe every ~50 iterations.) The curve is
     the isotonic (non-decreasing) fit of the point values, weighted by their recent measurement
     counts times ``0.5 ** (age / half_life)``.
 
@@ -161,7 +163,9 @@ class CostModel:
             if not self.age_down or ages[i] <= self.horizon or not fresher:
                 continue
             floor = max(values[j] for j in fresher)
-            goal = floor
+            # one fresher size: no more per unit of size than it costs (a batch never costs more per
+            # token than a smaller one), not its cost itself
+            goal = values[fresher[0]] * self.xs[i] / self.xs[fresher[0]]
             if len(fresher) >= 2:  # the line through the two largest fresher sizes, at this size
                 a, b = fresher[-2], fresher[-1]
                 slope = max((values[b] - values[a]) / (self.xs[b] - self.xs[a]), 0.0)

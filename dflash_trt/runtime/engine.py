@@ -461,8 +461,8 @@ class LLMEngine:
             ctl.observe_drafter(sum(drafting), sum(drafting) * plan.draft_block, out.draft_s)
         if sched.decode and not sched.prefill and (all(drafting) or not any(drafting)):
             # (not a batch probe, not capped per request)
-            ctl.observe_iteration(
-                len(sched.decode), any(drafting), wall_s, committed, out.target_s + out.draft_s, probe
+            ctl.observe_iteration(  # (less the ended sequences' KV injection: either mode does it)
+                len(sched.decode), any(drafting), wall_s - out.ingest_s, committed, out.target_s + out.draft_s, probe
             )
 
     def _plan(self, sched: Schedule, drafts: list[int]) -> StepPlan:

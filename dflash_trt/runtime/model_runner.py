@@ -122,6 +122,8 @@ class StepOutput:
             prefix, on the device: ``dflash::accept``); None for items without drafts.
         draft_s, target_s: wall seconds of the drafter and target forwards (CUDA: event
             timings, read after the iteration's one synchronisation).
+        ingest_s: wall seconds of writing ended sequences' target features into the drafter's
+            pool (:attr:`StepPlan.ingest`; host clock), work of either mode.
         target_tokens: tokens in the target forward.
         drafter_ran: the drafter's forward ran (False when nothing was drafted, or when
             prompt-lookup tokens filled every draft position).
@@ -137,6 +139,7 @@ class StepOutput:
     accepted: list[int | None] = field(default_factory=list)
     draft_s: float = 0.0
     target_s: float = 0.0
+    ingest_s: float = 0.0
     target_tokens: int = 0
     drafter_ran: bool = False
     replayed: bool = False
@@ -384,11 +387,13 @@ class ModelRunner:
         )
 
     def _step(self, plan: StepPlan) -> StepOutput:
+        t0 = time.perf_counter()
         if plan.ingest and self.proposer is not None:
             self.proposer.ingest(plan.ingest)
+        ingest_s = time.perf_counter() - t0
         self.release(plan.release)
         items = plan.items
-        out = StepOutput(drafts=[[] for _ in items], accepted=[None] * len(items))
+        out = StepOutput(drafts=[[] for _ in items], accepted=[None] * len(items), ingest_s=ingest_s)
         if not items:
             return out
         clock = _Clock(self.device)
