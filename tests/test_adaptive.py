@@ -354,6 +354,17 @@ def test_cost_model_rules():
         for _ in range(400):
             m.observe(16, 0.028)
         assert abs(m(32) - want) < 1e-3, (measured, m(32))
+    # a stale point is the median of its latest measurements (within a horizon of its last one),
+    # not of start-up ones long before: a 16-sequence verify measured at 51 ms stays at 51 ms
+    m = CostModel()
+    for _ in range(2):
+        m.observe(32, 0.035)  # start-up, on tiny contexts
+    for _ in range(100):
+        m.observe(16, 0.028)
+    m.observe(32, 0.051)
+    for _ in range(40):
+        m.observe(16, 0.028)
+    assert abs(m(32) - 0.051) < 1e-9, m(32)
     assert _isotonic([3.0, 1.0, 2.0], [1.0, 1.0, 1.0]) == [2.0, 2.0, 2.0]
     assert _isotonic([1.0, 5.0, 2.0], [1.0, 3.0, 1.0]) == [1.0, 4.25, 4.25]
 

@@ -252,8 +252,9 @@ def test_adaptive_costs_under_cuda_graphs_come_from_replayed_steps(device):
     target costs, keyed by tokens, must come from replayed steps alone: the start-up calibration
     measures decode steps of 1-8 sequences without and with drafts (no prompt sweep), and later
     prompt chunks are not observed, nor iterations that captured a graph (on the H200 tens of
-    milliseconds each: they had made a 16-sequence decode step look 16 ms). Without graphs it
-    measures prompts of up to 256 tokens.
+    milliseconds each: they had made a 16-sequence decode step look 16 ms). Without graphs the
+    same sizes, from decode steps too (on 2 CPU cores a 16-token prompt cost 21 ms against a
+    16-sequence decode step's 29-33 ms), and decode-only iterations alone are learnt.
     The outputs equal eager decoding's."""
     model = tiny_target(device)
     drafter = init_drafter(model.cfg, 1, 4, MASK, seed=0).to(device)
@@ -286,8 +287,9 @@ def test_adaptive_costs_under_cuda_graphs_come_from_replayed_steps(device):
         f"{device}: calibrated sizes eager {eager_sizes}, graphs {sizes}; graphs observed {sorted(set(observed))} "
         f"in {len(observed)} of {len(outs)} iterations ({sum(o.captured for o in outs)} captured a graph)"
     )
-    assert max(eager_sizes) == 256 and max(eager_seen) > 32  # prompts measured and observed without graphs
-    assert set(sizes) <= {1, 2, 4, 8, 16, 32} and {1, 4, 8, 32} <= set(sizes)
+    for calibrated in (eager_sizes, sizes):  # decode steps of 1-8 sequences without and with drafts
+        assert set(calibrated) <= {1, 2, 4, 8, 16, 32} and {1, 4, 8, 32} <= set(calibrated)
+    assert eager_seen and max(eager_seen) <= 8 * 4  # no prompt chunk learnt without graphs either
     # replayed decode steps only, none that captured a graph (the prompts are 3-39 tokens)
     assert observed == learnt and max(observed) <= 8 * 4 and any(o.captured for o in outs)
     for r, a, b in zip(reqs, want, got):

@@ -451,10 +451,10 @@ class LLMEngine:
         ctl = self.controller
         if out.captured:
             return
-        if (out.replayed and not out.prompt_replays) or not self.config.model.cuda_graphs:
-            # under CUDA graphs the decode-only iterations the controller chooses for replay, and an
-            # eager forward (a prompt chunk beside them) costs several times a replay of its size,
-            # prompt chunks replayed one by one otherwise than a decode step of their size
+        if sched.decode and not sched.prefill and (out.replayed or not self.config.model.cuda_graphs):
+            # decode-only iterations, the forwards the controller chooses between (a prompt chunk's
+            # tokens cost less than as many verify tokens, see :meth:`calibrate`); under CUDA graphs
+            # replayed ones (an eager forward costs several times a replay of its size)
             ctl.target_cost.observe(out.target_tokens, out.target_s)
         drafting = [it.num_draft > 0 for it in plan.items]
         if out.drafter_ran:  # (not when prompt-lookup tokens filled every draft position)
@@ -647,21 +647,19 @@ class LLMEngine:
 
     # ---- start-up cost measurement for the adaptive controller ----
     def calibrate(self, max_tokens: int = 256) -> None:
-        """Measure target forward cost vs tokens (powers of two up to ``max_tokens`` and the
-        token budget) and drafter cost vs its tokens (sequences x block: whole blocks, and blocks of
-        one draft where :meth:`draft_block` follows the drafts), using scratch sequences that are freed
-        afterwards. Each size runs once, the first of each sweep twice (its second, warm, time is
-        kept): only a path's first call carries one-time costs (the drafter's: 0.78 s against
-        0.09 s warm, SmolLM2 fp32, one thread), later sizes measured twice differed by ~5 %, and
-        the controller goes on measuring every iteration. (SmolLM2 fp32, 32 sequences, block size 4,
-        one thread: the sweep's forwards took 17.4 s run twice per size; those it keeps now, 10.6 s.)
-        The drafter sweep stops at :data:`CALIBRATION_MAX_SEQS` sequences: its 32- and 64-sequence
-        points were ~3/4 of its cost (each a prefill of 7 tokens per sequence and a verify block
-        per sequence), and the cost model extends its last points linearly until the batches the
-        engine really runs measure those sizes. Under CUDA graphs no prompt is measured: decode
-        steps of the drafter sweep's sizes without and with drafts, each run twice (the first
-        captures its graphs), give the target's costs (``_feedback`` then learns from replayed
-        iterations alone)."""
+        """Measure the target's forward cost on decode steps of ``s`` = 1, 2, 4, ... sequences
+        (powers of two up to :data:`CALIBRATION_MAX_SEQS` and ``max_tokens``, ``s * block_size``
+        within the token budget): plain (``s`` tokens), one draft each (``2 s``) and whole blocks
+        (``s * block_size``), and the drafter's cost vs its tokens (sequences x block; blocks of one
+        draft where :meth:`draft_block` follows the drafts), on scratch sequences with 7 tokens of
+        context that are freed afterwards. The first size's forwards run twice (their second, warm,
+        time is kept): only a path's first call carries one-time costs (the drafter's: 0.78 s
+        against 0.09 s warm, SmolLM2 fp32, one thread); under CUDA graphs every size runs twice (the
+        first captures its graphs). The controller goes on measuring every decode-only iteration
+        (``_feedback``), and its cost model extends its last points linearly past the largest
+        size measured here until the batches the engine really runs measure them. (The drafter
+        sweep's 32- and 64-sequence points were ~3/4 of its cost; before, the target was also
+        measured on single prompts of 1-256 tokens, which cost less than as many decode tokens.)"""
         ctl, K, bm = self.controller, self.block_size, self.blocks
         sched = self.config.scheduler
         sizes = [n for n in (2**i for i in range(12)) if n <= min(max_tokens, sched.max_num_tokens)]
@@ -679,17 +677,13 @@ class LLMEngine:
             out = self._run(plan)
             return self._run(plan) if warm else out
 
-        # under CUDA graphs the decode-only iterations replay and prompts run eagerly (several times
-        # the cost of a replay of their size): the target is measured on replayed decode and verify
-        # steps alone, each run twice (the first captures its graph)
+        # the target is measured on decode and verify steps alone, the forwards the controller
+        # chooses between: a prompt of n tokens costs less than n sequences' decode step or verify
+        # blocks (their queries each attend to a context of their own: on 2 CPU cores a 16-token
+        # prompt 21 ms against a 16-sequence step's 29-33 ms, 32 tokens 36 ms against 16
+        # sequences' 2-token verify 45-50 ms, and the controller drafted on those prompt costs);
+        # under CUDA graphs each runs twice (the first captures its graph)
         graphs = self.config.model.cuda_graphs
-        for n in [] if graphs else sizes:  # target: one prompt of n tokens
-            tables = reserve([-1 - len(scratch)], n)
-            if tables is None:
-                break
-            out = measure(StepPlan([StepItem(scratch[-1], [0] * n, 0, tables[0])]), n == sizes[0])
-            ctl.target_cost.observe(n, out.target_s)
-            bm.release(scratch[-1])  # the next size reuses the blocks
         most = min(sched.max_batch_size, CALIBRATION_MAX_SEQS)
         draft_sizes = [s for s in sizes if s <= most and s * K <= sched.max_num_tokens]
         for j, s in enumerate(draft_sizes):
@@ -698,9 +692,9 @@ class LLMEngine:
             if tables is None:
                 break
             self._run(StepPlan([StepItem(sid, [0] * 7, 0, t) for sid, t in zip(sids, tables)]))
-            if graphs:  # a plain decode step of s sequences
-                out = measure(StepPlan([StepItem(sid, [0], 7, t, num_logits=1) for sid, t in zip(sids, tables)]), True)
-                ctl.target_cost.observe(s, out.target_s)
+            # a plain decode step of s sequences
+            out = measure(StepPlan([StepItem(sid, [0], 7, t, num_logits=1) for sid, t in zip(sids, tables)]), True)
+            ctl.target_cost.observe(s, out.target_s)
             # a whole block each, and one draft each where the drafter's block follows the drafts
             for k in sorted({K - 1, self.draft_block(1) - 1}):
                 out = measure(
