@@ -452,9 +452,9 @@ class LLMEngine:
         if out.captured:
             return
         if sched.decode and not sched.prefill and (out.replayed or not self.config.model.cuda_graphs):
-            # decode-only iterations, the forwards the controller chooses between (a prompt chunk's
-            # tokens cost less than as many verify tokens, see :meth:`calibrate`); under CUDA graphs
-            # replayed ones (an eager forward costs several times a replay of its size)
+            # decode-only iterations, the forwards the controller chooses between (an iteration
+            # with a prompt chunk is not); under CUDA graphs replayed ones (an eager forward costs
+            # several times a replay of its size)
             ctl.target_cost.observe(out.target_tokens, out.target_s)
         drafting = [it.num_draft > 0 for it in plan.items]
         if out.drafter_ran:  # (not when prompt-lookup tokens filled every draft position)
@@ -654,12 +654,13 @@ class LLMEngine:
         draft where :meth:`draft_block` follows the drafts), on scratch sequences with 7 tokens of
         context that are freed afterwards. The first size's forwards run twice (their second, warm,
         time is kept): only a path's first call carries one-time costs (the drafter's: 0.78 s
-        against 0.09 s warm, SmolLM2 fp32, one thread); under CUDA graphs every size runs twice (the
-        first captures its graphs). The controller goes on measuring every decode-only iteration
-        (``_feedback``), and its cost model extends its last points linearly past the largest
-        size measured here until the batches the engine really runs measure them. (The drafter
-        sweep's 32- and 64-sequence points were ~3/4 of its cost; before, the target was also
-        measured on single prompts of 1-256 tokens, which cost less than as many decode tokens.)"""
+        against 0.09 s warm, SmolLM2 fp32, one thread), and so does every plain decode step; under
+        CUDA graphs every forward runs twice (the first captures its graphs). The controller goes
+        on measuring every decode-only iteration (``_feedback``), and its cost model extends its
+        last points linearly past the largest size measured here until the batches the engine
+        really runs measure them. (The drafter
+        sweep's 32- and 64-sequence points were ~3/4 of its cost. Single prompts of 1-256 tokens,
+        measured here before, are not forwards the controller chooses between.)"""
         ctl, K, bm = self.controller, self.block_size, self.blocks
         sched = self.config.scheduler
         sizes = [n for n in (2**i for i in range(12)) if n <= min(max_tokens, sched.max_num_tokens)]
@@ -678,10 +679,9 @@ class LLMEngine:
             return self._run(plan) if warm else out
 
         # the target is measured on decode and verify steps alone, the forwards the controller
-        # chooses between: a prompt of n tokens costs less than n sequences' decode step or verify
-        # blocks (their queries each attend to a context of their own: on 2 CPU cores a 16-token
-        # prompt 21 ms against a 16-sequence step's 29-33 ms, 32 tokens 36 ms against 16
-        # sequences' 2-token verify 45-50 ms, and the controller drafted on those prompt costs);
+        # chooses between (not single prompts); on 7-token contexts they cost less than over
+        # running sequences' (16 bf16 sequences, 2 CPU cores: a 32-token verify 35-37 ms here,
+        # 45-51 ms in a load bench), which the decode-only iterations' measurements then replace;
         # under CUDA graphs each runs twice (the first captures its graph)
         graphs = self.config.model.cuda_graphs
         most = min(sched.max_batch_size, CALIBRATION_MAX_SEQS)
