@@ -261,8 +261,9 @@ class DraftLengthController:
         probe_budget: while plain decoding wins, one-sequence probes come at most as often as
             keeps their predicted loss within this share of plain decoding's time (at 4 bf16
             sequences on a 2-core CPU a probe of 3 drafts costs ~1.3x a plain iteration and
-            commits ~0.5 more tokens: one every 8 iterations took ~2.5 % of the throughput); at
-            most 4x ``probe`` apart on this account.
+            commits ~0.5 more tokens; at such costs, scripted, one every 8 iterations cost 1.8-2.7 %
+            of plain decoding's time, within the budget 0.5-1.1 %); at most 4x ``probe`` apart on
+            this account.
         full_blocks: the drafter runs a whole block (``max_draft + 1`` positions) a sequence
             whatever the draft length (its CUDA graphs are captured at it); else ``k + 1``
             positions for ``k`` drafts (the engine's ``draft_block``).
