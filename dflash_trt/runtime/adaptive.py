@@ -17,20 +17,19 @@ Model (measured, not assumed):
 
 With ``S`` sequences decoding, ``k`` drafts each give ``E(k) = 1 + sum_{j<=k} prod_{i<=j} q_i``
 committed tokens per sequence, so the predicted rate is
-``S * E(k) / (target_cost(S * (k + 1)) + [k > 0] draft_cost(draft_tokens(S, k)) + host_cost[k > 0](S))``; the
-best ``k`` is taken, unless it drafts and beats ``k = 0`` by less than ``min_gain`` (3 %; 5 % with
-two or more sequences, ``min_gain_batch``). The
-model looks at most one draft token past the longest draft whose verify size (``S * (k + 1)``
-tokens) it measured within the cost model's horizon: beyond that the target's cost is an
-extrapolation, or a stale point aged down toward the smaller sizes' costs. A drafting choice
-that rests on a drafter cost not measured lately at this batch size runs as ONE draft token
-per sequence first.
+``S * E(k) / (target_cost(S * (k + 1)) + [k > 0] draft_cost(draft_tokens(S, k)) + host_cost[k > 0](S))``;
+the best ``k`` is taken, unless it drafts and beats ``k = 0`` by less than ``min_gain`` (3 %; 5 %
+with two or more sequences, ``min_gain_batch``). The model looks at most one draft token past
+the longest draft whose verify size (``S * (k + 1)`` tokens) it measured within the cost model's
+horizon: beyond that the target's cost is an extrapolation, or a stale point aged down toward the
+smaller sizes' costs. A drafting choice that rests on a drafter cost not measured lately at this
+batch size runs as ONE draft token per sequence first.
 
 Exploration keeps both options measured, at a bounded cost:
 - while plain decoding wins, every ``probe`` iterations (doubling up to ``max_probe`` while
   drafting keeps losing, once the probes so far rule out an acceptance at which drafting would
-  win: ``evidence_z``; never more often than keeps their predicted loss within
-  ``probe_budget`` of plain decoding's time) a drafting iteration runs, alternately ONE sequence drafting (the
+  win: ``evidence_z``; never more often than keeps their predicted loss within ``probe_budget``
+  of plain decoding's time) a drafting iteration runs, alternately ONE sequence drafting (the
   acceptance of the draft positions stays current) and EVERY sequence drafting one token (the
   drafter's and the verify's costs at this batch size stay current). A one-sequence probe
   drafts only as far as drafts are likely to be accepted (``1 + 2 * (E(max) - 1)`` rounded up:
@@ -97,9 +96,9 @@ class CostModel:
     last ``window`` measurements instead, a 16-sequence verify measured once at 51 ms went back
     to 35 ms once stale: the median with two start-up measurements on 7-token contexts.) A point
     not measured for ``age`` ticks ages toward what fresher points imply: its value is pulled
-    down, with half-life ``half_life``, toward the line through the two largest fresher smaller sizes at its size (at
-    least the highest value among them; with one fresher size, that size's cost per unit of
-    size): a slow period that is over must not keep an option looking expensive, and if it is not
+    down, with half-life ``half_life``, toward the line through the two largest fresher smaller
+    sizes at its size (at least the highest value among them; with one fresher size, that size's
+    cost per unit of size): a slow period that is over must not keep an option looking expensive, and if it is not
     over the next measurement says so. (Pulled toward the fresher sizes' value itself, flat, a
     stale 64-row verify aged to a 35-row step's cost and kept a losing drafter looking close; so
     did a 32-token verify of 16 CPU sequences, 45 ms, aged toward the 16-token step's 28 ms within
@@ -165,14 +164,13 @@ class CostModel:
             fresher = [j for j in range(i) if ages[j] < ages[i]]
             if not self.age_down or ages[i] <= self.horizon or not fresher:
                 continue
-            floor = max(values[j] for j in fresher)
-            # one fresher size: no more per unit of size than it costs (a batch never costs more per
-            # token than a smaller one), not its cost itself
-            goal = values[fresher[0]] * self.xs[i] / self.xs[fresher[0]]
             if len(fresher) >= 2:  # the line through the two largest fresher sizes, at this size
                 a, b = fresher[-2], fresher[-1]
                 slope = max((values[b] - values[a]) / (self.xs[b] - self.xs[a]), 0.0)
-                goal = max(floor, values[b] + slope * (self.xs[i] - self.xs[b]))
+                goal = max(max(values[j] for j in fresher), values[b] + slope * (self.xs[i] - self.xs[b]))
+            else:  # one fresher size: no more per unit of size than it costs (a batch never costs
+                # more per token than a smaller one), not its cost itself
+                goal = values[fresher[0]] * self.xs[i] / self.xs[fresher[0]]
             if goal < values[i]:
                 f = 0.5 ** ((ages[i] - self.horizon) / self.half_life)
                 values[i] = f * values[i] + (1 - f) * goal

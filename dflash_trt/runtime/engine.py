@@ -451,7 +451,8 @@ class LLMEngine:
         ctl = self.controller
         if out.captured:
             return
-        if sched.decode and not sched.prefill and (out.replayed or not self.config.model.cuda_graphs):
+        decode_only = sched.decode and not sched.prefill
+        if decode_only and (out.replayed or not self.config.model.cuda_graphs):
             # decode-only iterations, the forwards the controller chooses between (an iteration
             # with a prompt chunk is not); under CUDA graphs replayed ones (an eager forward costs
             # several times a replay of its size)
@@ -459,7 +460,7 @@ class LLMEngine:
         drafting = [it.num_draft > 0 for it in plan.items]
         if out.drafter_ran:  # (not when prompt-lookup tokens filled every draft position)
             ctl.observe_drafter(sum(drafting), sum(drafting) * plan.draft_block, out.draft_s)
-        if sched.decode and not sched.prefill and (all(drafting) or not any(drafting)):
+        if decode_only and (all(drafting) or not any(drafting)):
             # (not a batch probe, not capped per request)
             ctl.observe_iteration(  # (less the ended sequences' KV injection: either mode does it)
                 len(sched.decode), any(drafting), wall_s - out.ingest_s, committed, out.target_s + out.draft_s, probe
@@ -654,13 +655,12 @@ class LLMEngine:
         draft where :meth:`draft_block` follows the drafts), on scratch sequences with 7 tokens of
         context that are freed afterwards. The first size's forwards run twice (their second, warm,
         time is kept): only a path's first call carries one-time costs (the drafter's: 0.78 s
-        against 0.09 s warm, SmolLM2 fp32, one thread), and so does every plain decode step; under
-        CUDA graphs every forward runs twice (the first captures its graphs). The controller goes
-        on measuring every decode-only iteration (``_feedback``), and its cost model extends its
-        last points linearly past the largest size measured here until the batches the engine
-        really runs measure them. (The drafter
-        sweep's 32- and 64-sequence points were ~3/4 of its cost. Single prompts of 1-256 tokens,
-        measured here before, are not forwards the controller chooses between.)"""
+        against 0.09 s warm, SmolLM2 fp32, one thread); under CUDA graphs every forward runs twice
+        (the first captures its graphs). The controller goes on measuring every decode-only
+        iteration (``_feedback``), and its cost model extends its last points linearly past the
+        largest size measured here until the batches the engine really runs measure them. (The
+        drafter sweep's 32- and 64-sequence points were ~3/4 of its cost. Single prompts of 1-256
+        tokens, measured here before, are not forwards the controller chooses between.)"""
         ctl, K, bm = self.controller, self.block_size, self.blocks
         sched = self.config.scheduler
         sizes = [n for n in (2**i for i in range(12)) if n <= min(max_tokens, sched.max_num_tokens)]
@@ -692,8 +692,9 @@ class LLMEngine:
             if tables is None:
                 break
             self._run(StepPlan([StepItem(sid, [0] * 7, 0, t) for sid, t in zip(sids, tables)]))
+            warm = j == 0 or graphs
             # a plain decode step of s sequences
-            out = measure(StepPlan([StepItem(sid, [0], 7, t, num_logits=1) for sid, t in zip(sids, tables)]), True)
+            out = measure(StepPlan([StepItem(sid, [0], 7, t, num_logits=1) for sid, t in zip(sids, tables)]), warm)
             ctl.target_cost.observe(s, out.target_s)
             # a whole block each, and one draft each where the drafter's block follows the drafts
             for k in sorted({K - 1, self.draft_block(1) - 1}):
@@ -702,7 +703,7 @@ class LLMEngine:
                         [StepItem(sid, [0], 7, t, num_draft=k, num_logits=k + 1) for sid, t in zip(sids, tables)],
                         draft_block=self.draft_block(k),
                     ),
-                    j == 0 or graphs,
+                    warm,
                 )
                 ctl.observe_drafter(s, s * self.draft_block(k), out.draft_s)
                 ctl.target_cost.observe(out.target_tokens, out.target_s)

@@ -387,10 +387,11 @@ class ModelRunner:
         )
 
     def _step(self, plan: StepPlan) -> StepOutput:
-        t0 = time.perf_counter()
+        ingest_s = 0.0
         if plan.ingest and self.proposer is not None:
+            t0 = time.perf_counter()
             self.proposer.ingest(plan.ingest)
-        ingest_s = time.perf_counter() - t0
+            ingest_s = time.perf_counter() - t0
         self.release(plan.release)
         items = plan.items
         out = StepOutput(drafts=[[] for _ in items], accepted=[None] * len(items), ingest_s=ingest_s)

@@ -16,8 +16,8 @@
 //     whatever row m sits in. The weight (fp32 or bf16, widened exactly) is read packed: panels
 //     of VL output columns, k-major inside a panel (bi_pack; bi_linear packs the [N, K] weight
 //     on every call, a module packs once; bf16 weights on a CPU with AVX512-BF16 with rows k and
-//     k + 1, k even, interleaved column by column), so that a register tile of up to 6 rows x C panels
-//     takes one broadcast input and C weight vectors per k (the GEMM micro-kernel of BLIS and
+//     k + 1, k even, interleaved column by column), so that a register tile of up to 8 rows x C
+//     panels takes one broadcast input and C weight vectors per k (the GEMM micro-kernel of BLIS and
 //     oneDNN, without their split of K). The tile's size only sets how many outputs share each
 //     load; threads split the output columns, never K. The output has x's dtype (fp32 results
 //     rounded to nearest even for bf16). bf16 x with bf16 weights on a CPU with AVX512-BF16:
@@ -106,7 +106,7 @@ constexpr int VL = 16;  // fp32 lanes of one vector register: the packed weight'
 #else
 constexpr int VL = 8;
 #endif
-constexpr int MR = 6;  // rows of one register tile
+constexpr int MR = 6;  // rows of one integer-GEMM register tile (int_panels; the float GEMM's: FR)
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef uint16_t vh __attribute__((vector_size(VL * 2)));
