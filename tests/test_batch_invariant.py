@@ -24,7 +24,7 @@ from torch import nn
 
 from dflash_trt.checkpoints.loader import load_pair
 from dflash_trt.errors import DFlashError
-from dflash_trt.kernels.cpu_ops import bi_attention, bi_linear, bi_paged_attention, rms_norm
+from dflash_trt.kernels.cpu_ops import _cpu_flags, bf16_gemm, bi_attention, bi_linear, bi_paged_attention, rms_norm
 from dflash_trt.models.batch_invariant import BatchInvariantLinear, check_batch_invariant, set_batch_invariant
 from dflash_trt.models.layers import RMSNorm
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
@@ -66,6 +66,21 @@ def test_bi_linear_rows_independent(wdt, xdt):
             assert torch.equal(mod(x), full) and torch.equal(mod(x[3:4]), full[3:4])
             mod.weight.mul_(2)
             assert torch.equal(mod(x), bi_linear(x, w * 2, b))
+
+
+def test_bf16_gemm_is_the_best_kernel_this_cpu_has():
+    """bf16 x bf16 runs on AMX tiles where the CPU (and the kernel, which grants the tile state on
+    request) has them, else on vdpbf16ps with AVX512-BF16, else widened to fp32; on an AMX CPU a
+    bf16 GEMM with inputs a multiple of 32 then differs from the vdpbf16ps order in some last
+    bits, and the rows stay invariant (test_bi_linear_rows_independent: 192 and 1536 inputs)."""
+    flags = set(_cpu_flags().split())
+    kind = bf16_gemm()
+    if "amx_bf16" in flags and "amx_tile" in flags and "avx512_bf16" in flags:
+        assert kind == "amx"
+    elif "avx512_bf16" in flags:
+        assert kind == "avx512-bf16"
+    else:
+        assert kind == "fma"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -76,11 +76,15 @@ class BenchConfig:
 
 
 def device_name(device: torch.device | str = "cpu") -> str:
-    """``cpu (<processor>)`` or the CUDA device's name."""
+    """``cpu (<processor>)`` (with ``, bf16 GEMM: <kernel>`` once the CPU kernels are loaded:
+    :func:`~dflash_trt.kernels.cpu_ops.bf16_gemm`) or the CUDA device's name."""
+    from ..kernels import cpu_ops
+
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()})"
+    gemm = f", bf16 GEMM: {cpu_ops.bf16_gemm()}" if cpu_ops.loaded() else ""
+    return f"cpu ({platform.processor() or platform.machine()}{gemm})"
 
 
 def _run_modes(

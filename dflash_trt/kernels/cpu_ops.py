@@ -151,10 +151,21 @@ def bi_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
 
     Returns:
         ``[M, N]`` in ``x``'s dtype; fp32 accumulation (bf16 x bf16 on an AVX512-BF16 CPU: pairs
-        of inputs per ``vdpbf16ps``, a fixed order too), one rounding at the end.
+        of inputs per ``vdpbf16ps``, or on an AMX CPU 32 inputs per ``tdpbf16ps``: a fixed order
+        too, :func:`bf16_gemm`), one rounding at the end.
     """
     load()
     return torch.ops.dflash_cpu.bi_linear(x, w, bias)
+
+
+def bf16_gemm() -> str:
+    """The kernel that multiplies bf16 activations by bf16 weights in this process's
+    :func:`bi_linear`: ``amx`` (AMX tiles, ``tdpbf16ps``; for inputs a multiple of 32, the others
+    ``avx512-bf16``), ``avx512-bf16`` (``vdpbf16ps``) or ``fma`` (widened to fp32). Each keeps
+    one order of summation per output whatever the rows; their orders differ, so bits differ
+    between machines, never between the rows of one."""
+    load()
+    return torch.ops.dflash_cpu.bf16_gemm()
 
 
 def bi_attention(

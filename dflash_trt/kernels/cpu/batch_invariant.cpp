@@ -22,7 +22,9 @@
 //     load; threads split the output columns, never K. The output has x's dtype (fp32 results
 //     rounded to nearest even for bf16). bf16 x with bf16 weights on a CPU with AVX512-BF16:
 //     vdpbf16ps over the pairs of inputs (0, 1), (2, 3), ... instead (tile_bf16; a fixed order
-//     per output too, twice the inputs an instruction).
+//     per output too, twice the inputs an instruction); on a CPU with AMX and K a multiple of 32,
+//     tdpbf16ps on tiles of up to 16 rows (tile_amx; 32 inputs an instruction, in order).
+// dflash_cpu::bf16_gemm() -> str: which of those a process uses ("amx", "avx512-bf16", "fma").
 //
 // dflash_cpu::int4_linear(x [M, K], codes [S, K / 8, 8, 32] uint8, scales [S, K / g, 2, 8, 8], N, g, bias?)
 //     -> [M, N]: int4 group-wise asymmetric weights (w = q * scale + zero) against activations
@@ -95,6 +97,7 @@
 #endif
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -379,6 +382,122 @@ inline int64_t balanced_panels(int64_t P, int64_t unit, int64_t cap) {
   return best * unit;
 }
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+// bf16 activations x bf16 weights with AMX (Sapphire Rapids and later): tdpbf16ps multiplies a
+// tile of up to 16 rows x 32 inputs by 32 inputs x 16 columns of bf16 pairs into 16 x 16 fp32
+// sums. bi_pack's interleaved panel is already AMX's B layout: 16 pair rows of a panel (inputs
+// k .. k + 31, k a multiple of 32) are 1 KiB, 64 bytes a pair row, contiguous. One output: its
+// pairs of inputs (0, 1), (2, 3), ... accumulated in order from 0 into its fp32 sum, 32 inputs
+// an instruction, whatever the other rows of the tile and their number (the tile's rows are
+// computed independently). Used for every bf16 x bf16 call of a process whose K is a multiple
+// of 32 (a 1-row decode step and a 16-row verify block alike), so rows stay batch-invariant;
+// other K take tile_bf16.
+constexpr int AR = 16;  // rows of an AMX tile
+
+// Linux hands out AMX's tile data state only on request (arch_prctl ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA); without it the first tile instruction faults. Asked once per process.
+inline bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0..3: accumulators (R rows x 16 fp32); 4: activations (R rows x 32 bf16); 5, 6: weights
+// (16 pair rows x 16 columns). Loaded per task and row count and released after the task: other
+// AMX code in the process (oneDNN's bf16 GEMMs) releases the tiles after its kernels, so a
+// configuration kept from an earlier call would be gone (a tile instruction then faults).
+inline void amx_config(int R) {
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) cfg.rows[t] = static_cast<uint8_t>(R), cfg.colsb[t] = 64;
+  for (int t = 5; t < 7; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// R (1 .. 16, configured by amx_config) rows x C (1 .. 4) panels, K a multiple of 32;
+// out[r * ldo + c * 16 + j]
+template <int C>
+__attribute__((noinline)) void tile_amx(const c10::BFloat16* x, int64_t K, const c10::BFloat16* wp, float* out,
+                                        int64_t ldo) {
+  static_assert(C >= 1 && C <= 4, "four accumulator tiles");
+  const int64_t ps = K * VL;  // one panel
+  _tile_zero(0);
+  if constexpr (C > 1) _tile_zero(1);
+  if constexpr (C > 2) _tile_zero(2);
+  if constexpr (C > 3) _tile_zero(3);
+  const c10::BFloat16* next = wp + C * ps;  // the panels after these (as in tile_bf16)
+  for (int64_t k = 0; k < K; k += 32) {
+    // the next panels' same 32 inputs, into L2 (without it a 1-row step ran at ~0.8x tile_bf16's speed)
+    for (int c = 0; c < C; ++c)
+      for (int l = 0; l < 16; ++l) _mm_prefetch(reinterpret_cast<const char*>(next + c * ps + k * VL + l * 32), _MM_HINT_T1);
+    _tile_loadd(4, x + k, K * 2);
+    _tile_loadd(5, wp + k * VL, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (C > 1) {
+      _tile_loadd(6, wp + ps + k * VL, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (C > 2) {
+      _tile_loadd(5, wp + 2 * ps + k * VL, 64);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (C > 3) {
+      _tile_loadd(6, wp + 3 * ps + k * VL, 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+  }
+  _tile_stored(0, out, ldo * 4);
+  if constexpr (C > 1) _tile_stored(1, out + VL, ldo * 4);
+  if constexpr (C > 2) _tile_stored(2, out + 2 * VL, ldo * 4);
+  if constexpr (C > 3) _tile_stored(3, out + 3 * VL, ldo * 4);
+}
+
+// the whole bf16 x bf16 GEMM on AMX (see tile_amx): threads take whole groups of panels, each
+// group swept by tiles of 16 rows, 4 panels at a time
+template <typename O>
+void linear_amx(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* wp, const float* bias, int64_t N,
+                O* out) {
+  const int64_t P = (N + VL - 1) / VL;
+  const int64_t fit = (int64_t{256} << 10) / std::max<int64_t>(1, K * VL * 2);
+  const int64_t pb = balanced_panels(P, 4, std::min<int64_t>(fit, 48));
+  const int64_t groups = (P + pb - 1) / pb;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * VL * pb));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    const int64_t ldt = pb * VL;
+    std::vector<float> t(AR * ldt);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p0 = g * pb, np = std::min<int64_t>(pb, P - p0);
+      const int64_t n0 = p0 * VL, nc = std::min<int64_t>(np * VL, N - n0);
+      for (int64_t m = 0; m < M; m += AR) {
+        const int rows = static_cast<int>(std::min<int64_t>(AR, M - m));
+        amx_config(rows);
+        const c10::BFloat16* xm = x + m * K;
+        int64_t p = 0;
+        for (; p + 4 <= np; p += 4) tile_amx<4>(xm, K, wp + (p0 + p) * K * VL, t.data() + p * VL, ldt);
+        if (np - p == 3) tile_amx<3>(xm, K, wp + (p0 + p) * K * VL, t.data() + p * VL, ldt);
+        if (np - p == 2) tile_amx<2>(xm, K, wp + (p0 + p) * K * VL, t.data() + p * VL, ldt);
+        if (np - p == 1) tile_amx<1>(xm, K, wp + (p0 + p) * K * VL, t.data() + p * VL, ldt);
+        for (int r = 0; r < rows; ++r) {
+          O* o = out + (m + r) * N + n0;
+          const float* tr = t.data() + r * ldt;
+          for (int64_t c = 0; c < nc; ++c) store(o + c, bias ? tr[c] + bias[n0 + c] : tr[c]);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // x [M, K] fp32 (any weight: the FMA tile) or bf16 (bf16 weights with BF16_DOT: tile_bf16)
 template <typename X, typename W, typename O>
 void linear_impl(const X* x, int64_t M, int64_t K, const W* wp, const float* bias, int64_t N, O* out) {
@@ -459,6 +578,13 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp, int64_t N, c
   if (M == 0 || N == 0) return out;
   if constexpr (BF16_DOT) {
     if (bf16_dot) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+      if (K % 32 == 0 && amx_ready()) {
+        linear_amx(xf.data_ptr<c10::BFloat16>(), M, K, wp.data_ptr<c10::BFloat16>(), b, N,
+                   out.data_ptr<c10::BFloat16>());
+        return out;
+      }
+#endif
       linear_impl(xf.data_ptr<c10::BFloat16>(), M, K, wp.data_ptr<c10::BFloat16>(), b, N,
                   out.data_ptr<c10::BFloat16>());
       return out;
@@ -475,6 +601,15 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp, int64_t N, c
     linear_impl(xp, M, K, wp.data_ptr<float>(), b, N, out.data_ptr<float>());
   }
   return out;
+}
+
+// which kernel multiplies bf16 activations by bf16 weights in this process: "amx" (K a multiple
+// of 32; tile_bf16 for other K), "avx512-bf16" (tile_bf16) or "fma" (widened to fp32, tile)
+std::string bf16_gemm() {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+  if (amx_ready()) return "amx";
+#endif
+  return BF16_DOT ? "avx512-bf16" : "fma";
 }
 
 at::Tensor bi_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
@@ -1620,6 +1755,7 @@ at::Tensor dense_layer(const at::Tensor& x, const at::Tensor& attn_norm, const a
 TORCH_LIBRARY(dflash_cpu, m) {
   m.def("bi_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("bi_pack(Tensor w) -> Tensor");
+  m.def("bf16_gemm() -> str", &bf16_gemm);
   m.def("bi_linear_packed(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, int n, int group_size, Tensor? bias) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int n, Tensor? bias) -> Tensor");
