@@ -1383,6 +1383,68 @@ inline void weighted_sums(const float* p, const T* const* vr, int64_t n, int64_t
   }
 }
 
+// sums[i] = 0 + e_i[0] + e_i[1] + ... + e_i[n - 1] (key order, one chain per head) for the
+// gn (1 .. 4) heads whose e_j lie ld apart from e: the chains interleaved, each the same adds
+inline void exp_sums(int gn, const float* e, int64_t ld, int64_t n, float* sums) {
+  float t[4] = {0.f, 0.f, 0.f, 0.f};
+  switch (gn) {
+    case 4:
+      for (int64_t j = 0; j < n; ++j) t[0] += e[j], t[1] += e[ld + j], t[2] += e[2 * ld + j], t[3] += e[3 * ld + j];
+      break;
+    case 3:
+      for (int64_t j = 0; j < n; ++j) t[0] += e[j], t[1] += e[ld + j], t[2] += e[2 * ld + j];
+      break;
+    case 2:
+      for (int64_t j = 0; j < n; ++j) t[0] += e[j], t[1] += e[ld + j];
+      break;
+    default:
+      for (int64_t j = 0; j < n; ++j) t[0] += e[j];
+  }
+  for (int i = 0; i < gn; ++i) sums[i] = t[i];
+}
+
+// weighted_sum for GB heads at once (their weights p + i * ld, outputs out + i * D): each value
+// vector read once for all of them; per output element the same FMA chain in key order
+template <int NB, int GB, typename T>
+inline void weighted_sum_heads(const float* p, int64_t ld, const T* const* vr, int64_t n, int64_t d0, int64_t D,
+                               float* out) {
+  vf acc[GB][NB];
+  for (int g = 0; g < GB; ++g) std::memcpy(acc[g], out + g * D + d0, sizeof(acc[g]));
+  for (int64_t j = 0; j < n; ++j) {
+    vf v[NB];
+    for (int b = 0; b < NB; ++b) v[b] = loadv(vr[j] + d0 + b * VL);
+    for (int g = 0; g < GB; ++g) {
+      const vf pv = bcast(p + g * ld + j);
+      for (int b = 0; b < NB; ++b) acc[g][b] = fmav(pv, v[b], acc[g][b]);
+    }
+  }
+  for (int g = 0; g < GB; ++g) std::memcpy(out + g * D + d0, acc[g], sizeof(acc[g]));
+}
+
+// weighted_sums for the G heads of one KV head (weights p + g * ld, outputs out + g * D): blocks
+// of 4 vectors of up to 3 heads at a time, then weighted_sum / scalar chains for the rest of
+// each head's output; bit for bit weighted_sums a head at a time
+template <typename T>
+inline void weighted_sums_heads(const float* p, int64_t ld, int64_t G, const T* const* vr, int64_t n, int64_t D,
+                                float* out) {
+  const int64_t D4 = D / (4 * VL) * (4 * VL);
+  for (int64_t d = 0; d < D4; d += 4 * VL) {
+    int64_t g = 0;
+    for (; g + 3 <= G; g += 3) weighted_sum_heads<4, 3>(p + g * ld, ld, vr, n, d, D, out + g * D);
+    for (; g + 2 <= G; g += 2) weighted_sum_heads<4, 2>(p + g * ld, ld, vr, n, d, D, out + g * D);
+    for (; g < G; ++g) weighted_sum_heads<4, 1>(p + g * ld, ld, vr, n, d, D, out + g * D);
+  }
+  for (int64_t g = 0; g < G; ++g) {  // the rest of each head's output
+    int64_t d = D4;
+    for (; d + VL <= D; d += VL) weighted_sum<1>(p + g * ld, vr, n, d, out + g * D);
+    for (; d < D; ++d) {
+      float a = out[g * D + d];
+      for (int64_t j = 0; j < n; ++j) a = std::fma(p[g * ld + j], to_float(vr[j][d]), a);
+      out[g * D + d] = a;
+    }
+  }
+}
+
 // Where key l of sequence s and KV head hk lives: `rows.key(s, hk, l)` / `rows.value(s, hk, l)`
 // (a [S, Hkv, L, D] tensor of any strides, or pools [slots, Hkv, D] read through a slot table).
 template <typename T>
@@ -1428,7 +1490,7 @@ void attention_impl(const at::Tensor& q, const Rows& rows, int64_t Hkv, int64_t 
   constexpr int KB = 8;
   constexpr int64_t TK = 32;  // keys per tile: 8 KiB of K (or V) rows at D = 64, fp32
   at::parallel_for(0, S * Hkv * T_, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> score(G * L), qf(G * D), acc(G * D), sum(G);
+    std::vector<float> score(G * L), qf(G * D), acc(G * D), sum(G), maxes(G);
     std::vector<const T*> krow(L), vrow(L);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = i / (Hkv * T_), hk = (i / T_) % Hkv, t = i % T_;
@@ -1443,8 +1505,16 @@ void attention_impl(const at::Tensor& q, const Rows& rows, int64_t Hkv, int64_t 
         krow[n] = rows.key(s, hk, l);
         vrow[n++] = rows.value(s, hk, l);
       }
+      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
       for (int64_t j0 = 0; j0 < n; j0 += TK) {
         const int64_t j1 = std::min(n, j0 + TK);
+        // the next tile's key rows and this tile's value rows (read after the softmax), into
+        // the caches ahead of their first use: the rows of a paged cache are scattered blocks,
+        // and their first reads stalled the kernel (most of its time at 16 sequences)
+        for (int64_t j = j0 + TK; j < std::min(n, j0 + 2 * TK); ++j)
+          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(krow[j]) + b, 0, 3);
+        for (int64_t j = j0; j < j1; ++j)
+          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(vrow[j]) + b, 0, 2);
         for (int64_t g = 0; g < G; ++g) {
           float* sg = score.data() + g * L;
           int64_t j = j0;
@@ -1454,14 +1524,23 @@ void attention_impl(const at::Tensor& q, const Rows& rows, int64_t Hkv, int64_t 
       }
       for (int64_t g = 0; g < G; ++g) {
         float* sg = score.data() + g * L;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j] *= sc);
-        if (sinks) mx = std::max(mx, sinks[hk * G + g]);
-        // sg[] now holds e_j = exp(s_j - max), VL keys at a time (the last few through a zero-padded
-        // vector), then their sum in key order
-        const vf mv = bcast_value(mx);
+        // the scaled scores and their max (exact in any order: VL keys a step, lanes at the end)
+        const vf scv = bcast_value(sc);
+        vf mxv = bcast_value(-std::numeric_limits<float>::infinity());
         int64_t j = 0;
         for (; j + VL <= n; j += VL) {
+          const vf x = loadv(sg + j) * scv;
+          std::memcpy(sg + j, &x, sizeof(x));
+          mxv = x > mxv ? x : mxv;
+        }
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int i = 0; i < VL; ++i) mx = std::max(mx, mxv[i]);
+        for (; j < n; ++j) mx = std::max(mx, sg[j] *= sc);
+        if (sinks) mx = std::max(mx, sinks[hk * G + g]);
+        // sg[] now holds e_j = exp(s_j - max), VL keys at a time (the last few through a zero-padded
+        // vector)
+        const vf mv = bcast_value(mx);
+        for (j = 0; j + VL <= n; j += VL) {
           const vf e = expv(loadv(sg + j) - mv);
           std::memcpy(sg + j, &e, sizeof(e));
         }
@@ -1471,15 +1550,19 @@ void attention_impl(const at::Tensor& q, const Rows& rows, int64_t Hkv, int64_t 
           const vf e = expv(loadv(part) - mv);
           std::memcpy(sg + j, &e, (n - j) * sizeof(float));
         }
-        float total = 0.f;
-        for (j = 0; j < n; ++j) total += sg[j];
-        if (sinks) total += std::exp(sinks[hk * G + g] - mx);
-        sum[g] = total;
+        maxes[g] = mx;
+      }
+      // each head's sum of its e_j in key order (the heads' chains interleaved, 4 at a time)
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int gn = static_cast<int>(std::min<int64_t>(4, G - g0));
+        exp_sums(gn, score.data() + g0 * L, L, n, sum.data() + g0);
+        for (int64_t g = g0; g < g0 + gn; ++g)
+          if (sinks) sum[g] += std::exp(sinks[hk * G + g] - maxes[g]);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j0 = 0; j0 < n; j0 += TK) {
         const int64_t m = std::min(n, j0 + TK) - j0;
-        for (int64_t g = 0; g < G; ++g) weighted_sums(score.data() + g * L + j0, vrow.data() + j0, m, D, acc.data() + g * D);
+        weighted_sums_heads(score.data() + j0, L, G, vrow.data() + j0, m, D, acc.data());
       }
       for (int64_t g = 0; g < G; ++g) {
         float* o = op + ((s * H + hk * G + g) * T_ + t) * D;
