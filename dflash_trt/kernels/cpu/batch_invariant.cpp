@@ -382,6 +382,39 @@ inline int64_t balanced_panels(int64_t P, int64_t unit, int64_t cap) {
   return best * unit;
 }
 
+// The float / bf16 GEMMs' threading and output stores: threads take whole groups of panels
+// (output columns), never a split of K; a group (a multiple of `unit` panels, ~256 KiB of
+// weights of `wsize` bytes each: in L2) is swept by sweep(m, rows, p0, np, t, ldt) for rows
+// m .. m + rows - 1, up to `most` at a time, which writes those rows' outputs of panels
+// p0 .. p0 + np - 1 into t (ldt apart per row); stored here with the bias. done() ends each task.
+template <typename O, typename Sweep, typename Done>
+void panel_groups(int64_t M, int64_t K, int64_t N, int64_t wsize, int64_t unit, int most, const float* bias, O* out,
+                  const Sweep& sweep, const Done& done) {
+  const int64_t P = (N + VL - 1) / VL;
+  const int64_t fit = (int64_t{256} << 10) / std::max<int64_t>(1, K * VL * wsize);
+  const int64_t pb = balanced_panels(P, unit, std::min<int64_t>(fit, 48));
+  const int64_t groups = (P + pb - 1) / pb;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * VL * pb));  // >= ~64K MACs a task
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    const int64_t ldt = pb * VL;
+    std::vector<float> t(most * ldt);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p0 = g * pb, np = std::min<int64_t>(pb, P - p0);
+      const int64_t n0 = p0 * VL, nc = std::min<int64_t>(np * VL, N - n0);
+      for (int64_t m = 0; m < M; m += most) {
+        const int rows = static_cast<int>(std::min<int64_t>(most, M - m));
+        sweep(m, rows, p0, np, t.data(), ldt);
+        for (int r = 0; r < rows; ++r) {
+          O* o = out + (m + r) * N + n0;
+          const float* tr = t.data() + r * ldt;
+          for (int64_t c = 0; c < nc; ++c) store(o + c, bias ? tr[c] + bias[n0 + c] : tr[c]);
+        }
+      }
+    }
+    done();
+  });
+}
+
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -461,83 +494,49 @@ __attribute__((noinline)) void tile_amx(const c10::BFloat16* x, int64_t K, const
   if constexpr (C > 3) _tile_stored(3, out + 3 * VL, ldo * 4);
 }
 
-// the whole bf16 x bf16 GEMM on AMX (see tile_amx): threads take whole groups of panels, each
-// group swept by tiles of 16 rows, 4 panels at a time
+// the whole bf16 x bf16 GEMM on AMX (see tile_amx): each group of panels swept by tiles of 16
+// rows, 4 panels at a time
 template <typename O>
 void linear_amx(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* wp, const float* bias, int64_t N,
                 O* out) {
-  const int64_t P = (N + VL - 1) / VL;
-  const int64_t fit = (int64_t{256} << 10) / std::max<int64_t>(1, K * VL * 2);
-  const int64_t pb = balanced_panels(P, 4, std::min<int64_t>(fit, 48));
-  const int64_t groups = (P + pb - 1) / pb;
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * VL * pb));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    const int64_t ldt = pb * VL;
-    std::vector<float> t(AR * ldt);
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t p0 = g * pb, np = std::min<int64_t>(pb, P - p0);
-      const int64_t n0 = p0 * VL, nc = std::min<int64_t>(np * VL, N - n0);
-      for (int64_t m = 0; m < M; m += AR) {
-        const int rows = static_cast<int>(std::min<int64_t>(AR, M - m));
+  panel_groups(
+      M, K, N, 2, 4, AR, bias, out,
+      [&](int64_t m, int rows, int64_t p0, int64_t np, float* t, int64_t ldt) {
         amx_config(rows);
         const c10::BFloat16* xm = x + m * K;
+        const c10::BFloat16* wg = wp + p0 * K * VL;
         int64_t p = 0;
-        for (; p + 4 <= np; p += 4) tile_amx<4>(xm, K, wp + (p0 + p) * K * VL, t.data() + p * VL, ldt);
-        if (np - p == 3) tile_amx<3>(xm, K, wp + (p0 + p) * K * VL, t.data() + p * VL, ldt);
-        if (np - p == 2) tile_amx<2>(xm, K, wp + (p0 + p) * K * VL, t.data() + p * VL, ldt);
-        if (np - p == 1) tile_amx<1>(xm, K, wp + (p0 + p) * K * VL, t.data() + p * VL, ldt);
-        for (int r = 0; r < rows; ++r) {
-          O* o = out + (m + r) * N + n0;
-          const float* tr = t.data() + r * ldt;
-          for (int64_t c = 0; c < nc; ++c) store(o + c, bias ? tr[c] + bias[n0 + c] : tr[c]);
-        }
-      }
-    }
-    _tile_release();
-  });
+        for (; p + 4 <= np; p += 4) tile_amx<4>(xm, K, wg + p * K * VL, t + p * VL, ldt);
+        if (np - p == 3) tile_amx<3>(xm, K, wg + p * K * VL, t + p * VL, ldt);
+        if (np - p == 2) tile_amx<2>(xm, K, wg + p * K * VL, t + p * VL, ldt);
+        if (np - p == 1) tile_amx<1>(xm, K, wg + p * K * VL, t + p * VL, ldt);
+      },
+      [] { _tile_release(); });
 }
 #endif
 
-// x [M, K] fp32 (any weight: the FMA tile) or bf16 (bf16 weights with BF16_DOT: tile_bf16)
+// x [M, K] fp32 (any weight: the FMA tile) or bf16 (bf16 weights with BF16_DOT: tile_bf16); each
+// group of panels is swept by every register tile of rows in turn (panel_groups)
 template <typename X, typename W, typename O>
 void linear_impl(const X* x, int64_t M, int64_t K, const W* wp, const float* bias, int64_t N, O* out) {
-  // threads take whole groups of panels (output columns); never a split of K. A group (~256 KiB:
-  // in L2) is swept by every register tile of rows in turn.
-  const int64_t P = (N + VL - 1) / VL;
-  const int64_t fit = (int64_t{256} << 10) / std::max<int64_t>(1, K * VL * static_cast<int64_t>(sizeof(W)));
-  const int64_t pb = balanced_panels(P, PANELS[std::min<int64_t>(M, FR) - 1], std::min<int64_t>(fit, 48));
-  const int64_t groups = (P + pb - 1) / pb;
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * VL * pb));  // >= ~64K MACs a task
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    const int64_t ldt = pb * VL;
-    std::vector<float> t(FR * ldt);
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t p0 = g * pb, np = std::min<int64_t>(pb, P - p0);
-      const int64_t n0 = p0 * VL, nc = std::min<int64_t>(np * VL, N - n0);
-      for (int64_t m = 0; m < M; m += FR) {
-        const int rows = static_cast<int>(std::min<int64_t>(FR, M - m));
+  panel_groups(
+      M, K, N, sizeof(W), PANELS[std::min<int64_t>(M, FR) - 1], FR, bias, out,
+      [&](int64_t m, int rows, int64_t p0, int64_t np, float* t, int64_t ldt) {
         const W* wg = wp + p0 * K * VL;
-        tile_rows<FLOAT_PANELS>(
-            rows, static_cast<int>(np), VL, t.data(), [&](auto r, auto c, int p, float* o) {
-              const W* w = wg + p * K * VL;
-              if constexpr (std::is_same_v<X, float>) {
-                tile<decltype(r)::value, decltype(c)::value>(x + m * K, K, w, o, ldt);
-              } else {
+        tile_rows<FLOAT_PANELS>(rows, static_cast<int>(np), VL, t, [&](auto r, auto c, int p, float* o) {
+          const W* w = wg + p * K * VL;
+          if constexpr (std::is_same_v<X, float>) {
+            tile<decltype(r)::value, decltype(c)::value>(x + m * K, K, w, o, ldt);
+          } else {
 #if defined(__AVX512BF16__)
-                tile_bf16<decltype(r)::value, decltype(c)::value>(x + m * K, K, w, o, ldt);
+            tile_bf16<decltype(r)::value, decltype(c)::value>(x + m * K, K, w, o, ldt);
 #else
-                static_assert(std::is_same_v<X, float>, "bf16 activations need AVX512-BF16");
+            static_assert(std::is_same_v<X, float>, "bf16 activations need AVX512-BF16");
 #endif
-              }
-            });
-        for (int r = 0; r < rows; ++r) {
-          O* o = out + (m + r) * N + n0;
-          const float* tr = t.data() + r * ldt;
-          for (int64_t c = 0; c < nc; ++c) store(o + c, bias ? tr[c] + bias[n0 + c] : tr[c]);
-        }
-      }
-    }
-  });
+          }
+        });
+      },
+      [] {});
 }
 
 // [N, K] -> [ceil(N / VL), K, VL] in the weight's dtype, missing columns zero
