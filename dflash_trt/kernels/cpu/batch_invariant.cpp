@@ -98,6 +98,14 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+// AMX tiles for bf16 x bf16 GEMMs (tile_amx) where the compiler targets them (-march=native on such a CPU)
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#define DFLASH_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define DFLASH_AMX 0
+#endif
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -415,9 +423,7 @@ void panel_groups(int64_t M, int64_t K, int64_t N, int64_t wsize, int64_t unit, 
   });
 }
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#if DFLASH_AMX
 // bf16 activations x bf16 weights with AMX (Sapphire Rapids and later): tdpbf16ps multiplies a
 // tile of up to 16 rows x 32 inputs by 32 inputs x 16 columns of bf16 pairs into 16 x 16 fp32
 // sums. bi_pack's interleaved panel is already AMX's B layout: 16 pair rows of a panel (inputs
@@ -577,7 +583,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp, int64_t N, c
   if (M == 0 || N == 0) return out;
   if constexpr (BF16_DOT) {
     if (bf16_dot) {
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#if DFLASH_AMX
       if (K % 32 == 0 && amx_ready()) {
         linear_amx(xf.data_ptr<c10::BFloat16>(), M, K, wp.data_ptr<c10::BFloat16>(), b, N,
                    out.data_ptr<c10::BFloat16>());
@@ -605,7 +611,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp, int64_t N, c
 // which kernel multiplies bf16 activations by bf16 weights in this process: "amx" (K a multiple
 // of 32; tile_bf16 for other K), "avx512-bf16" (tile_bf16) or "fma" (widened to fp32, tile)
 std::string bf16_gemm() {
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#if DFLASH_AMX
   if (amx_ready()) return "amx";
 #endif
   return BF16_DOT ? "avx512-bf16" : "fma";
