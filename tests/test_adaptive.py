@@ -340,13 +340,15 @@ def test_cost_model_rules():
     assert abs(m(10) - 0.5) < 0.05 and abs(m(100) - 0.5) < 0.05
     # a stale large size ages toward the line through the two largest fresher sizes (0.1 + 0.01 n
     # at 10 and 20: 0.7 at 60), not down to their cost (flat: 0.3); without aging it stays
-    for age_down, want in ((True, 0.7), (False, 2.0)):
+    # and one below that line ages up to it (measured at start-up on tiny contexts: 0.3, no
+    # dearer than the 20-size step, which made drafting at that size look free)
+    for age_down, first, want in ((True, 2.0, 0.7), (False, 2.0, 2.0), (True, 0.3, 0.7)):
         m = CostModel(age_down=age_down)
-        m.observe(60, 2.0)
+        m.observe(60, first)
         for _ in range(400):
             m.observe(10, 0.2)
             m.observe(20, 0.3)
-        assert abs(m(60) - want) < 0.01, (age_down, m(60))
+        assert abs(m(60) - want) < 0.01, (age_down, first, m(60))
     # with one fresher (smaller) size, a stale size ages no lower than that size's cost per unit:
     # 16 CPU sequences' 32-token verify (45 ms) beside their 16-token step (28 ms) stays; one
     # measured in a spike (120 ms) ages to 56 ms, not to the step's 28 ms
@@ -457,3 +459,39 @@ def test_reused_plain_choices_match_the_model_and_skip_its_evaluation():
         assert reused == every
         if seqs == 4:
             assert len(plain) > 200 and n_reused <= 0.35 * n_every
+
+
+def test_probes_wait_where_drafting_is_far_behind():
+    # 16 and 32 bf16 sequences at a 2-core AMX CPU's costs as a load bench fitted them (16 rows
+    # 40 ms, 32 rows 62-66 ms, 64 rows 108 ms; the drafter 14.5 ms for 16-32 sequences' one-draft
+    # blocks, 28 ms for 32 sequences' two-draft ones), after the acceptance was measured at
+    # batch 1 (0.3 a position): drafting is ~30 % behind even at the plausible acceptance, so a
+    # probe could not flip the choice. Doubling the probe interval from 8 ran 3-4 probes in 128
+    # iterations, 0.42-0.62 % of plain decoding's time (seeds 0-3; the scripted ragged step is
+    # cheaper than a CPU's real one, +15-25 ms on ~41 ms); waiting ``far_probe`` runs one, 0.11-0.18 %
+    def target(n, it):
+        pts = [(1, 0.0219), (4, 0.0277), (8, 0.0314), (16, 0.0403), (32, 0.0615), (64, 0.1083), (128, 0.152)]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if n <= x1:
+                return y0 + (y1 - y0) * (max(n, x0) - x0) / (x1 - x0)
+        return pts[-1][1] * n / 128
+
+    def draft(n, it):
+        return 0.0042 if n <= 2 else 0.0049 if n <= 4 else 0.0067 if n <= 16 else 0.0145 if n <= 32 else 0.0284
+
+    host = lambda drafting: 0.0014 if drafting else 0.0008  # noqa: E731
+    for seqs in (16, 32):
+        for seed in range(4):
+            ctl = calibrated(7, target, draft, seqs)
+            rng = random.Random(100 + seed)
+            for _ in range(200):  # batch 1's drafting iterations, three drafts each
+                acc = 0
+                while acc < 3 and rng.random() < 0.3:
+                    acc += 1
+                ctl.observe_acceptance(3, acc)
+            walls: list = []
+            run(ctl, range(128), seqs, target, draft, lambda it: 0.3, rng, [], host, walls)
+            probes = [h for h in ctl.history if h[3].startswith("probe")]
+            assert len(probes) <= 1, (seqs, seed, probes)
+            assert sum(walls) <= 1.003 * 128 * (target(seqs, 0) + host(False)), (seqs, seed, sum(walls))
+            assert not [h for h in ctl.history if h[3] == "model" and h[2] > 0]

@@ -28,7 +28,8 @@ batch size runs as ONE draft token per sequence first.
 Exploration keeps both options measured, at a bounded cost:
 - while plain decoding wins, every ``probe`` iterations (doubling up to ``max_probe`` while
   drafting keeps losing, once the probes so far rule out an acceptance at which drafting would
-  win: ``evidence_z``; never more often than keeps their predicted loss within ``probe_budget``
+  win: ``evidence_z``; ``far_probe`` at least where drafting is ``far_behind`` even at that
+  plausible acceptance; never more often than keeps their predicted loss within ``probe_budget``
   of plain decoding's time) a drafting iteration runs, alternately ONE sequence drafting (the
   acceptance of the draft positions stays current) and EVERY sequence drafting one token (the
   drafter's and the verify's costs at this batch size stay current). A one-sequence probe
@@ -93,18 +94,22 @@ class CostModel:
     point). A point's value is the median of its measurements of the last ``horizon`` ticks (or,
     when it has none that recent, of those within ``horizon`` ticks before its latest one): one
     outlier does not move it, and it follows a lasting change within a few measurements. (Of its
-    last ``window`` measurements instead, a 16-sequence verify measured once at 51 ms went back
-    to 35 ms once stale: the median with two start-up measurements on 7-token contexts.) A point
-    not measured for ``age`` ticks ages toward what fresher points imply: its value is pulled
-    down, with half-life ``half_life``, toward the line through the two largest fresher smaller
-    sizes at its size (at least the highest value among them; with one fresher size, that size's
-    cost per unit of size): a slow period that is over must not keep an option looking expensive, and if it is not
-    over the next measurement says so. (Pulled toward the fresher sizes' value itself, flat, a
-    stale 64-row verify aged to a 35-row step's cost and kept a losing drafter looking close; so
-    did a 32-token verify of 16 CPU sequences, 45 ms, aged toward the 16-token step's 28 ms within
-    ~50 iterations, whose only fresher size it was: a batch probe every ~50 iterations.) The curve is
-    the isotonic (non-decreasing) fit of the point values, weighted by their recent measurement
-    counts times ``0.5 ** (age / half_life)``.
+    last ``window`` measurements instead, a 16-sequence verify measured once at 51 ms went back to
+    35 ms once stale: the median with two start-up measurements on 7-token contexts.) A point not
+    measured for ``age`` ticks ages toward what fresher points imply: its value is pulled down, with
+    half-life ``half_life``, toward the line through the two largest fresher smaller sizes at its
+    size (at least the highest value among them; with one fresher size, that size's cost per unit of
+    size): a slow period that is over must not keep an option looking expensive, and if it is not
+    over the next measurement says so. Below that line (two fresher sizes) it is pulled up to it the
+    same way: a verify size measured at start-up on 7-token contexts (a CPU's 64-row step at 78 ms
+    beside a 32-row one measured in a load bench at 62 ms, 108 ms when measured there) made drafting
+    at 32 sequences look nearly free, and the model drafted 2-3 tokens a sequence at ~2.4x a plain
+    iteration until its own iterations re-measured it. (Pulled toward the fresher sizes' value
+    itself, flat, a stale 64-row verify aged to a 35-row step's cost and kept a losing drafter
+    looking close; so did a 32-token verify of 16 CPU sequences, 45 ms, aged toward the 16-token
+    step's 28 ms within ~50 iterations, whose only fresher size it was: a batch probe every ~50
+    iterations.) The curve is the isotonic (non-decreasing) fit of the point values, weighted by
+    their recent measurement counts times ``0.5 ** (age / half_life)``.
 
     Ticks are the controller's iterations when it sets :attr:`now`, else measurements.
 
@@ -171,7 +176,7 @@ class CostModel:
             else:  # one fresher size: no more per unit of size than it costs (a batch never costs
                 # more per token than a smaller one), not its cost itself
                 goal = values[fresher[0]] * self.xs[i] / self.xs[fresher[0]]
-            if goal < values[i]:
+            if goal < values[i] or len(fresher) >= 2 and goal > values[i]:  # (up only along a slope)
                 f = 0.5 ** ((ages[i] - self.horizon) / self.half_life)
                 values[i] = f * values[i] + (1 - f) * goal
         fit = _isotonic(values, weights)
@@ -265,6 +270,15 @@ class DraftLengthController:
         full_blocks: the drafter runs a whole block (``max_draft + 1`` positions) a sequence
             whatever the draft length (its CUDA graphs are captured at it); else ``k + 1``
             positions for ``k`` drafts (the engine's ``draft_block``).
+        far_behind, far_probe: a due probe waits until ``far_probe`` iterations have passed
+            without one when drafting is predicted ``far_behind`` (relative) behind plain
+            decoding even at the plausible acceptance (see ``evidence_z``): the acceptance a
+            probe measures cannot flip such a batch size's choice, only a cost measured in a
+            passing spike can, and that waits ``far_probe`` iterations at most. (Load bench, 16
+            and 32 bf16 sequences on a 2-core CPU: a verify of two tokens a sequence ~1.6x a
+            plain step plus a 14.5 ms drafter, drafting ~30 % behind; the probes doubling from
+            ``probe`` ran 4-6 times in a lane of 128 iterations, each a ragged step of +15-25 ms
+            on a ~41 ms one: 1-2 % of the lane.)
         min_gain: the model drafts only when the predicted rate beats plain decoding's by this
             much (relative). Near a tie, what the model leaves out decides, and it goes against
             drafting: drafting sequences finish at different times, so waiting prompts are
@@ -302,6 +316,8 @@ class DraftLengthController:
         reuse: int = 3,
         probe_budget: float = 0.01,
         full_blocks: bool = False,
+        far_behind: float = 0.1,
+        far_probe: int = 64,
     ):
         self.max_draft = max_draft
         self.decay = decay
@@ -324,6 +340,7 @@ class DraftLengthController:
         self.uniform_probes = uniform_probes
         self.full_blocks = full_blocks
         self.probe_budget = probe_budget
+        self.far_behind, self.far_probe = far_behind, far_probe
         self.realised = _Realised()
         self.iteration = 0
         self.overrides = 0
@@ -461,7 +478,6 @@ class DraftLengthController:
         if why == "model" and top > 0 and max(rates[1:]) < rates[0] and self.reuse:
             self._plain_until = (self.iteration + self.reuse, seqs)
         if self.since_draft >= self.probe_every and top > 0:
-            self.since_draft = 0
             return self._probe(seqs, top, rates[0])
         self.history.append((self.iteration, seqs, 0, why))
         return 0, False
@@ -480,6 +496,14 @@ class DraftLengthController:
         plausible = self.plausible_acceptance()
         best_plausible = max(self.rate(k, seqs, acceptance=plausible) for k in range(1, top + 1))
         close = best_plausible >= (1 - self.guard_margin / 2) * plain_rate
+        far = best_plausible < (1 - self.far_behind) * plain_rate
+        if far and self.since_draft < self.far_probe:
+            # far behind even at a plausible acceptance: the probe waits (the acceptance it would
+            # measure cannot flip this batch size's choice; a passing cost spike could)
+            self.probe_every = self.far_probe
+            self.history.append((self.iteration, seqs, 0, "model"))
+            return 0, False
+        self.since_draft = 0
         k = min(top, math.ceil(1 + 2 * (self.expected_committed(top) - 1) - 1e-9))  # a one-sequence probe's drafts
         # (and never more often than ``probe_budget`` allows: a ragged step on a CPU costs ~1.3x a
         # plain one; at most 4x ``probe`` apart on that account, as the costs it rests on may be a
@@ -489,9 +513,11 @@ class DraftLengthController:
         self.probes += 1
         # every sequence drafting one token re-measures the drafter and verify costs at this
         # batch size, at up to ~2x a plain iteration: only once those are 2 horizons old; with
-        # ``uniform_probes`` always (one sequence drafting alone is a ragged step)
-        stale = self._drafter_age(seqs) > 2 * self.draft_cost.horizon
-        if seqs == 1 or not self.uniform_probes and (self.probes % 2 or not may_win or not stale):
+        # ``uniform_probes`` always (one sequence drafting alone is a ragged step); after a
+        # ``far_behind`` wait it is the one kind that could flip the choice (a drafter cost
+        # measured in a passing spike), so it comes first
+        stale = self._drafter_age(seqs) > (1 if far else 2) * self.draft_cost.horizon
+        if seqs == 1 or not self.uniform_probes and (self.probes % 2 and not far or not may_win or not stale):
             self.history.append((self.iteration, seqs, k, "probe"))
             return k, True
         self.history.append((self.iteration, seqs, 1, "probe-batch"))
