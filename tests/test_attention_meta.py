@@ -115,3 +115,23 @@ def test_cpu_builder_gives_the_torch_builders_tensors():
                     assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), (n, f)
                 else:
                     assert x == y, (n, f)
+
+
+def test_written_slots_are_the_block_tables_slots():
+    # short runs (worked in Python lists) and long ones (tensor ops) give the slots slots_of gives,
+    # position by position, in sequence order; a position past a table's end is an IndexError
+    from dflash_trt.runtime.uploads import written_slots
+
+    rng = random.Random(3)
+    for _ in range(200):
+        tpb = rng.choice([4, 16, 32])
+        lengths = [rng.choice([0, 1, 2, 8, 33, 64, 65, 100]) for _ in range(rng.randint(0, 6))]
+        tables = [rng.sample(range(1000), 40) for _ in lengths]
+        starts = [rng.randint(0, 40 * tpb - n) for n in lengths]
+        pos, slots = written_slots(tables, starts, lengths, tpb)
+        want = [torch.arange(s, s + n) for s, n in zip(starts, lengths)]
+        assert pos.dtype == slots.dtype == torch.long
+        assert pos.tolist() == [p for w in want for p in w.tolist()]
+        assert slots.tolist() == [x for t, w in zip(tables, want) for x in slots_of(t, w, tpb).tolist()]
+    with pytest.raises(IndexError):
+        written_slots([[1, 2]], [60], [8], 32)
