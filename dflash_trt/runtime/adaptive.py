@@ -27,19 +27,19 @@ batch size runs as ONE draft token per sequence first.
 
 Exploration keeps both options measured, at a bounded cost:
 - while plain decoding wins, every ``probe`` iterations (doubling up to ``max_probe`` while
-  drafting keeps losing, once the probes so far rule out an acceptance at which drafting would
-  win: ``evidence_z``; ``far_probe`` at least where drafting is ``far_behind`` even at that
-  plausible acceptance; never more often than keeps their predicted loss within ``probe_budget``
-  of plain decoding's time) a drafting iteration runs, alternately ONE sequence drafting (the
-  acceptance of the draft positions stays current) and EVERY sequence drafting one token (the
-  drafter's and the verify's costs at this batch size stay current). A one-sequence probe
-  drafts only as far as drafts are likely to be accepted (``1 + 2 * (E(max) - 1)`` rounded up:
-  a position past the first rejection teaches nothing, and a probe whose drafts are all
-  accepted makes the next one longer). The every-sequence probe is replaced by a one-sequence
-  one when drafting would lose by more than ``guard_margin`` even at the one-sequence drafter
-  cost and plain decoding's host cost (no measurement at this batch size could flip the choice),
-  and by a one-sequence probe too while the drafter's cost at this batch size is less than two
-  horizons old (an every-sequence probe costs up to ~2x a plain iteration);
+  drafting keeps losing, once the probes so far rule out an acceptance at which drafting would win:
+  ``evidence_z``; ``far_probe`` at least where drafting is ``far_behind`` even at that plausible
+  acceptance; never more often than keeps their predicted loss within ``probe_budget`` of plain
+  decoding's time) a drafting iteration runs, alternately ONE sequence drafting (the acceptance of
+  the draft positions stays current; the engine takes the decoding sequences in turn) and EVERY
+  sequence drafting one token (the drafter's and the verify's costs at this batch size stay
+  current). A one-sequence probe drafts only as far as drafts are likely to be accepted (``1 + 2 *
+  (E(max) - 1)`` rounded up: a position past the first rejection teaches nothing, and a probe whose
+  drafts are all accepted makes the next one longer). The every-sequence probe is replaced by a
+  one-sequence one when drafting would lose by more than ``guard_margin`` even at the one-sequence
+  drafter cost and plain decoding's host cost (no measurement at this batch size could flip the
+  choice), and by a one-sequence probe too while the drafter's cost at this batch size is less than
+  two horizons old (an every-sequence probe costs up to ~2x a plain iteration);
 - while drafting wins, every ``explore`` iterations (doubling up to ``max_explore`` while the
   choice holds) one iteration decodes plainly (the plain cost stays current). At batch 1 with
   acceptance length ``tau`` this costs about ``(1 - 1/tau) / explore`` of the throughput.

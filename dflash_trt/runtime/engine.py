@@ -126,6 +126,11 @@ class LLMEngine:
         self.models = None
         self.stats = LoopStats(K)
         self.controller = self._new_controller() if spec.adaptive and K > 1 else None
+        #: the controller's one-sequence probes draft for the decoding sequences in turn: always
+        #: the first (the oldest, furthest into its answer) measured a first-position acceptance
+        #: of 0.23 (150 probes, 4 bf16 GSM8K sequences) where every sequence drafting measured
+        #: 0.40, and the controller kept a drafter that wins there from drafting
+        self._probe_turn = 0
         self._next_id = 0
         self._seqs: dict[int, Sequence] = {}  # every request not yet collected, by sequence id
         self._inbox: list[Sequence] = []  # added since the last iteration began
@@ -357,7 +362,11 @@ class LLMEngine:
             nd = self.block_size - 1
         sched = self.scheduler.schedule(1 if probe else 1 + nd, only, held)
         caps = [s.request.max_draft_tokens for s in sched.decode]
-        drafts = [nd if c is None else min(nd, c) for c in caps[: 1 if probe else len(caps)]]
+        drafts = [nd if c is None else min(nd, c) for c in caps]
+        if probe and drafts:  # one sequence drafts, each in turn (see ``_probe_turn``)
+            j = self._probe_turn % len(drafts)
+            self._probe_turn += 1
+            drafts = [0] * j + drafts[j : j + 1]
         seqs = sched.decode + [s for s, _ in sched.prefill]
         rng = {s.seq_id: s.generator.get_state() for s in seqs if s.generator is not None}
         plan = None
