@@ -168,3 +168,17 @@ def test_one_sequence_probes_take_turns_and_stay_lossless(smollm2, random_drafte
         drafted = [j for j, d in enumerate(o.draft_lengths[:steps]) if d]
         assert drafted == [j for j in range(steps) if j % 4 == drafted[0] % 4], (i, o.draft_lengths)
     assert len({min(j for j, d in enumerate(o.draft_lengths) if d) for o in outs}) == 4
+
+
+def test_warm_up_keeps_the_costs_and_forgets_the_acceptance(smollm2, random_drafter, prompts):
+    # the untimed warm-up's few draft blocks are not the workload's: the controller starts the
+    # measured run at the prior acceptance, with the forward costs it measured (this drafter's
+    # drafts are rejected, so without forgetting the first position would read below the prior)
+    from dflash_trt.runtime.sampling import SamplingParams
+
+    engine = make_engine(smollm2, random_drafter, 4, [Request(p, 8) for p in prompts[:3]], adaptive=True)
+    ctl = engine.controller
+    before = len(ctl.target_cost.xs)
+    engine.warm_up(prompts[:3], SamplingParams(), 8)
+    assert sum(ctl.reached) == 0 and ctl.acceptance() == [ctl.prior] * 3
+    assert len(ctl.target_cost.xs) >= before > 0 and ctl.iteration > 0

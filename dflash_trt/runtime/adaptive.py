@@ -366,6 +366,18 @@ class DraftLengthController:
             self._acceptance = out
         return self._acceptance
 
+    def forget_acceptance(self) -> None:
+        """Drop the acceptance evidence: every position back to the prior. For the engine after
+        untimed warm-up requests, whose few draft blocks (one prompt's first 8 tokens) say little of
+        the workload's: one rejected first draft there left the estimate at 0.25 before the
+        workload's first token (this repository's drafter, bf16 GSM8K: ~0.4). (A few rejections
+        at a lane's start still do the same: 3 in a row at batch 1 put it at 0.13, and the lane
+        decoded plainly for ~40 iterations until the probes had shown otherwise.)"""
+        self.reached = [0.0] * self.max_draft
+        self.accepted = [0.0] * self.max_draft
+        self._acceptance = None
+        self._plain_until = None
+
     def plausible_acceptance(self) -> list[float]:
         """:meth:`acceptance` with the first position's raised to the Wilson score upper bound
         (``evidence_z`` standard deviations) of its decayed counts: as high as the probes so far

@@ -615,7 +615,9 @@ class LLMEngine:
         batch of one sequence and the shape of the attention metadata (one prompt, uniform
         decode blocks, prompts beside decode blocks), so these graphs compile here rather than
         in the first timed iterations; the adaptive controller then starts afresh and is
-        calibrated again (what it measured meanwhile included compiling).
+        calibrated again (what it measured meanwhile included compiling). Otherwise the
+        controller keeps its costs and forgets the acceptance it saw
+        (:meth:`~.adaptive.DraftLengthController.forget_acceptance`).
 
         Args:
             prompts: prompt token ids (at least one; two or more to warm batched steps up).
@@ -647,6 +649,8 @@ class LLMEngine:
         if compiled and self.controller is not None:
             self.controller = self._new_controller()
             self.calibrate()
+        elif self.controller is not None:
+            self.controller.forget_acceptance()  # (its costs stay: measured warm, after the first forwards)
         return time.perf_counter() - t
 
     def _new_controller(self) -> DraftLengthController:
