@@ -390,25 +390,22 @@ inline int64_t balanced_panels(int64_t P, int64_t unit, int64_t cap) {
   return best * unit;
 }
 
-// The float / bf16 GEMMs' threading and output stores: threads take whole groups of panels
-// (output columns), never a split of K; a group (a multiple of `unit` panels, ~256 KiB of
-// weights of `wsize` bytes each: in L2) is swept by sweep(m, rows, p0, np, t, ldt) for rows
-// m .. m + rows - 1, up to `most` at a time, which writes those rows' outputs of panels
-// p0 .. p0 + np - 1 into t (ldt apart per row); stored here with the bias. done() ends each task.
+// The GEMMs' threading and output stores: threads take whole groups of `pb` panels of `width`
+// output columns (never a split of K), `grain` groups a task at least; each group is swept by
+// sweep(m, rows, p0, np, t, ldt) for rows m .. m + rows - 1, up to `most` at a time, which writes
+// those rows' outputs of panels p0 .. p0 + np - 1 into t (ldt apart per row); stored here with the
+// bias. done() ends each task.
 template <typename O, typename Sweep, typename Done>
-void panel_groups(int64_t M, int64_t K, int64_t N, int64_t wsize, int64_t unit, int most, const float* bias, O* out,
+void sweep_groups(int64_t M, int64_t N, int64_t width, int64_t pb, int64_t grain, int most, const float* bias, O* out,
                   const Sweep& sweep, const Done& done) {
-  const int64_t P = (N + VL - 1) / VL;
-  const int64_t fit = (int64_t{256} << 10) / std::max<int64_t>(1, K * VL * wsize);
-  const int64_t pb = balanced_panels(P, unit, std::min<int64_t>(fit, 48));
+  const int64_t P = (N + width - 1) / width;
   const int64_t groups = (P + pb - 1) / pb;
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * VL * pb));  // >= ~64K MACs a task
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    const int64_t ldt = pb * VL;
+    const int64_t ldt = pb * width;
     std::vector<float> t(most * ldt);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p0 = g * pb, np = std::min<int64_t>(pb, P - p0);
-      const int64_t n0 = p0 * VL, nc = std::min<int64_t>(np * VL, N - n0);
+      const int64_t n0 = p0 * width, nc = std::min<int64_t>(np * width, N - n0);
       for (int64_t m = 0; m < M; m += most) {
         const int rows = static_cast<int>(std::min<int64_t>(most, M - m));
         sweep(m, rows, p0, np, t.data(), ldt);
@@ -421,6 +418,18 @@ void panel_groups(int64_t M, int64_t K, int64_t N, int64_t wsize, int64_t unit, 
     }
     done();
   });
+}
+
+// The float / bf16 GEMMs' groups (sweep_groups): a multiple of `unit` panels of VL columns, ~256
+// KiB of weights of `wsize` bytes each (in L2), and >= ~64K MACs a task.
+template <typename O, typename Sweep, typename Done>
+void panel_groups(int64_t M, int64_t K, int64_t N, int64_t wsize, int64_t unit, int most, const float* bias, O* out,
+                  const Sweep& sweep, const Done& done) {
+  const int64_t P = (N + VL - 1) / VL;
+  const int64_t fit = (int64_t{256} << 10) / std::max<int64_t>(1, K * VL * wsize);
+  const int64_t pb = balanced_panels(P, unit, std::min<int64_t>(fit, 48));
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * VL * pb));
+  sweep_groups(M, N, VL, pb, grain, most, bias, out, sweep, done);
 }
 
 #if DFLASH_AMX
@@ -669,34 +678,21 @@ inline v8f fma8(v8f a, v8f b, v8f c) {
 #endif
 }
 
-// the threading and output stores of the packed integer GEMMs: threads take whole groups of
-// panels (never a split of K), blocks of 8 where there are enough for ~4 groups a thread, else
-// fewer; register tiles of C1 .. C6 panels for 1 .. 6 rows (tile_rows), tile(R, C, m, p, t, ldt)
-// writing rows m .. m + R - 1 of panels p .. p + C - 1 into t (ldt apart per row)
+// the packed integer GEMMs' groups (sweep_groups): blocks of 8 panels where there are enough for
+// ~4 groups a thread, else fewer; register tiles of C1 .. C6 panels for 1 .. 6 rows (tile_rows),
+// tile(R, C, m, p, t, ldt) writing rows m .. m + R - 1 of panels p .. p + C - 1 into t (ldt apart per row)
 template <int C1, int C2, int C3, int C4, int C5, int C6, typename O, typename Tile>
 void int_panels(int64_t M, int64_t N, const float* bias, O* out, const Tile& tile) {
   const int64_t P = (N + IL - 1) / IL;  // panels with outputs (the last block's may be fewer)
   const int64_t share = (P + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());
   const int64_t pb = share >= IB ? std::min<int64_t>(share / IB * IB, 64) : std::max<int64_t>(1, share);
-  const int64_t groups = (P + pb - 1) / pb;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    const int64_t ldt = pb * IL;
-    std::vector<float> t(MR * ldt);
-    for (int64_t gr = g0; gr < g1; ++gr) {
-      const int64_t p0 = gr * pb, np = std::min<int64_t>(pb, P - p0);
-      const int64_t n0 = p0 * IL, nc = std::min<int64_t>(np * IL, N - n0);
-      for (int64_t m = 0; m < M; m += MR) {
-        const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
-        tile_rows<C1, C2, C3, C4, C5, C6>(rows, static_cast<int>(np), IL, t.data(),
+  sweep_groups(
+      M, N, IL, pb, 1, MR, bias, out,
+      [&](int64_t m, int rows, int64_t p0, int64_t np, float* t, int64_t ldt) {
+        tile_rows<C1, C2, C3, C4, C5, C6>(rows, static_cast<int>(np), IL, t,
                                           [&](auto r, auto c, int p, float* o) { tile(r, c, m, p0 + p, o, ldt); });
-        for (int r = 0; r < rows; ++r) {
-          O* o = out + (m + r) * N + n0;
-          const float* tr = t.data() + r * ldt;
-          for (int64_t c = 0; c < nc; ++c) store(o + c, bias ? tr[c] + bias[n0 + c] : tr[c]);
-        }
-      }
-    }
-  });
+      },
+      [] {});
 }
 
 // ---- int4 weights against int8 activations (GGUF Q4_1 x Q8_1's arithmetic, llama.cpp's
