@@ -490,14 +490,17 @@ class DraftLengthController:
         if why == "model" and top > 0 and max(rates[1:]) < rates[0] and self.reuse:
             self._plain_until = (self.iteration + self.reuse, seqs)
         if self.since_draft >= self.probe_every and top > 0:
-            return self._probe(seqs, top, rates[0])
+            picked = self._probe(seqs, top, rates[0])
+            if picked is not None:
+                return picked
         self.history.append((self.iteration, seqs, 0, why))
         return 0, False
 
-    def _probe(self, seqs: int, top: int, plain_rate: float) -> tuple[int, bool]:
+    def _probe(self, seqs: int, top: int, plain_rate: float) -> tuple[int, bool] | None:
         """A drafting probe while plain decoding wins (see the module docstring): one sequence
         drafting as far as drafts are likely accepted, or every sequence drafting one token;
-        ``plain_rate`` is plain decoding's predicted rate. Sets the next probe interval."""
+        ``plain_rate`` is plain decoding's predicted rate. Sets the next probe interval. None
+        while the probe waits (``far_behind``)."""
         may_win = self._may_win(seqs, top)
         # a drafter predicted within half the guard margin of plain decoding keeps being
         # probed often (such a probe costs little, and the estimate it refines may flip the
@@ -513,8 +516,7 @@ class DraftLengthController:
             # far behind even at a plausible acceptance: the probe waits (the acceptance it would
             # measure cannot flip this batch size's choice; a passing cost spike could)
             self.probe_every = self.far_probe
-            self.history.append((self.iteration, seqs, 0, "model"))
-            return 0, False
+            return None
         self.since_draft = 0
         k = min(top, math.ceil(1 + 2 * (self.expected_committed(top) - 1) - 1e-9))  # a one-sequence probe's drafts
         # (and never more often than ``probe_budget`` allows: a ragged step on a CPU costs ~1.3x a

@@ -212,7 +212,15 @@ class BlockManager:
         return list(self._tables)
 
 
-def slots_of(table: list[int] | torch.Tensor, positions: torch.Tensor, tokens_per_block: int) -> torch.Tensor:
-    """Pool slots of ``positions`` (int64, any shape) for a sequence with block ``table``."""
-    table = torch.as_tensor(table, dtype=torch.long)
+def slots_of(
+    table: list[int] | torch.Tensor, positions: torch.Tensor | int, tokens_per_block: int
+) -> torch.Tensor | int:
+    """Pool slots of ``positions`` (int64, any shape) for a sequence with block ``table``; of one
+    position (an int) in a list ``table``, its slot as an int (no tensor op).
+
+    Raises:
+        IndexError: a position past the end of ``table``.
+    """
+    if isinstance(positions, torch.Tensor):
+        table = torch.as_tensor(table, dtype=torch.long)
     return table[positions // tokens_per_block] * tokens_per_block + positions % tokens_per_block

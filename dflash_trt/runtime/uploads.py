@@ -31,7 +31,7 @@ def written_slots(
     for table, s, n in zip(tables, starts, lengths):
         for p in range(s, s + n):
             pos.append(p)
-            slots.append(int(table[p // tpb]) * tpb + p % tpb)
+            slots.append(int(slots_of(table, p, tpb)))
     return torch.tensor(pos, dtype=torch.long), torch.tensor(slots, dtype=torch.long)
 
 
