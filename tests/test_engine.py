@@ -473,6 +473,36 @@ def test_adaptive_engine_falls_back_and_stays_lossless(smollm2, random_drafter, 
     assert engine.stats.mean_draft_tokens < 3.0
 
 
+@pytest.mark.parametrize("kv_capacity", [8192, 256])
+def test_calibration_times_steps_over_a_shared_context(smollm2, random_drafter, kv_capacity):
+    """The start-up calibration times its decode and verify steps after CALIBRATION_CONTEXT
+    positions of context that one prefill wrote and every scratch table shares (a cache too
+    small for them: none), and leaves every block and feature free; the engine then decodes
+    exactly as plain decoding does."""
+    from dflash_trt.runtime.engine import CALIBRATION_CONTEXT
+
+    cfg = engine_config(
+        block_size=4, adaptive=True, max_batch_size=8, max_num_tokens=256, tokens_per_block=16, kv_capacity=kv_capacity
+    )
+    engine = LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, cfg)
+    plans = []
+    run = engine._run
+    engine._run = lambda plan: plans.append(plan) or run(plan)
+    engine.calibrate()
+    ctx = CALIBRATION_CONTEXT if kv_capacity == 8192 else 0
+    decode = [p for p in plans if p.items and all(len(it.tokens) == 1 for it in p.items)]
+    assert decode and {it.start for p in decode for it in p.items} == {ctx + 7}
+    shared = {tuple(it.table[: ctx // 16]) for p in decode for it in p.items}
+    assert len(shared) == 1 and len(next(iter(shared))) == ctx // 16
+    assert max(len(p.items) for p in decode) == 8  # every size up to the batch
+    assert engine.blocks.num_free_blocks == kv_capacity // 16
+    assert not engine.runner.proposer._features and not engine.runner.proposer._drafted
+    engine._run = run
+    prompts = [chat_prompt_ids(smollm2.tokenizer, q) for q in ("What is 7 * 8?", "Name a colour.")]
+    out = engine.generate([Request(p, 12) for p in prompts])
+    assert [o.output_ids for o in out] == plain_outputs(smollm2.model, prompts, 12)
+
+
 def test_windowed_drafter_sees_the_same_context_as_a_full_one(smollm2):
     """A sliding-window drafter ingests and reads only its window (the runner drops older target
     features, attention reads ``window + block`` keys), and its hidden states equal a dense

@@ -50,6 +50,8 @@ log = logging.getLogger("dflash_trt.runtime")
 
 #: the most sequences the start-up calibration measures the drafter at (``LLMEngine.calibrate``)
 CALIBRATION_MAX_SEQS = 16
+#: positions of context before every step the start-up calibration times (``LLMEngine.calibrate``)
+CALIBRATION_CONTEXT = 128
 
 
 def check_block_size(drafter: DFlashDrafter | None, block_size: int) -> None:
@@ -464,8 +466,11 @@ class LLMEngine:
         if decode_only and (out.replayed or not self.config.model.cuda_graphs):
             # decode-only iterations, the forwards the controller chooses between (an iteration
             # with a prompt chunk is not); under CUDA graphs replayed ones (an eager forward costs
-            # several times a replay of its size)
-            ctl.target_cost.observe(out.target_tokens, out.target_s)
+            # several times a replay of its size); one where every sequence verified as many
+            # drafts also measures the verify's cost relative to a plain step (VerifyRatios)
+            ks = {it.num_draft for it in plan.items}
+            uniform = ks.pop() if len(ks) == 1 else None
+            ctl.observe_target(out.target_tokens, out.target_s, len(sched.decode), uniform)
         drafting = [it.num_draft > 0 for it in plan.items]
         if out.drafter_ran:  # (not when prompt-lookup tokens filled every draft position)
             ctl.observe_drafter(sum(drafting), sum(drafting) * plan.draft_block, out.draft_s)
@@ -665,8 +670,10 @@ class LLMEngine:
         (powers of two up to :data:`CALIBRATION_MAX_SEQS` and ``max_tokens``, ``s * block_size``
         within the token budget): plain (``s`` tokens), one draft each (``2 s``) and whole blocks
         (``s * block_size``), and the drafter's cost vs its tokens (sequences x block; blocks of one
-        draft where :meth:`draft_block` follows the drafts), on scratch sequences with 7 tokens of
-        context that are freed afterwards. The first size's forwards run twice (their second, warm,
+        draft where :meth:`draft_block` follows the drafts), on scratch sequences that are freed
+        afterwards: each has 7 tokens of its own after :data:`CALIBRATION_CONTEXT` positions that
+        one prefill wrote once and every scratch sequence's block table shares (none where the
+        KV cache is too small for them). The first size's forwards run twice (their second, warm,
         time is kept): only a path's first call carries one-time costs (the drafter's: 0.78 s
         against 0.09 s warm, SmolLM2 fp32, one thread); under CUDA graphs every forward runs twice
         (the first captures its graphs). The controller goes on measuring every decode-only
@@ -687,6 +694,18 @@ class LLMEngine:
             scratch.extend(sids)
             return [list(bm.ensure(sid, n)) for sid in sids]
 
+        # every scratch sequence's context starts with the same CALIBRATION_CONTEXT positions (one
+        # prefill, its blocks shared by every table): a verify's attention over a decoding context
+        # costs what it costs in serving (on 7-token contexts a 32-token verify at 16 bf16 sequences
+        # measured ~45 ms against ~58 ms in the load bench, and the model drafted at 16 sequences)
+        tpb = bm.tokens_per_block
+        ctx = CALIBRATION_CONTEXT // tpb * tpb
+        shared = reserve([-1], ctx) if ctx and bm.num_unreserved_blocks > 2 * bm.blocks_for(ctx) else None
+        if shared is None:
+            ctx, shared = 0, [[]]
+        else:
+            self._run(StepPlan([StepItem(-1, [0] * ctx, 0, shared[0])]))
+
         def measure(plan: StepPlan, warm: bool):  # warm: run twice, keep the second timing
             out = self._run(plan)
             return self._run(plan) if warm else out
@@ -700,26 +719,28 @@ class LLMEngine:
         most = min(sched.max_batch_size, CALIBRATION_MAX_SEQS)
         draft_sizes = [s for s in sizes if s <= most and s * K <= sched.max_num_tokens]
         for j, s in enumerate(draft_sizes):
-            sids = [-1 - len(scratch) - i for i in range(s)]  # drafter: s sequences with 7 tokens of context
-            tables = reserve(sids, 8 + K)
-            if tables is None:
+            sids = [-1 - len(scratch) - i for i in range(s)]  # s sequences, 7 tokens each after the shared context
+            own = reserve(sids, 8 + K)
+            if own is None:
                 break
-            self._run(StepPlan([StepItem(sid, [0] * 7, 0, t) for sid, t in zip(sids, tables)]))
+            tables = [shared[0] + t for t in own]  # (ctx is whole blocks: the sequence's own start at position ctx)
+            self._run(StepPlan([StepItem(sid, [0] * 7, ctx, t) for sid, t in zip(sids, tables)]))
             warm = j == 0 or graphs
+            at = ctx + 7
             # a plain decode step of s sequences
-            out = measure(StepPlan([StepItem(sid, [0], 7, t, num_logits=1) for sid, t in zip(sids, tables)]), warm)
-            ctl.target_cost.observe(s, out.target_s)
+            out = measure(StepPlan([StepItem(sid, [0], at, t, num_logits=1) for sid, t in zip(sids, tables)]), warm)
+            ctl.observe_target(s, out.target_s, s, 0)
             # a whole block each, and one draft each where the drafter's block follows the drafts
             for k in sorted({K - 1, self.draft_block(1) - 1}):
                 out = measure(
                     StepPlan(
-                        [StepItem(sid, [0], 7, t, num_draft=k, num_logits=k + 1) for sid, t in zip(sids, tables)],
+                        [StepItem(sid, [0], at, t, num_draft=k, num_logits=k + 1) for sid, t in zip(sids, tables)],
                         draft_block=self.draft_block(k),
                     ),
                     warm,
                 )
                 ctl.observe_drafter(s, s * self.draft_block(k), out.draft_s)
-                ctl.target_cost.observe(out.target_tokens, out.target_s)
+                ctl.observe_target(out.target_tokens, out.target_s, s, k)
         for sid in scratch:
             bm.release(sid)  # (a no-op for those already released)
         self._run(StepPlan([], release=scratch))  # the runner drops their features
