@@ -43,6 +43,12 @@ def register(sub) -> None:
         default=None,
         help="requests per concurrency C (default: max(2*C, --num-prompts); prompts are cycled)",
     )
+    ld.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="runs of each concurrency's lanes; each mode reports its run of median tokens/s (default: 1)",
+    )
     EngineArgs.add_cli_args(
         b,
         defaults=dict.fromkeys((*LOAD_ONLY, "adaptive")),
@@ -89,7 +95,9 @@ def run(args) -> None:
     if args.concurrency is not None:
         return _run_load(args)
     given = [
-        f"--{f.replace('_', '-')}" for f in (*LOAD_ONLY, "request_rate", "num_requests") if getattr(args, f) is not None
+        f"--{f.replace('_', '-')}"
+        for f in (*LOAD_ONLY, "request_rate", "num_requests", "repeats")
+        if getattr(args, f) is not None
     ]
     if given:
         raise DFlashError(f"{', '.join(given)}: load benchmark flag(s); add --concurrency")
@@ -119,6 +127,7 @@ def _run_load(args) -> None:
         concurrency=conc,
         request_rate=_rate(args.request_rate),
         num_requests=args.num_requests,
+        repeats=1 if args.repeats is None else args.repeats,
         peers=tuple(p for p in args.peers.split(",") if p),
         **_settings(args),
     )
