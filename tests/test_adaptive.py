@@ -46,7 +46,7 @@ def run(
         tokens = seqs + (k if probe else seqs * k)
         drafter = ctl.draft_tokens(drafting, k)  # the drafter's tokens (its blocks' rows)
         t = target_s(tokens, it) + (draft_s(drafter, it) if k else 0.0)
-        ctl.observe_target(tokens, target_s(tokens, it), seqs, k if drafting == seqs else 0 if not k else None)
+        ctl.target_cost.observe(tokens, target_s(tokens, it))
         if k:
             ctl.observe_drafter(drafting, drafter, draft_s(drafter, it))
         committed = seqs - drafting
@@ -73,11 +73,9 @@ def calibrated(max_draft: int, target_s, draft_s, seqs: int) -> DraftLengthContr
             ctl.target_cost.observe(n, target_s(n, -1))
     for s in (1, 2, 4, 8, 16):
         if s <= seqs:  # whole blocks and one draft each, as the engine measures them
-            ctl.observe_target(s, target_s(s, -1), s, 0)
             for k in (max_draft, 1):
                 n = ctl.draft_tokens(s, k)
                 ctl.observe_drafter(s, n, draft_s(n, -1))
-                ctl.observe_target(s * (k + 1), target_s(s * (k + 1), -1), s, k)
     return ctl
 
 
@@ -516,32 +514,3 @@ def test_one_accepted_probe_is_not_a_batch_s_evidence():
     for j in range(seqs):  # the every-sequence probe: 7 of the 16 first drafts accepted
         ctl.observe_acceptance(1, int(j < 7), seqs)
     assert ctl.choose(seqs)[0] == 0, (ctl.acceptance()[:3], ctl.history[-1])
-
-
-def test_a_slow_period_does_not_make_verifies_look_free():
-    # 16 bf16 sequences at the costs a load bench measured on a 2-core AMX CPU (16 rows 42 ms,
-    # 32 rows 58 ms, 48 rows 74 ms; the drafter 7 ms), acceptance 0.45 a position: drafting is
-    # ~6 % behind. Then the host runs at a third of its speed for 60 iterations (seen on a shared
-    # 2-core VM): the plain step measured at 3x while the verify sizes, measured before it, stay
-    # low, and the non-decreasing fit made them as cheap as the plain step. Priced from the
-    # ratios measured in pairs, drafting stays behind: no drafting on the model's word, and the
-    # scripted run costs at most 1.5 % more than plain decoding (its probes)
-    slow = lambda it: 3.0 if 40 <= it < 100 else 1.0  # noqa: E731
-    target = lambda n, it: (0.026 + 0.001 * n) * slow(it)  # noqa: E731
-    draft = lambda n, it: 0.007 * slow(it)  # noqa: E731
-    host = lambda drafting: 0.0015 if drafting else 0.0008  # noqa: E731
-    seqs = 16
-    for seed in range(3):
-        ctl = calibrated(7, target, draft, seqs)
-        rng = random.Random(200 + seed)
-        for _ in range(200):  # what the batch-1 lanes measured before: three drafts each at 0.45
-            acc = 0
-            while acc < 3 and rng.random() < 0.45:
-                acc += 1
-            ctl.observe_acceptance(3, acc)
-        walls: list = []
-        run(ctl, range(160), seqs, target, draft, lambda it: 0.45, rng, [], host, walls)
-        plain = sum(target(seqs, it) + host(False) for it in range(160))
-        drafted = [h for h in ctl.history if h[2] > 0 and h[3] in ("model", "guard")]
-        assert not drafted, (seed, drafted[:5])
-        assert sum(walls) <= 1.015 * plain, (seed, sum(walls) / plain)

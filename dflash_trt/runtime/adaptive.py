@@ -238,69 +238,6 @@ class _Realised:
         return tok / max(sec, 1e-9)
 
 
-class VerifyRatios:
-    """``T(S * (k + 1)) / T(S)``: what a verify of ``k`` drafts a sequence costs relative to a
-    plain step, per batch size ``S``, each ratio measured from two forwards close in time (a
-    verify and the plain steps at most ``pair_within`` iterations before or after it; the
-    start-up calibration's back to back), the median of the last ``window`` per ``(S, k)``.
-
-    Why: the cost model's points are measured at different times, and on a shared host the
-    times differ. In a slow period (a 2-core VM at ~3x its usual step time for tens of
-    iterations) the plain step at 16 bf16 sequences measured 122-155 ms against a 32-token
-    verify measured before it at 75 ms; the non-decreasing fit made them equal, drafting looked
-    nearly free, and the model drafted for every sequence for ~20 iterations (lanes at 0.84-0.92x
-    plain decoding). Two forwards measured close together share the period, and so does their
-    ratio's use: a verify costs at least the plain step's cost now times the ratio.
-
-    The ratios are a floor under the cost model's fit (:meth:`DraftLengthController.verify_cost`):
-    where the fit and the pairs agree it changes nothing, and a verify size the pairs did not
-    measure is the fit's (a CPU's GEMM kernel that changes at 4 rows makes the cost a step,
-    which no line through the measured ratios follows)."""
-
-    def __init__(self, pair_within: int = 8, window: int = 5):
-        self.pair_within, self.window = pair_within, window
-        self.plain: dict[int, deque] = {}  # S -> (iteration, seconds) of plain steps
-        self.pending: dict[int, deque] = {}  # S -> (iteration, k, seconds) of verifies not yet paired
-        self.ratios: dict[tuple[int, int], deque] = {}  # (S, k) -> ratios
-
-    def observe(self, seqs: int, k: int, seconds: float, now: int) -> None:
-        """A decode-only target forward of ``seqs`` sequences verifying ``k`` drafts each (0: a
-        plain step) at iteration ``now``."""
-        if seqs < 1 or not seconds > 0:
-            return
-        if k == 0:
-            self.plain.setdefault(seqs, deque(maxlen=2 * self.pair_within)).append((now, seconds))
-            waiting = self.pending.pop(seqs, ())
-            for it, kk, sec in waiting:
-                if not self._pair(seqs, kk, it, sec, now):
-                    self.pending.setdefault(seqs, deque(maxlen=8)).append((it, kk, sec))
-            return
-        if not self._pair(seqs, k, now, seconds, now):
-            self.pending.setdefault(seqs, deque(maxlen=8)).append((now, k, seconds))
-
-    def _pair(self, seqs: int, k: int, it: int, seconds: float, now: int) -> bool:
-        """Pair the verify of iteration ``it`` with the plain steps within ``pair_within`` of
-        it; False while there are none (and it is not too old to get any)."""
-        near = [sec for t, sec in self.plain.get(seqs, ()) if abs(t - it) <= self.pair_within]
-        if not near:
-            return now - it > self.pair_within  # (dropped: no plain step came in time)
-        self.ratios.setdefault((seqs, k), deque(maxlen=self.window)).append(seconds / _median(near))
-        return True
-
-    def floor(self, seqs: int, k: int) -> float | None:
-        """The least ``T(seqs * (k + 1)) / T(seqs)`` the pairs allow: the largest measured ratio
-        of ``k`` or fewer drafts (a verify of more tokens never costs less), at ``seqs`` or
-        the nearest batch size measured within a factor of 2; None where there is none."""
-        sizes = {s for s, _ in self.ratios}
-        if not sizes:
-            return None
-        near = min(sizes, key=lambda s: (abs(math.log(s / seqs)), s))
-        if max(near, seqs) / min(near, seqs) > 2:
-            return None
-        got = [_median(list(r)) for (s, kk), r in self.ratios.items() if s == near and kk <= k]
-        return max(got) if got else None
-
-
 class DraftLengthController:
     """Chooses the number of draft tokens per iteration (see the module docstring).
 
@@ -389,7 +326,6 @@ class DraftLengthController:
         self.reached = [0.0] * max_draft
         self.accepted = [0.0] * max_draft
         self.target_cost = CostModel()
-        self.verify_ratios = VerifyRatios()
         self.draft_cost = CostModel(age_down=False)
         self._drafter_seen: dict[int, int] = {}  # sequences drafting -> the iteration the drafter last ran for them
         self.host_cost = {False: CostModel(), True: CostModel()}  # per mode: drafting?
@@ -489,24 +425,8 @@ class DraftLengthController:
         decoding's host cost)."""
         draft, host = (1, False) if optimistic else (seqs, k > 0)
         drafter = self.draft_cost(self.draft_tokens(draft, k)) if k else 0.0
-        cost = self.verify_cost(seqs, k) + drafter + self.host_cost[host](seqs)
+        cost = self.target_cost(seqs * (k + 1)) + drafter + self.host_cost[host](seqs)
         return seqs * self.expected_committed(k, acceptance) / max(cost, 1e-9)
-
-    def verify_cost(self, seqs: int, k: int) -> float:
-        """Predicted seconds of the target forward in which ``seqs`` sequences verify ``k``
-        drafts each: the cost model's fit at ``seqs * (k + 1)`` tokens, at least the plain step's
-        fitted cost times the least ratio measured in pairs (:meth:`VerifyRatios.floor`)."""
-        fit = self.target_cost(seqs * (k + 1))
-        r = self.verify_ratios.floor(seqs, k) if k else None
-        return fit if r is None else max(fit, self.target_cost(seqs) * r)
-
-    def observe_target(self, tokens: int, seconds: float, seqs: int | None = None, k: int | None = None) -> None:
-        """One target forward of ``tokens`` tokens, ``seconds`` long; with ``seqs``, a
-        decode-only one in which every one of ``seqs`` sequences verified ``k`` drafts (0: a
-        plain step), which also measures :attr:`verify_ratios`."""
-        self.target_cost.observe(tokens, seconds)
-        if seqs is not None and k is not None:
-            self.verify_ratios.observe(seqs, k, seconds, self.iteration)
 
     def choose(self, seqs: int, token_budget: int | None = None) -> tuple[int, bool]:
         """``(draft tokens per sequence, probe)`` for this iteration; ``seqs`` sequences are

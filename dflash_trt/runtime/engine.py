@@ -466,11 +466,8 @@ class LLMEngine:
         if decode_only and (out.replayed or not self.config.model.cuda_graphs):
             # decode-only iterations, the forwards the controller chooses between (an iteration
             # with a prompt chunk is not); under CUDA graphs replayed ones (an eager forward costs
-            # several times a replay of its size); one where every sequence verified as many
-            # drafts also measures the verify's cost relative to a plain step (VerifyRatios)
-            ks = {it.num_draft for it in plan.items}
-            uniform = ks.pop() if len(ks) == 1 else None
-            ctl.observe_target(out.target_tokens, out.target_s, len(sched.decode), uniform)
+            # several times a replay of its size)
+            ctl.target_cost.observe(out.target_tokens, out.target_s)
         drafting = [it.num_draft > 0 for it in plan.items]
         if out.drafter_ran:  # (not when prompt-lookup tokens filled every draft position)
             ctl.observe_drafter(sum(drafting), sum(drafting) * plan.draft_block, out.draft_s)
@@ -729,7 +726,7 @@ class LLMEngine:
             at = ctx + 7
             # a plain decode step of s sequences
             out = measure(StepPlan([StepItem(sid, [0], at, t, num_logits=1) for sid, t in zip(sids, tables)]), warm)
-            ctl.observe_target(s, out.target_s, s, 0)
+            ctl.target_cost.observe(s, out.target_s)
             # a whole block each, and one draft each where the drafter's block follows the drafts
             for k in sorted({K - 1, self.draft_block(1) - 1}):
                 out = measure(
@@ -740,7 +737,7 @@ class LLMEngine:
                     warm,
                 )
                 ctl.observe_drafter(s, s * self.draft_block(k), out.draft_s)
-                ctl.observe_target(out.target_tokens, out.target_s, s, k)
+                ctl.target_cost.observe(out.target_tokens, out.target_s)
         for sid in scratch:
             bm.release(sid)  # (a no-op for those already released)
         self._run(StepPlan([], release=scratch))  # the runner drops their features
