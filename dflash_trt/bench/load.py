@@ -362,10 +362,9 @@ class _LoadRun:
         if every run was."""
         runs = [self._run_lanes(c) for _ in range(self.cfg.repeats)]
         rows = []
-        for i in range(len(self.cfg.modes)):
-            mine = [r[i] for r in runs]
+        for mine in zip(*runs):  # one mode's row of every run
             tok_s = [r["output_tokens_per_s"] or 0.0 for r in mine]
-            row = dict(sorted(mine, key=lambda r: r["output_tokens_per_s"] or 0.0)[(len(mine) - 1) // 2])
+            row = dict(mine[sorted(range(len(mine)), key=tok_s.__getitem__)[(len(mine) - 1) // 2]])
             row["repeats_tok_s"] = tok_s
             if row["lossless"] is not None:
                 row["lossless"] = all(r["lossless"] for r in mine)

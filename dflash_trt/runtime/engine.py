@@ -691,39 +691,37 @@ class LLMEngine:
             scratch.extend(sids)
             return [list(bm.ensure(sid, n)) for sid in sids]
 
-        # every scratch sequence's context starts with the same CALIBRATION_CONTEXT positions (one
-        # prefill, its blocks shared by every table): a verify's attention over a decoding context
-        # costs what it costs in serving (on 7-token contexts a 32-token verify at 16 bf16 sequences
-        # measured ~45 ms against ~58 ms in the load bench, and the model drafted at 16 sequences)
-        tpb = bm.tokens_per_block
-        ctx = CALIBRATION_CONTEXT // tpb * tpb
-        shared = reserve([-1], ctx) if ctx and bm.num_unreserved_blocks > 2 * bm.blocks_for(ctx) else None
-        if shared is None:
-            ctx, shared = 0, [[]]
-        else:
-            self._run(StepPlan([StepItem(-1, [0] * ctx, 0, shared[0])]))
+        # every scratch sequence's context starts with the same CALIBRATION_CONTEXT positions (whole
+        # blocks, one prefill, shared by every table; none where the cache has little room): a
+        # verify's attention over a decoding context costs what it costs in serving (on 7-token
+        # contexts a 32-token verify at 16 bf16 sequences measured ~45 ms against ~58 ms in the
+        # load bench, and the model drafted at 16 sequences)
+        ctx = CALIBRATION_CONTEXT // bm.tokens_per_block * bm.tokens_per_block
+        if bm.num_unreserved_blocks <= 2 * bm.blocks_for(ctx):
+            ctx = 0
+        shared = reserve([-1], ctx)[0] if ctx else []
+        if ctx:
+            self._run(StepPlan([StepItem(-1, [0] * ctx, 0, shared)]))
+        at = ctx + 7  # each scratch sequence's 7 own tokens follow the shared context
 
         def measure(plan: StepPlan, warm: bool):  # warm: run twice, keep the second timing
             out = self._run(plan)
             return self._run(plan) if warm else out
 
         # the target is measured on decode and verify steps alone, the forwards the controller
-        # chooses between (not single prompts); on 7-token contexts they cost less than over
-        # running sequences' (16 bf16 sequences, 2 CPU cores: a 32-token verify 35-37 ms here,
-        # 45-51 ms in a load bench), which the decode-only iterations' measurements then replace;
-        # under CUDA graphs each runs twice (the first captures its graph)
+        # chooses between (not single prompts); the decode-only iterations' measurements then
+        # replace these; under CUDA graphs each runs twice (the first captures its graph)
         graphs = self.config.model.cuda_graphs
         most = min(sched.max_batch_size, CALIBRATION_MAX_SEQS)
         draft_sizes = [s for s in sizes if s <= most and s * K <= sched.max_num_tokens]
         for j, s in enumerate(draft_sizes):
-            sids = [-1 - len(scratch) - i for i in range(s)]  # s sequences, 7 tokens each after the shared context
+            sids = [-1 - len(scratch) - i for i in range(s)]
             own = reserve(sids, 8 + K)
             if own is None:
                 break
-            tables = [shared[0] + t for t in own]  # (ctx is whole blocks: the sequence's own start at position ctx)
+            tables = [shared + t for t in own]  # (the own blocks hold positions ctx on)
             self._run(StepPlan([StepItem(sid, [0] * 7, ctx, t) for sid, t in zip(sids, tables)]))
             warm = j == 0 or graphs
-            at = ctx + 7
             # a plain decode step of s sequences
             out = measure(StepPlan([StepItem(sid, [0], at, t, num_logits=1) for sid, t in zip(sids, tables)]), warm)
             ctl.target_cost.observe(s, out.target_s)
