@@ -238,15 +238,17 @@ def test_bi_paged_attention_equals_gathered_keys(dtype):
     ids=["fp32", "bf16", "int4", "int8-fp32"],
 )
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_dense_layer_op_equals_the_python_layers(family, dtype, weights, monkeypatch):
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_dense_layer_op_equals_the_python_layers(family, dtype, weights, head_dim, monkeypatch):
     """``dflash_cpu::dense_layer`` (``models/fused_layer.py``, each dense layer in one C++ call
     on paged steps in one attention group) against the Python layers on the same forward: the
     same logits, features and KV pools bit for bit, for decode steps (1 query a sequence), verify
     blocks (4) and a ragged step (a decode step beside verify blocks, an adaptive-draft probe:
     the op gathers the queries as the Python layer does), on tiny random targets of each dense
     family (Qwen2's q/k/v biases, Qwen3's q/k norms), with batch-invariant fp32 / bf16 linears
-    and packed int4 / int8 ones. A step of two attention groups (a prompt chunk beside decode
-    steps) runs the Python layers."""
+    and packed int4 / int8 ones, heads of 16 and 64 dimensions (64: the vectorised RoPE and, in
+    bf16 on an AMX CPU, the attention scores on tiles). A step of two attention groups (a prompt
+    chunk beside decode steps) runs the Python layers."""
     from dflash_trt.models import fused_layer
     from dflash_trt.models import target as target_module
     from dflash_trt.models.config import TargetConfig
@@ -256,7 +258,9 @@ def test_dense_layer_op_equals_the_python_layers(family, dtype, weights, monkeyp
     from dflash_trt.runtime.attention_meta import plan_packed
     from dflash_trt.runtime.kv_cache import PagedKVCache
 
-    cfg = TargetConfig(family, 97, 64, 96, 3, 4, 2, 16, attention_bias=family == "qwen2", qk_norm=family == "qwen3")
+    cfg = TargetConfig(
+        family, 97, 64, 96, 3, 4, 2, head_dim, attention_bias=family == "qwen2", qk_norm=family == "qwen3"
+    )
     torch.manual_seed(0)
     model = TargetModel(cfg).to(dtype).eval()
     with torch.no_grad():

@@ -1769,6 +1769,29 @@ inline float as_t(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
+#if defined(__AVX512F__)
+// as_t for VL values: bf16's round to nearest even (c10::BFloat16's: a NaN becomes 0x7FC0) back
+// in fp32; fp32 as it is
+template <typename T>
+inline vf rope_round(vf v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    const vu bits = (vu)v;
+    vu r = (bits + (((bits >> 16) & 1u) + 0x7FFFu)) & 0xFFFF0000u;
+    r = v != v ? vu{} + 0x7FC00000u : r;
+    return (vf)r;
+  }
+}
+
+// VL values stored as fp32 or rounded to bf16 (rope_round's rule)
+inline void rope_store(float* o, vf v) { std::memcpy(o, &v, sizeof(v)); }
+inline void rope_store(c10::BFloat16* o, vf v) {
+  const vh h = __builtin_convertvector((vu)rope_round<c10::BFloat16>(v) >> 16, vh);
+  std::memcpy(o, &h, sizeof(h));
+}
+#endif
+
 template <typename T>
 void rope_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
   const int64_t B = x.size(0), H = x.size(1), L = x.size(2), D = x.size(3), half = D / 2;
@@ -1785,7 +1808,19 @@ void rope_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
         const T* cr = cp + b * cb + l * cl;
         const T* sr = sp + b * sb + l * sl;
         T* o = op + ((b * H + h) * L + l) * D;
-        for (int64_t i = 0; i < D; ++i) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>) {
+          if (half % VL == 0) {  // VL lanes at a time, the same roundings (rope_round)
+            for (; i < D; i += VL) {
+              const vf a = rope_round<T>(loadv(xr + i) * loadv(cr + i));
+              const vf r = rope_round<T>(loadv(xr + (i + half) % D) * loadv(sr + i));
+              rope_store(o + i, a + r);
+            }
+          }
+        }
+#endif
+        for (; i < D; ++i) {
           const float a = as_t<T>(static_cast<float>(xr[i]) * static_cast<float>(cr[i]));
           const float r = as_t<T>(static_cast<float>(xr[(i + half) % D]) * static_cast<float>(sr[i]));
           o[i] = static_cast<T>(a + r);
