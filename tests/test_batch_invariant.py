@@ -247,8 +247,9 @@ def test_dense_layer_op_equals_the_python_layers(family, dtype, weights, head_di
     the op gathers the queries as the Python layer does), on tiny random targets of each dense
     family (Qwen2's q/k/v biases, Qwen3's q/k norms), with batch-invariant fp32 / bf16 linears
     and packed int4 / int8 ones, heads of 16 and 64 dimensions (64: the vectorised RoPE and, in
-    bf16 on an AMX CPU, the attention scores on tiles). A step of two attention groups (a prompt
-    chunk beside decode steps) runs the Python layers."""
+    bf16 on an AMX CPU, the attention scores on tiles), and a step of two attention groups (a
+    prompt chunk beside decode steps: each group's queries gathered, attended and put back in
+    its rows)."""
     from dflash_trt.models import fused_layer
     from dflash_trt.models import target as target_module
     from dflash_trt.models.config import TargetConfig
@@ -285,12 +286,11 @@ def test_dense_layer_op_equals_the_python_layers(family, dtype, weights, head_di
         meta = plan_packed(starts, lengths, offsets, lengths, tables, tpb, spare).build()
         ids = torch.randint(0, cfg.vocab_size, (1, sum(lengths)), generator=g)
         x = model.embed(ids)
-        one_group = not meta.groups
-        assert one_group is (n != [1, 1, 20]) and (meta.uniform or not isinstance(n, int))
-        assert fused_layer.fused_forward_wanted(x, meta, cache.layers) is one_group
+        assert (not meta.groups) is (n != [1, 1, 20]) and (meta.uniform or not isinstance(n, int))
+        assert fused_layer.fused_forward_wanted(x, meta, cache.layers)
         got = {}
         for fused in (True, False):
-            monkeypatch.setattr(target_module, "fused_forward_wanted", lambda *a, on=fused and one_group: on)
+            monkeypatch.setattr(target_module, "fused_forward_wanted", lambda *a, on=fused: on)
             pools = (cache.k.clone(), cache.v.clone())
             kv = [(pools[0][i], pools[1][i]) for i in range(cfg.num_layers)]
             out = model(ids, meta, kv, capture=(0, 2))

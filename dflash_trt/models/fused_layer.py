@@ -34,13 +34,18 @@ def fused_forward_wanted(x: torch.Tensor, meta: AttentionMetadata, kv_cache) -> 
     ``dflash_cpu::dense_layer``: eager, on the CPU, one packed row of paged tokens in one
     attention group (no groups), uniform (:func:`~.layers.uniform_queries`) or with its query
     gathers (``query_index`` / ``query_rows``, which the planner sets together, and only for a
-    group that is not uniform), and KV pools in ``x``'s dtype."""
+    group that is not uniform), or in several groups with theirs (a prompt chunk beside decode
+    steps or verify blocks: in the load benchmark's DFlash lanes, where sequences end at
+    different steps and each waiting prompt joins the next step, such a step ran the Python
+    layers, ~60 calls a layer), and KV pools in ``x``'s dtype."""
+    if meta.groups:  # several attention groups, each with its query gathers and output rows
+        paged = all(g.read_slots is not None and g.query_rows is not None for g in meta.groups)
+    else:
+        paged = meta.read_slots is not None and (uniform_queries(meta, x.shape[1]) or meta.query_rows is not None)
     return (
         x.device.type == "cpu"
         and x.shape[0] == 1
-        and meta.read_slots is not None
-        and not meta.groups
-        and (uniform_queries(meta, x.shape[1]) or meta.query_rows is not None)
+        and paged
         and kv_cache[0][0].dtype == x.dtype
         and not torch.compiler.is_compiling()
     )
@@ -177,7 +182,27 @@ def run_dense_layer(
     ``[1, N, hidden]``, the layer's K/V written into the pools ``kv``; ``window``: the layer's
     sliding window (its mask in ``meta``), None for full attention."""
     scale = 1.0 / math.sqrt(args[-1][2])  # dims: (heads, KV heads, head dim, hidden, intermediate)
-    pools_and_slots = (kv[0], kv[1], meta.write_slots, meta.read_slots)
-    gathers = (meta.query_index, meta.query_rows)  # None for a uniform step: its queries are taken as views
-    mask = meta.mask_for(window)
-    return torch.ops.dflash_cpu.dense_layer(x, *args, cos, sin, *pools_and_slots, mask, scale, *gathers)
+    gs = meta.groups or []
+    # attention groups: each one's read slots, mask, query gathers and output rows (the op then
+    # reads no group-less read slots, mask or gathers: the first group's stand in)
+    group_args = (
+        [g.read_slots for g in gs],
+        [g.mask_for(window) for g in gs],
+        [g.query_index for g in gs],
+        [g.query_rows for g in gs],
+        [g.query_out for g in gs],
+    )
+    own = gs[0] if gs else meta
+    pools_and_slots = (kv[0], kv[1], meta.write_slots, own.read_slots)
+    gathers = (meta.query_index, meta.query_rows)  # None for a uniform step (views) or groups
+    return torch.ops.dflash_cpu.dense_layer(
+        x,
+        *args,
+        cos,
+        sin,
+        *pools_and_slots,
+        group_args[1][0] if gs else meta.mask_for(window),
+        scale,
+        *gathers,
+        *group_args,
+    )

@@ -1908,7 +1908,9 @@ at::Tensor dense_layer(const at::Tensor& x, const at::Tensor& attn_norm, const a
                        const std::optional<at::Tensor>& sinks, at::IntArrayRef dims, const at::Tensor& cos,
                        const at::Tensor& sin, at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& write_slots,
                        const at::Tensor& read_slots, const at::Tensor& mask, double scale,
-                       const std::optional<at::Tensor>& query_index, const std::optional<at::Tensor>& query_rows) {
+                       const std::optional<at::Tensor>& query_index, const std::optional<at::Tensor>& query_rows,
+                       at::TensorList group_read_slots, at::TensorList group_masks, at::TensorList group_index,
+                       at::TensorList group_rows, at::TensorList group_out) {
   TORCH_CHECK(dims.size() == 5, "dense_layer: dims = (heads, KV heads, head dim, hidden, intermediate)");
   TORCH_CHECK(weights.size() == 4 && scales.size() == 4 && biases.size() == 4 && kinds.size() == 4,
               "dense_layer: four linears (qkv, o, gate_up, down) expected");
@@ -1917,10 +1919,14 @@ at::Tensor dense_layer(const at::Tensor& x, const at::Tensor& attn_norm, const a
   const int64_t h = dims[0], hkv = dims[1], d = dims[2], hidden = dims[3], inter = dims[4];
   const int64_t b = x.size(0), t = x.size(1);
   const int64_t s = mask.size(0), tq = mask.size(2);
+  const size_t groups = group_read_slots.size();
+  TORCH_CHECK(group_masks.size() == groups && group_index.size() == groups && group_rows.size() == groups &&
+                  group_out.size() == groups,
+              "dense_layer: per group its read slots, mask, query index, query rows and output rows");
   TORCH_CHECK(query_index.has_value() == query_rows.has_value(), "dense_layer: query_index and query_rows go together");
   const bool ragged = query_index.has_value();
-  TORCH_CHECK(ragged ? query_rows->size(0) == t && query_index->size(0) == s && query_index->size(1) == tq
-                     : s * tq == t,
+  TORCH_CHECK(groups || (ragged ? query_rows->size(0) == t && query_index->size(0) == s && query_index->size(1) == tq
+                                : s * tq == t),
               "dense_layer: ", s, " sequences of ", tq, " queries for ", t, " tokens");
   auto linear = [&](const at::Tensor& v, int i, int64_t n) {
     return layer_linear(v, weights[i], scales.get(i), biases.get(i), kinds[i], n);
@@ -1942,7 +1948,20 @@ at::Tensor dense_layer(const at::Tensor& x, const at::Tensor& attn_norm, const a
   write_rows(k_pool, slots, k.select(0, 0));
   write_rows(v_pool, slots, v.select(0, 0));
   at::Tensor att_rows;  // [1, N, H * D]
-  if (!ragged) {
+  if (groups) {  // attention groups (a prompt chunk beside verify blocks): each as the ragged case, into its rows
+    const at::Tensor qpad = at::cat({q.select(0, 0).transpose(0, 1), at::zeros({1, h, d}, q.options())});
+    at::Tensor rows = at::empty({t, h, d}, x.options());
+    for (size_t g = 0; g < groups; ++g) {
+      const at::Tensor& index = group_index[g];
+      const int64_t sg = index.size(0), tg = index.size(1);
+      const at::Tensor qs = qpad.index_select(0, index.reshape({-1})).view({sg, tg, h, d}).transpose(1, 2);
+      const at::Tensor valid_mask = group_masks[g].logical_and(index.lt(t).view({sg, 1, tg, 1}));
+      const at::Tensor att =
+          bi_paged_attention(qs, k_pool, v_pool, group_read_slots[g], valid_mask, scale, sinks).to(x.scalar_type());
+      rows.index_copy_(0, group_out[g], att.transpose(1, 2).reshape({sg * tg, h, d}).index_select(0, group_rows[g]));
+    }
+    att_rows = rows.view({1, t, h * d});
+  } else if (!ragged) {
     const at::Tensor qs = q.select(0, 0).view({h, s, tq, d}).transpose(0, 1);
     const at::Tensor att = bi_paged_attention(qs, k_pool, v_pool, read_slots, mask, scale, sinks).to(x.scalar_type());
     att_rows = att.transpose(1, 2).reshape({1, t, h * d});
@@ -1978,7 +1997,8 @@ TORCH_LIBRARY(dflash_cpu, m) {
       "dense_layer(Tensor x, Tensor attn_norm, Tensor mlp_norm, float eps, Tensor[] weights, Tensor?[] scales, "
       "Tensor?[] biases, int[] kinds, Tensor? q_norm, Tensor? k_norm, Tensor? sinks, int[] dims, Tensor cos, "
       "Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor write_slots, Tensor read_slots, Tensor mask, "
-      "float scale, Tensor? query_index=None, Tensor? query_rows=None) -> Tensor");
+      "float scale, Tensor? query_index, Tensor? query_rows, Tensor[] group_read_slots, Tensor[] group_masks, "
+      "Tensor[] group_index, Tensor[] group_rows, Tensor[] group_out) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) {
