@@ -503,6 +503,39 @@ def test_calibration_times_steps_over_a_shared_context(smollm2, random_drafter, 
     assert [o.output_ids for o in out] == plain_outputs(smollm2.model, prompts, 12)
 
 
+def test_shadow_draft_measures_the_next_position(smollm2):
+    """Drafting one token a sequence, the drafter's block reaches one position further (the
+    shadow draft, never verified): whenever the draft is accepted, the shadow is checked against
+    the bonus token, so the controller's second-position counts grow by exactly those steps and
+    their matches, while nothing of the output changes."""
+    from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
+    from dflash_trt.checkpoints.zlab import load_drafter
+
+    drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32)
+    cfg = engine_config(block_size=4, adaptive=True, max_batch_size=4, max_num_tokens=256, kv_capacity=4096)
+    engine = LLMEngine(smollm2.model, drafter, (), cfg)  # (no stop tokens, as plain_outputs)
+    ctl = engine.controller
+    ctl.decay = 1.0  # plain counts
+    ctl.choose = lambda seqs, token_budget=None: (1, False)  # one draft a sequence, every iteration
+    steps = []
+    run = engine._run
+    engine._run = lambda plan: steps.append((plan, run(plan))) or steps[-1][1]
+    prompts = [chat_prompt_ids(smollm2.tokenizer, q) for q in ("What is 7 * 8?", "List three primes.")]
+    out = engine.generate([Request(p, 24) for p in prompts])
+    assert [o.output_ids for o in out] == plain_outputs(smollm2.model, prompts, 24)
+    reached = hits = 0
+    for plan, o in steps:
+        for drafts, acc, shadow, choice in zip(o.drafts, o.accepted, o.shadow, o.choice):
+            if not drafts:
+                continue
+            assert len(drafts) == 1 and plan.draft_block == 3 and shadow is not None
+            if acc == 1:  # the shadow's position reached: the bonus token is the target's there
+                reached += 1
+                hits += shadow == choice[1]
+    assert ctl.reached[1] == reached > 0 and ctl.accepted[1] == hits
+    assert ctl.reached[2] == 0  # nothing past the shadow
+
+
 def test_windowed_drafter_sees_the_same_context_as_a_full_one(smollm2):
     """A sliding-window drafter ingests and reads only its window (the runner drops older target
     features, attention reads ``window + block`` keys), and its hidden states equal a dense

@@ -4,8 +4,9 @@ maximise expected committed tokens per second, and stay right while the machine 
 Model (measured, not assumed):
 - ``target_cost(n)``: seconds of one target forward over ``n`` tokens; ``draft_cost(n)``:
   seconds of one drafter forward over ``n`` tokens (``S`` sequences drafting ``k`` tokens each
-  run ``S * (k + 1)``, or ``S * (max_draft + 1)`` where the drafter runs whole blocks, under CUDA
-  graphs: :meth:`DraftLengthController.draft_tokens`) (:class:`CostModel`: per size the median of
+  run ``S * (k + 2)`` (the drafts and one shadow draft, at most a block), or ``S * (max_draft + 1)``
+  where the drafter runs whole blocks, under CUDA graphs: :meth:`DraftLengthController.draft_tokens`)
+  (:class:`CostModel`: per size the median of
   its recent measurements, fitted non-decreasing in the size with weights that fade for sizes
   not measured lately, so one slow period cannot lock in a wrong choice);
 - ``host_cost[mode](S)``: seconds of an iteration of ``S`` decoding sequences outside those
@@ -13,7 +14,9 @@ Model (measured, not assumed):
   the whole iteration's wall time minus its forwards. A drafting iteration does more host work
   than a plain one; left out, the model over-rates drafting exactly where it barely pays;
 - ``q_k``: P(draft slot k accepted | slot k reached), counts that decay with every iteration
-  that drafts, each shrunk toward ``q_{k-1}`` (a slot seldom reached is estimated like the one before it).
+  that drafts, each shrunk toward ``q_{k-1}`` (a slot seldom reached is estimated like the one before it);
+  the engine's shadow draft (one position past the drafts, checked against the bonus token) counts
+  slot ``k + 1`` whenever all ``k`` drafts are accepted, so drafting ``k`` keeps ``q_{k+1}`` measured.
 
 With ``S`` sequences decoding, ``k`` drafts each give ``E(k) = 1 + sum_{j<=k} prod_{i<=j} q_i``
 committed tokens per sequence, so the predicted rate is
@@ -269,7 +272,7 @@ class DraftLengthController:
             of plain decoding's time, within the budget 0.5-1.1 %); at most 4x ``probe`` apart on
             this account.
         full_blocks: the drafter runs a whole block (``max_draft + 1`` positions) a sequence
-            whatever the draft length (its CUDA graphs are captured at it); else ``k + 1``
+            whatever the draft length (its CUDA graphs are captured at it); else ``k + 2``
             positions for ``k`` drafts (the engine's ``draft_block``).
         far_behind, far_probe: a due probe waits until ``far_probe`` iterations have passed
             without one when drafting is predicted ``far_behind`` (relative) behind plain
@@ -401,8 +404,10 @@ class DraftLengthController:
         return e
 
     def draft_tokens(self, seqs: int, k: int) -> int:
-        """Tokens of the drafter forward in which ``seqs`` sequences draft ``k`` tokens each."""
-        return seqs * ((self.max_draft if self.full_blocks else k) + 1)
+        """Tokens of the drafter forward in which ``seqs`` sequences draft ``k`` tokens each: a
+        whole block each, or ``k + 2`` positions (the anchor, the drafts and one shadow draft,
+        :meth:`LLMEngine.draft_block`)."""
+        return seqs * (self.max_draft + 1 if self.full_blocks else min(k + 2, self.max_draft + 1))
 
     def observe_drafter(self, seqs: int, tokens: int, seconds: float) -> None:
         """One drafter forward: ``seqs`` sequences drafting, ``tokens`` tokens in its blocks

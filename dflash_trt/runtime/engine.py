@@ -509,15 +509,20 @@ class LLMEngine:
 
     def draft_block(self, most: int) -> int:
         """The drafter's block for an iteration whose sequences draft at most ``most`` tokens
-        (0: nothing drafted): ``most + 1`` positions, or the whole block size under CUDA graphs
-        (the drafter's graphs are captured at it). A block ``[anchor, MASK x most]`` drafts its
-        first positions as well as a whole one does (this repository's drafter, bf16, 8 GSM8K
-        prompts: first-position acceptance 0.39 with block 2, 0.42 with block 8), and the drafter's
-        layers and its LM head run over ``most + 1`` rows a sequence instead of ``block_size``
-        (one draft a sequence at 4 sequences: 8 rows instead of 32)."""
+        (0: nothing drafted): ``most + 2`` positions (at most the block size), or the whole block
+        size under CUDA graphs (the drafter's graphs are captured at it). A block ``[anchor, MASK
+        x (most + 1)]`` drafts its first positions as well as a whole one does (this repository's
+        drafter, bf16, 8 GSM8K prompts: first-position acceptance 0.39 with block 2, 0.42 with
+        block 8), and the drafter's layers and its LM head run over ``most + 2`` rows a sequence
+        instead of ``block_size`` (one draft a sequence at 4 sequences: 12 rows instead of 32).
+        The position past the drafts is a shadow draft (:attr:`StepOutput.shadow`): checked
+        against the bonus token, it measures the next position's acceptance, which drafting
+        ``most`` tokens alone never reaches (at 4 bf16 sequences the controller drafted one
+        token a sequence on a second-position acceptance of 0.31 read from a few early blocks,
+        and its lanes ran at 0.96-1.00x plain decoding where two drafts each ran at 1.05-1.07x)."""
         if most == 0:
             return 0
-        return self.block_size if self.config.model.cuda_graphs else most + 1
+        return self.block_size if self.config.model.cuda_graphs else min(most + 2, self.block_size)
 
     def _commit(self, sched: Schedule, plan: StepPlan, out, done: list[Sequence]) -> int:
         """Commit and stream the iteration's tokens (the runner chose the target's tokens and
@@ -560,7 +565,11 @@ class LLMEngine:
             st.record_verify(len(drafts), acc, len(kept))
             st.lookup_steps += bool(plan.items[i].lookup)
             if ctl is not None and drafts:
-                ctl.observe_acceptance(len(drafts), acc, n_drafting)
+                shadow = out.shadow[i]
+                if shadow is not None and acc == len(drafts):  # its position reached: the bonus says
+                    ctl.observe_acceptance(len(drafts) + 1, acc + (shadow == out.choice[i][acc]), n_drafting)
+                else:
+                    ctl.observe_acceptance(len(drafts), acc, n_drafting)
             if s.finished:
                 self._finish(s, done)
             else:
@@ -726,7 +735,7 @@ class LLMEngine:
             out = measure(StepPlan([StepItem(sid, [0], at, t, num_logits=1) for sid, t in zip(sids, tables)]), warm)
             ctl.target_cost.observe(s, out.target_s)
             # a whole block each, and one draft each where the drafter's block follows the drafts
-            for k in sorted({K - 1, self.draft_block(1) - 1}):
+            for k in sorted({K - 1, K - 1 if graphs else 1}):
                 out = measure(
                     StepPlan(
                         [StepItem(sid, [0], at, t, num_draft=k, num_logits=k + 1) for sid, t in zip(sids, tables)],

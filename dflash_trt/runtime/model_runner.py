@@ -120,6 +120,11 @@ class StepOutput:
             one host copy).
         accepted: per item, its drafts accepted against ``choice`` (the longest matching
             prefix, on the device: ``dflash::accept``); None for items without drafts.
+        shadow: per item, the drafter's token one position past its drafts where the drafter's
+            block reached that far (:meth:`LLMEngine.draft_block`), not verified: it would have
+            been accepted exactly when every draft is and it equals the bonus token
+            (``choice[accepted]``), the next position's acceptance measured for free; None
+            without one (no drafts, the drafter did not run, or the drafts fill the block).
         draft_s, target_s: wall seconds of the drafter and target forwards (CUDA: event
             timings, read after the iteration's one synchronisation).
         ingest_s: wall seconds of writing ended sequences' target features into the drafter's
@@ -137,6 +142,7 @@ class StepOutput:
     drafts: list[list[int]]
     choice: list[list[int]] = field(default_factory=list)
     accepted: list[int | None] = field(default_factory=list)
+    shadow: list[int | None] = field(default_factory=list)
     draft_s: float = 0.0
     target_s: float = 0.0
     ingest_s: float = 0.0
@@ -394,7 +400,9 @@ class ModelRunner:
             ingest_s = time.perf_counter() - t0
         self.release(plan.release)
         items = plan.items
-        out = StepOutput(drafts=[[] for _ in items], accepted=[None] * len(items), ingest_s=ingest_s)
+        out = StepOutput(
+            drafts=[[] for _ in items], accepted=[None] * len(items), shadow=[None] * len(items), ingest_s=ingest_s
+        )
         if not items:
             return out
         clock = _Clock(self.device)
@@ -570,10 +578,14 @@ class _Packed:
 
     def read(self, host: list[int], out: StepOutput) -> None:
         """Fill ``out`` from the iteration's one host copy: the choices of every row, then each
-        drafting item's ``k`` draft columns, then its accepted count."""
+        drafting item's ``k`` draft columns (the one past its drafts its shadow token, where the
+        drafter wrote it), then its accepted count."""
         items, k, r = self.items, self.k, len(self.rows)
         for n, i in enumerate(self.drafting):
-            out.drafts[i] = host[r + n * k : r + n * k + items[i].num_draft]
+            nd = items[i].num_draft
+            out.drafts[i] = host[r + n * k : r + n * k + nd]
+            if nd < k and out.drafter_ran:
+                out.shadow[i] = host[r + n * k + nd]
             out.accepted[i] = host[r + len(self.drafting) * k + n]
         out.choice = [host[f : f + it.num_logits] for f, it in zip(self.first, items)]
 
