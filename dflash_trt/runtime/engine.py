@@ -25,6 +25,7 @@ committed ends that sequence.
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 from collections import deque
@@ -52,6 +53,11 @@ log = logging.getLogger("dflash_trt.runtime")
 CALIBRATION_MAX_SEQS = 16
 #: positions of context before every step the start-up calibration times (``LLMEngine.calibrate``)
 CALIBRATION_CONTEXT = 128
+#: runs of each step the start-up calibration times on the CPU, the median kept (one run each:
+#: a 2-core host's stall in the 4-sequence plain step, 39.5 ms against 28 for 2 sequences, made
+#: the fitted cost of 4 and 8 tokens one pooled value, verify looked free, and the controller
+#: drafted 3 tokens a sequence at 4 bf16 sequences from its first iterations)
+CALIBRATION_REPEATS = 3
 
 
 def check_block_size(drafter: DFlashDrafter | None, block_size: int) -> None:
@@ -679,10 +685,11 @@ class LLMEngine:
         draft where :meth:`draft_block` follows the drafts), on scratch sequences that are freed
         afterwards: each has 7 tokens of its own after :data:`CALIBRATION_CONTEXT` positions that
         one prefill wrote once and every scratch sequence's block table shares (none where the
-        KV cache is too small for them). The first size's forwards run twice (their second, warm,
-        time is kept): only a path's first call carries one-time costs (the drafter's: 0.78 s
-        against 0.09 s warm, SmolLM2 fp32, one thread); under CUDA graphs every forward runs twice
-        (the first captures its graphs). The controller goes on measuring every decode-only
+        KV cache is too small for them). Each step runs :data:`CALIBRATION_REPEATS` times, its
+        median time kept; the first size's forwards run once more before (untimed): only a path's
+        first call carries one-time costs (the drafter's: 0.78 s against 0.09 s warm, SmolLM2
+        fp32, one thread); under CUDA graphs every forward runs twice (the first captures its
+        graphs), the second timed. The controller goes on measuring every decode-only
         iteration (``_feedback``), and its cost model extends its last points linearly past the
         largest size measured here until the batches the engine really runs measure them. (The
         drafter sweep's 32- and 64-sequence points were ~3/4 of its cost. Single prompts of 1-256
@@ -713,9 +720,16 @@ class LLMEngine:
             self._run(StepPlan([StepItem(-1, [0] * ctx, 0, shared)]))
         at = ctx + 7  # each scratch sequence's 7 own tokens follow the shared context
 
-        def measure(plan: StepPlan, warm: bool):  # warm: run twice, keep the second timing
-            out = self._run(plan)
-            return self._run(plan) if warm else out
+        def measure(plan: StepPlan, warm: bool):  # warm: one untimed run first
+            if warm:
+                self._run(plan)
+            if graphs:
+                return self._run(plan)
+            outs = [self._run(plan) for _ in range(CALIBRATION_REPEATS)]
+            out = outs[0]  # with the median of each time: a stall of the host in one run is not the size's cost
+            out.target_s = statistics.median(o.target_s for o in outs)
+            out.draft_s = statistics.median(o.draft_s for o in outs)
+            return out
 
         # the target is measured on decode and verify steps alone, the forwards the controller
         # chooses between (not single prompts); the decode-only iterations' measurements then
