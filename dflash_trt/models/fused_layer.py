@@ -183,26 +183,15 @@ def run_dense_layer(
     sliding window (its mask in ``meta``), None for full attention."""
     scale = 1.0 / math.sqrt(args[-1][2])  # dims: (heads, KV heads, head dim, hidden, intermediate)
     gs = meta.groups or []
-    # attention groups: each one's read slots, mask, query gathers and output rows (the op then
-    # reads no group-less read slots, mask or gathers: the first group's stand in)
-    group_args = (
+    groups = (  # each attention group's read slots, mask, query gathers and output rows
         [g.read_slots for g in gs],
         [g.mask_for(window) for g in gs],
         [g.query_index for g in gs],
         [g.query_rows for g in gs],
         [g.query_out for g in gs],
     )
-    own = gs[0] if gs else meta
-    pools_and_slots = (kv[0], kv[1], meta.write_slots, own.read_slots)
-    gathers = (meta.query_index, meta.query_rows)  # None for a uniform step (views) or groups
+    own = gs[0] if gs else meta  # (with groups the op reads theirs alone: the first stands in)
     return torch.ops.dflash_cpu.dense_layer(
-        x,
-        *args,
-        cos,
-        sin,
-        *pools_and_slots,
-        group_args[1][0] if gs else meta.mask_for(window),
-        scale,
-        *gathers,
-        *group_args,
-    )
+        x, *args, cos, sin, kv[0], kv[1], meta.write_slots, own.read_slots, own.mask_for(window), scale,
+        meta.query_index, meta.query_rows, *groups
+    )  # fmt: skip

@@ -571,11 +571,10 @@ class LLMEngine:
             st.record_verify(len(drafts), acc, len(kept))
             st.lookup_steps += bool(plan.items[i].lookup)
             if ctl is not None and drafts:
-                shadow = out.shadow[i]
-                if shadow is not None and acc == len(drafts):  # its position reached: the bonus says
-                    ctl.observe_acceptance(len(drafts) + 1, acc + (shadow == out.choice[i][acc]), n_drafting)
-                else:
-                    ctl.observe_acceptance(len(drafts), acc, n_drafting)
+                n, shadow = len(drafts), out.shadow[i]
+                if shadow is not None and acc == n:  # the shadow's position reached: the bonus token says
+                    n, acc = n + 1, acc + (shadow == out.choice[i][acc])
+                ctl.observe_acceptance(n, acc, n_drafting)
             if s.finished:
                 self._finish(s, done)
             else:
@@ -720,6 +719,8 @@ class LLMEngine:
             self._run(StepPlan([StepItem(-1, [0] * ctx, 0, shared)]))
         at = ctx + 7  # each scratch sequence's 7 own tokens follow the shared context
 
+        graphs = self.config.model.cuda_graphs
+
         def measure(plan: StepPlan, warm: bool):  # warm: one untimed run first
             if warm:
                 self._run(plan)
@@ -734,7 +735,6 @@ class LLMEngine:
         # the target is measured on decode and verify steps alone, the forwards the controller
         # chooses between (not single prompts); the decode-only iterations' measurements then
         # replace these; under CUDA graphs each runs twice (the first captures its graph)
-        graphs = self.config.model.cuda_graphs
         most = min(sched.max_batch_size, CALIBRATION_MAX_SEQS)
         draft_sizes = [s for s in sizes if s <= most and s * K <= sched.max_num_tokens]
         for j, s in enumerate(draft_sizes):

@@ -1947,31 +1947,30 @@ at::Tensor dense_layer(const at::Tensor& x, const at::Tensor& attn_norm, const a
   const at::Tensor slots = write_slots.reshape({-1});
   write_rows(k_pool, slots, k.select(0, 0));
   write_rows(v_pool, slots, v.select(0, 0));
+  // the queries gathered by `index` [S_g, Tq_g] (padding: t) over `read` and `m`, their outputs
+  // [n, H, D] in the order of `rows` (flat indices into S_g * Tq_g); padding queries see no key
+  // here (the kernel writes them zeros, at no cost), not every key
+  at::Tensor qpad;  // [N + 1, H, D], made on first use
+  auto gathered = [&](const at::Tensor& index, const at::Tensor& rows, const at::Tensor& read, const at::Tensor& m) {
+    if (!qpad.defined()) qpad = at::cat({q.select(0, 0).transpose(0, 1), at::zeros({1, h, d}, q.options())});
+    const int64_t sg = index.size(0), tg = index.size(1);
+    const at::Tensor qs = qpad.index_select(0, index.reshape({-1})).view({sg, tg, h, d}).transpose(1, 2);
+    const at::Tensor valid_mask = m.logical_and(index.lt(t).view({sg, 1, tg, 1}));
+    const at::Tensor att = bi_paged_attention(qs, k_pool, v_pool, read, valid_mask, scale, sinks).to(x.scalar_type());
+    return att.transpose(1, 2).reshape({sg * tg, h, d}).index_select(0, rows);
+  };
   at::Tensor att_rows;  // [1, N, H * D]
-  if (groups) {  // attention groups (a prompt chunk beside verify blocks): each as the ragged case, into its rows
-    const at::Tensor qpad = at::cat({q.select(0, 0).transpose(0, 1), at::zeros({1, h, d}, q.options())});
-    at::Tensor rows = at::empty({t, h, d}, x.options());
-    for (size_t g = 0; g < groups; ++g) {
-      const at::Tensor& index = group_index[g];
-      const int64_t sg = index.size(0), tg = index.size(1);
-      const at::Tensor qs = qpad.index_select(0, index.reshape({-1})).view({sg, tg, h, d}).transpose(1, 2);
-      const at::Tensor valid_mask = group_masks[g].logical_and(index.lt(t).view({sg, 1, tg, 1}));
-      const at::Tensor att =
-          bi_paged_attention(qs, k_pool, v_pool, group_read_slots[g], valid_mask, scale, sinks).to(x.scalar_type());
-      rows.index_copy_(0, group_out[g], att.transpose(1, 2).reshape({sg * tg, h, d}).index_select(0, group_rows[g]));
-    }
-    att_rows = rows.view({1, t, h * d});
+  if (groups) {  // attention groups (a prompt chunk beside verify blocks): each gathered, into its rows
+    at::Tensor out = at::empty({t, h, d}, x.options());
+    for (size_t g = 0; g < groups; ++g)
+      out.index_copy_(0, group_out[g], gathered(group_index[g], group_rows[g], group_read_slots[g], group_masks[g]));
+    att_rows = out.view({1, t, h * d});
   } else if (!ragged) {
     const at::Tensor qs = q.select(0, 0).view({h, s, tq, d}).transpose(0, 1);
     const at::Tensor att = bi_paged_attention(qs, k_pool, v_pool, read_slots, mask, scale, sinks).to(x.scalar_type());
     att_rows = att.transpose(1, 2).reshape({1, t, h * d});
   } else {
-    const at::Tensor qpad = at::cat({q.select(0, 0).transpose(0, 1), at::zeros({1, h, d}, q.options())});  // [N + 1, H, D]
-    const at::Tensor qs = qpad.index_select(0, query_index->reshape({-1})).view({s, tq, h, d}).transpose(1, 2);
-    // padding queries see no key here (the kernel writes them zeros, at no cost), not every key
-    const at::Tensor valid_mask = mask.logical_and(query_index->lt(t).view({s, 1, tq, 1}));
-    const at::Tensor att = bi_paged_attention(qs, k_pool, v_pool, read_slots, valid_mask, scale, sinks).to(x.scalar_type());
-    att_rows = att.transpose(1, 2).reshape({s * tq, h, d}).index_select(0, *query_rows).reshape({1, t, h * d});
+    att_rows = gathered(*query_index, *query_rows, read_slots, mask).reshape({1, t, h * d});
   }
   const at::Tensor x1 = at::add(x, linear(att_rows, 1, hidden));
   // the gated MLP
