@@ -110,3 +110,36 @@ def test_engine_reuses_prompt_blocks_and_stays_lossless(smollm2, random_drafter,
     bm = engine.blocks
     assert bm.num_free_blocks == bm.num_blocks and not bm.holders()
     print(f"\n{drafter_kind}: {saved} of {sum(len(r.prompt_ids) for r in second)} prompt positions from the cache")
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_an_ended_undrafted_sequence_leaves_drafter_context_only_where_a_prompt_needs_it(
+    smollm2, random_drafter, waves, window
+):
+    """Requests that never draft (as under the adaptive controller's plain iterations) and
+    decode well past their prompts: with a sliding-window drafter the cached blocks hold the
+    drafter's K/V of the prompt's last window only (written as the prompt is prefilled; an
+    ending sequence writes no more, since only a continuation shorter than a window would read
+    it), with a drafter that sees the whole context every cached block holds it. Outputs equal
+    plain decoding's either way, and a second wave of the same prompts takes their full blocks
+    from the cache."""
+    prompts = waves[0][:2]
+    drafter = init_drafter(smollm2.model.cfg, 1, 4, random_drafter.cfg.mask_token_id, seed=1, sliding_window=window)
+    first = [Request(p, 40, max_draft_tokens=0) for p in prompts]
+    engine = make_engine(smollm2, drafter, 4, first, kv_capacity=8192)
+    outs = [o.output_ids for o in engine.generate(first)]
+    assert outs == plain_outputs(smollm2, prompts, 40, batched=True, enable_prefix_caching=False)
+    bm, tpb = engine.blocks, engine.blocks.tokens_per_block
+    for p, out in zip(prompts, outs):
+        tokens, parent = p + out, 0
+        for i in range((len(tokens) - 1) // tpb):  # the sequence's cached blocks, in order
+            _, parent, drafted_from = bm._entry[bm._by_key[(parent, tuple(tokens[i * tpb : (i + 1) * tpb]))]]
+            has_kv = drafted_from < (i + 1) * tpb
+            if window is None:
+                assert has_kv
+            else:  # the last window of the prompt's full blocks (what the prefill wrote), nothing after
+                upto = len(p) // tpb * tpb
+                assert has_kv == (upto - window + 1 < (i + 1) * tpb <= upto), (i, len(p), drafted_from)
+    second = [Request(p, 4) for p in prompts]
+    engine.generate(second)
+    assert bm.prefix_hits >= sum((len(p) - 1) // tpb * tpb for p in prompts)
