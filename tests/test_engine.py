@@ -720,3 +720,45 @@ def test_graph_path_gives_the_same_tokens_and_acceptance(smollm2, reqs16):
     assert min(e.runner.graphs.prompt_replays for e in one.values()) == len(reqs)  # each prompt from its chunk graph
     assert graphed[0] == eager[0] and graphed[1] == eager[1]
     assert graphed[2].accepted == eager[2].accepted and graphed[2].tau > 1.5
+
+
+def test_unverified_probe_measures_what_a_verify_would(smollm2):
+    """The controller's one-sequence probes of greedy requests run the drafter alone: the
+    target's forward keeps one row a sequence (a plain step), and the drafts are checked against
+    the tokens the sequence commits over the next iterations. The controller's acceptance counts
+    equal those recomputed from the final outputs (the longest matching prefix of each probe's
+    drafts, as a verify would have accepted), and the output is plain decoding's."""
+    from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
+    from dflash_trt.checkpoints.zlab import load_drafter
+
+    drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32)
+    cfg = engine_config(block_size=4, adaptive=True, max_batch_size=4, max_num_tokens=256, kv_capacity=4096)
+    engine = LLMEngine(smollm2.model, drafter, (), cfg)  # (no stop tokens, as plain_outputs)
+    ctl = engine.controller
+    ctl.decay = 1.0  # plain counts
+    ctl.choose = lambda seqs, token_budget=None: (2, True)  # a two-draft probe every iteration
+    steps = []
+    run = engine._run
+    engine._run = lambda plan: steps.append((plan, run(plan))) or steps[-1][1]
+    prompts = [chat_prompt_ids(smollm2.tokenizer, q) for q in ("What is 7 * 8?", "List three primes.")]
+    out = engine.generate([Request(p, 24) for p in prompts])
+    assert [o.output_ids for o in out] == plain_outputs(smollm2.model, prompts, 24)
+    tokens = {i: p + o.output_ids for i, (p, o) in enumerate(zip(prompts, out))}
+    reached, accepted, probes = [0] * 3, [0] * 3, 0
+    for plan, o in steps:
+        if all(len(it.tokens) == 1 for it in plan.items):  # decode steps: one target row a sequence
+            assert not any(o.drafts) and o.target_tokens == len(plan.items)
+        for it, drafts in zip(plan.items, o.probes):
+            if drafts is None:
+                continue
+            probes += 1
+            assert len(drafts) == 3 and plan.draft_block == 4 and it.num_draft == 0
+            got = tokens[it.seq_id][it.start + 1 : it.start + 4]
+            acc = next((k for k, (g, d) in enumerate(zip(got, drafts)) if g != d), len(got))
+            for k in range(len(got) if acc == len(got) else 3):  # as observe_acceptance counts
+                if k > acc:
+                    break
+                reached[k] += 1
+                accepted[k] += k < acc
+    assert probes >= 8 and ctl.reached[:3] == reached and ctl.accepted[:3] == accepted
+    assert not engine._probe_checks

@@ -151,23 +151,38 @@ def test_service_with_prompt_lookup(smollm2, prompts, reference):
         svc.close()
 
 
-def test_one_sequence_probes_take_turns_and_stay_lossless(smollm2, random_drafter, prompts, reference):
+@pytest.mark.parametrize("unverified", [True, False])
+def test_one_sequence_probes_take_turns_and_stay_lossless(smollm2, random_drafter, prompts, reference, unverified):
     # the adaptive engine's one-sequence probes (here every iteration, 2 drafts) go to the decoding
-    # sequences in turn: while all four run, each drafts at every fourth step. Always the first
+    # sequences in turn: while all four run, each probes at every fourth step. Always the first
     # (the oldest) measured the acceptance of late answer positions only (0.17 where every
-    # sequence drafting saw 0.39, 4 bf16 GSM8K sequences)
+    # sequence drafting saw 0.39, 4 bf16 GSM8K sequences). Greedy requests probe the drafter
+    # alone (its drafts checked against the tokens committed next); ``unverified=False`` forces
+    # the verified probe that sampled requests and prompt lookup take
     reqs = [Request(p, MAX_NEW) for p in prompts[:4]]
     engine = make_engine(smollm2, random_drafter, 4, reqs, adaptive=True)
     engine.controller.choose = lambda seqs, token_budget=None: (2, True)
+    if not unverified:
+        engine._probe_unverified = lambda s: False
+    probes = []  # per decode step of all four sequences: the sequences that probed in it
+    run = engine._run
+
+    def spy(plan):
+        out = run(plan)
+        if len(plan.items) == 4 and all(len(it.tokens) == 1 for it in plan.items):
+            probes.append([it.seq_id for it in plan.items if it.num_draft or it.probe_draft])
+            assert bool(any(it.probe_draft for it in plan.items)) == unverified and any(out.drafts) != unverified
+        return out
+
+    engine._run = spy
     outs = engine.generate(reqs)
     for p, r, o in zip(prompts, reference, outs):
         check_same(smollm2.model, p, r, o.output_ids)
-    steps = min(len(o.draft_lengths) for o in outs)  # verify steps while all four decode
-    assert steps >= 8
-    for i, o in enumerate(outs):
-        drafted = [j for j, d in enumerate(o.draft_lengths[:steps]) if d]
-        assert drafted == [j for j in range(steps) if j % 4 == drafted[0] % 4], (i, o.draft_lengths)
-    assert len({min(j for j, d in enumerate(o.draft_lengths) if d) for o in outs}) == 4
+    assert len(probes) >= 8 and all(len(p) == 1 for p in probes)
+    first = {}
+    for j, (sid,) in enumerate(probes):
+        assert j % 4 == first.setdefault(sid, j % 4), (sid, probes)
+    assert len(first) == 4
 
 
 def test_warm_up_keeps_the_costs_and_forgets_the_acceptance(smollm2, random_drafter, prompts):

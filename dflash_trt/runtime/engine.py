@@ -139,6 +139,9 @@ class LLMEngine:
         #: of 0.168 (375 probes, 4 bf16 GSM8K sequences; in turn 0.315) where every sequence
         #: drafting measured 0.39-0.46, and the controller kept a drafter that wins there from drafting
         self._probe_turn = 0
+        #: seq id -> (position of the first probe draft, the drafts): unverified probes
+        #: (:meth:`_probe_unverified`) waiting for the tokens the sequence commits next
+        self._probe_checks: dict[int, tuple[int, list[int]]] = {}
         self._next_id = 0
         self._seqs: dict[int, Sequence] = {}  # every request not yet collected, by sequence id
         self._inbox: list[Sequence] = []  # added since the last iteration began
@@ -288,6 +291,7 @@ class LLMEngine:
         if seq.finish_reason != "error":  # its K/V may serve later prompts (prefix cache)
             self.blocks.cache_prefix(seq.seq_id, seq.tokens, seq.num_cached, self._drafter_context(seq, ending=True))
         self.scheduler.remove(seq)
+        self._probe_checks.pop(seq.seq_id, None)
         if self.lookup is not None:
             self.lookup.release(seq.seq_id)
         self._release.append(seq.seq_id)
@@ -380,15 +384,20 @@ class LLMEngine:
         sched = self.scheduler.schedule(1 if probe else 1 + nd, only, held)
         caps = [s.request.max_draft_tokens for s in sched.decode]
         drafts = [nd if c is None else min(nd, c) for c in caps]
+        unverified = None
         if probe and drafts:  # one sequence drafts, each in turn (see ``_probe_turn``)
             j = self._probe_turn % len(drafts)
             self._probe_turn += 1
-            drafts = [0] * j + drafts[j : j + 1]
+            if self._probe_unverified(sched.decode[j]):  # (none while its last one is being checked)
+                unverified = (j, drafts[j]) if sched.decode[j].seq_id not in self._probe_checks else None
+                drafts = []
+            else:
+                drafts = [0] * j + drafts[j : j + 1]
         seqs = sched.decode + [s for s, _ in sched.prefill]
         rng = {s.seq_id: s.generator.get_state() for s in seqs if s.generator is not None}
         plan = None
         try:
-            plan = self._plan(sched, drafts)
+            plan = self._plan(sched, drafts, unverified)
             if not plan.items:
                 if plan.release or plan.ingest:
                     self._run(plan)  # let the other ranks drop released state
@@ -484,17 +493,21 @@ class LLMEngine:
             # several times a replay of its size)
             ctl.target_cost.observe(out.target_tokens, out.target_s)
         drafting = [it.num_draft > 0 for it in plan.items]
+        probing = sum(it.probe_draft > 0 for it in plan.items)
         if out.drafter_ran:  # (not when prompt-lookup tokens filled every draft position)
-            ctl.observe_drafter(sum(drafting), sum(drafting) * plan.draft_block, out.draft_s)
-        if decode_only and (all(drafting) or not any(drafting)):
+            n = sum(drafting) + probing
+            ctl.observe_drafter(n, n * plan.draft_block, out.draft_s)
+        if decode_only and not probing and (all(drafting) or not any(drafting)):
             # (not a batch probe, not capped per request)
             ctl.observe_iteration(  # (less the ended sequences' KV injection: either mode does it)
                 len(sched.decode), any(drafting), wall_s - out.ingest_s, committed, out.target_s + out.draft_s, probe
             )
 
-    def _plan(self, sched: Schedule, drafts: list[int]) -> StepPlan:
+    def _plan(self, sched: Schedule, drafts: list[int], unverified: tuple[int, int] | None = None) -> StepPlan:
         """Items for the schedule; decoding sequence ``j`` drafts ``drafts[j]`` tokens (0 past
-        the list's end)."""
+        the list's end); ``unverified``: ``(j, k)``, decoding sequence ``j`` decodes plainly and
+        the drafter proposes ``k`` tokens and a shadow for it, unverified (the drafts are
+        checked against what it commits next: :meth:`_probe_unverified`)."""
         items = []
         for s, n in sched.prefill:
             table = self.blocks.ensure(s.seq_id, s.num_cached + n)
@@ -508,12 +521,14 @@ class LLMEngine:
             )
             _sample_on_device(s, item)
             items.append(item)
-        block = self.draft_block(max(drafts, default=0))
+        block = self.draft_block(unverified[1] if unverified else max(drafts, default=0))
         for j, s in enumerate(sched.decode):
             nd = drafts[j] if j < len(drafts) else 0
-            span = block if nd else 1  # the drafter writes a whole block
+            probe = block - 1 if unverified and unverified[0] == j else 0
+            span = block if nd or probe else 1  # the drafter writes a whole block
             table = self.blocks.ensure(s.seq_id, s.num_cached + span)
             item = StepItem(s.seq_id, [s.tokens[-1]], s.num_cached, list(table), num_draft=nd, num_logits=1 + nd)
+            item.probe_draft = probe
             if nd and self.lookup is not None:
                 item.lookup = self.lookup.propose(s.seq_id, s.tokens, nd)
             _sample_on_device(s, item)
@@ -521,6 +536,36 @@ class LLMEngine:
         release, self._release = self._release, []
         ingest, self._ingest = self._ingest, []
         return StepPlan(items, block, release, ingest)
+
+    def _probe_unverified(self, s: Sequence) -> bool:
+        """Whether the controller's one-sequence probe of ``s`` runs the drafter alone, its
+        drafts checked against the tokens ``s`` commits over the next iterations
+        (:meth:`_check_probe`), instead of a verify of ``s``'s drafts in the target's forward.
+        For a greedy request the two measure the same acceptance (a draft is accepted exactly
+        when it equals the target's token); the unverified probe adds no target rows: at 16
+        bf16 sequences on a 2-core CPU a verified probe's ragged step (16 rows past the AMX
+        tile's 16) cost +15-25 ms on a ~30 ms step, the drafter alone ~4 ms, and under CUDA
+        graphs the ragged step runs eagerly (~25 ms against a ~5 ms replay on an H200). Sampled
+        requests (accepted by rejection sampling, not by equality), prompt lookup (its tokens
+        replace the drafter's) and the controller's every-sequence probes (they measure a
+        verify's cost too) verify as before. A probe of ``s`` while its last one is still being
+        checked is skipped (that check's evidence is on its way)."""
+        return s.generator is None and self.lookup is None and not self.controller.uniform_probes
+
+    def _check_probe(self, s: Sequence) -> None:
+        """Check ``s``'s unverified probe drafts against the tokens it has committed: the
+        longest matching prefix goes to the controller as one verify would
+        (:meth:`~.adaptive.DraftLengthController.observe_acceptance`), once a draft differs or
+        every draft's position is committed (or ``s`` finished: what it committed counts)."""
+        first, drafts = self._probe_checks[s.seq_id]
+        got = s.tokens[first : first + len(drafts)]
+        acc = 0
+        while acc < len(got) and got[acc] == drafts[acc]:
+            acc += 1
+        if acc == len(got) < len(drafts) and not s.finished:
+            return  # all matched so far: the next tokens decide
+        del self._probe_checks[s.seq_id]
+        self.controller.observe_acceptance(len(got) if acc == len(got) else len(drafts), acc, 1)
 
     def draft_block(self, most: int) -> int:
         """The drafter's block for an iteration whose sequences draft at most ``most`` tokens
@@ -576,7 +621,11 @@ class LLMEngine:
             s.commit_lengths.append(len(kept))
             s.draft_lengths.append(len(drafts))
             s.accepted_lengths.append(acc)
+            if out.probes[i] is not None:  # its drafts are checked as it commits the next tokens
+                self._probe_checks[s.seq_id] = (s.num_cached + 1, out.probes[i])
             s.num_cached += acc + 1
+            if s.seq_id in self._probe_checks:
+                self._check_probe(s)
             st.record_verify(len(drafts), acc, len(kept))
             st.lookup_steps += bool(plan.items[i].lookup)
             if ctl is not None and drafts:

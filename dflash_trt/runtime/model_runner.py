@@ -74,6 +74,11 @@ class StepItem:
         banned: token ids that cannot be chosen on the first ``banned_rows`` logits rows (the
             request's stop tokens while it is below ``min_tokens``).
         banned_rows: see ``banned``.
+        probe_draft: decode only, with ``num_draft`` 0: draft tokens the drafter proposes after
+            the anchor that the target does not verify (the item stays a plain decoding step):
+            returned in :attr:`StepOutput.probes` for the engine to check against the tokens the
+            sequence commits next (the adaptive controller's acceptance probe while plain
+            decoding wins, for the price of the drafter's forward alone).
     """
 
     seq_id: int
@@ -87,6 +92,7 @@ class StepItem:
     uniforms: list[float] = field(default_factory=list)
     banned: list[int] = field(default_factory=list)
     banned_rows: int = 0
+    probe_draft: int = 0
 
 
 @dataclass
@@ -125,6 +131,8 @@ class StepOutput:
             been accepted exactly when every draft is and it equals the bonus token
             (``choice[accepted]``), the next position's acceptance measured for free; None
             without one (no drafts, the drafter did not run, or the drafts fill the block).
+        probes: per item, its unverified draft tokens (:attr:`StepItem.probe_draft` of them;
+            None for other items).
         draft_s, target_s: wall seconds of the drafter and target forwards (CUDA: event
             timings, read after the iteration's one synchronisation).
         ingest_s: wall seconds of writing ended sequences' target features into the drafter's
@@ -143,6 +151,7 @@ class StepOutput:
     choice: list[list[int]] = field(default_factory=list)
     accepted: list[int | None] = field(default_factory=list)
     shadow: list[int | None] = field(default_factory=list)
+    probes: list[list[int] | None] = field(default_factory=list)
     draft_s: float = 0.0
     target_s: float = 0.0
     ingest_s: float = 0.0
@@ -392,6 +401,27 @@ class ModelRunner:
             lambda: self.proposer.propose(items, block),
         )
 
+    def _drafter_step(self, items: list[StepItem], block: int, out: StepOutput):
+        """The iteration's drafter forward: ``(drafting, drafts, probing, probes)``, the indices
+        of the items with drafts to verify and their drafts ``[len(drafting), block - 1]``
+        (:meth:`_draft`), or of the items with unverified probe drafts
+        (:attr:`StepItem.probe_draft`) and the drafter's tokens for them (the same shape), None
+        where there are none.
+
+        Raises:
+            ValueError: a plan with both kinds of items.
+        """
+        drafting = [i for i, it in enumerate(items) if it.num_draft > 0]
+        probing = [i for i, it in enumerate(items) if it.probe_draft > 0]
+        if probing and drafting:
+            raise ValueError("a step either verifies drafts or probes the drafter unverified, not both")
+        drafts = probes = None
+        if drafting:
+            drafts, out.drafter_ran = self._draft([items[i] for i in drafting], block)
+        elif probing:
+            probes, out.drafter_ran = self.proposer.propose([items[i] for i in probing], block), True
+        return drafting, drafts, probing, probes
+
     def _step(self, plan: StepPlan) -> StepOutput:
         ingest_s = 0.0
         if plan.ingest and self.proposer is not None:
@@ -401,15 +431,16 @@ class ModelRunner:
         self.release(plan.release)
         items = plan.items
         out = StepOutput(
-            drafts=[[] for _ in items], accepted=[None] * len(items), shadow=[None] * len(items), ingest_s=ingest_s
+            drafts=[[] for _ in items],
+            accepted=[None] * len(items),
+            shadow=[None] * len(items),
+            probes=[None] * len(items),
+            ingest_s=ingest_s,
         )
         if not items:
             return out
         clock = _Clock(self.device)
-        drafting = [i for i, it in enumerate(items) if it.num_draft > 0]
-        drafts = None
-        if drafting:
-            drafts, out.drafter_ran = self._draft([items[i] for i in drafting], plan.draft_block)
+        drafting, drafts, probing, probes = self._drafter_step(items, plan.draft_block, out)
         clock.mark()
         packed = _Packed(items, drafting, drafts.shape[1] if drafting else 0)
         # under CUDA graphs: items[:P] replay as prompt chunks, the rest (planned as plan_meta) from
@@ -443,9 +474,12 @@ class ModelRunner:
         if drafting:  # the longest matching prefix per drafting item, on the device
             acc = accepted(drafts, choice[verify_in["tgt"]], verify_in["n_draft"])
             to_host += [drafts.view(-1), acc.long()]
+        to_host += [probes.reshape(-1)] if probing else []
         clock.mark()
         host_out = torch.cat(to_host).tolist()  # the iteration's one device -> host copy
-        out.draft_s, out.target_s = clock.seconds() if drafting else (0.0, sum(clock.seconds()))
+        if probing:  # (the copy's tail: each probing item's row of the drafter's block)
+            host_out = _read_probes(host_out, items, probing, probes.shape[1], out)
+        out.draft_s, out.target_s = clock.seconds() if drafting or probing else (0.0, sum(clock.seconds()))
         out.target_tokens = len(packed.flat)
         packed.read(host_out, out)
         if self.proposer is not None:  # (one split into every item's rows: no indexing call per item)
@@ -588,6 +622,15 @@ class _Packed:
                 out.shadow[i] = host[r + n * k + nd]
             out.accepted[i] = host[r + len(self.drafting) * k + n]
         out.choice = [host[f : f + it.num_logits] for f, it in zip(self.first, items)]
+
+
+def _read_probes(host: list[int], items: list[StepItem], probing: list[int], k: int, out: StepOutput) -> list[int]:
+    """Fill ``out.probes`` from the tail of the iteration's host copy (``k`` drafter tokens per
+    probing item, in order); returns the copy without it."""
+    tail, host = host[-len(probing) * k :], host[: -len(probing) * k]
+    for n, i in enumerate(probing):
+        out.probes[i] = tail[n * k : n * k + items[i].probe_draft]
+    return host
 
 
 def _sampling_inputs(sampled: list[tuple[int, StepItem]]) -> list[torch.Tensor]:
