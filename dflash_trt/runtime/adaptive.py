@@ -56,7 +56,13 @@ iteration commits 1 or ``k + 1`` tokens per sequence, so a few unlucky drafting 
 batch 1 must not lock drafting out); when the predicted choice achieved ``guard_margin`` less
 than the other option did, recently, at the same batch size, the other option is taken instead
 (the model may be wrong; the clock is not). Once the evidence against an option is 64
-iterations old it lapses and the model's choice is measured again.
+iterations old it lapses and the model's choice is measured again. The one-iteration explores
+alone rarely give the guard plain decoding's evidence (4 iterations within 64 while they come
+every 16 at most), so when drafting, chosen by the model with two or more sequences, has
+achieved ``2 * guard_margin`` less than the model predicts for it for 16 choices running (the
+prediction not coming down meanwhile: a model still learning corrects itself) and plain decoding
+has no recent evidence at that batch size, the next few iterations decode plainly (``measure``:
+just enough for the guard's evidence), and the guard compares the two achieved rates.
 """
 
 from __future__ import annotations
@@ -346,6 +352,11 @@ class DraftLengthController:
         self.probe_budget = probe_budget
         self.far_behind, self.far_probe = far_behind, far_probe
         self.realised = _Realised()
+        #: ``(seqs, iterations left)`` of a burst of plain iterations that measures plain
+        #: decoding for the guard (see the module docstring: ``measure``)
+        self._measuring: tuple[int, int] | None = None
+        #: ``(iteration, predicted rate)`` where drafting began to fall short of its prediction
+        self._short_since: tuple[int, float] | None = None
         self.iteration = 0
         self.overrides = 0
         self.probes = 0
@@ -433,6 +444,59 @@ class DraftLengthController:
         cost = self.target_cost(seqs * (k + 1)) + drafter + self.host_cost[host](seqs)
         return seqs * self.expected_committed(k, acceptance) / max(cost, 1e-9)
 
+    def _guard(self, best: int, seqs: int, rates: list[float], top: int) -> tuple[int, str]:
+        """The guard on the model's choice ``best`` (see the module docstring): ``(choice, why)``
+        with why ``model`` (kept), ``guard`` (the other option achieved more lately at this
+        batch size) or ``measure`` (plain decoding measured from this iteration on)."""
+        got_draft = self.realised.get(seqs, True, self.iteration)
+        got_plain = self.realised.get(seqs, False, self.iteration)
+        why = "model"
+        if got_draft is not None and got_plain is not None and top > 0:
+            if best > 0 and got_draft < (1 - self.guard_margin) * got_plain:
+                best, why = 0, "guard"
+            elif best == 0 and got_plain < (1 - self.guard_margin) * got_draft:
+                best = max(range(1, top + 1), key=lambda k: (rates[k], -k))
+                why = "guard"
+            self.overrides += why == "guard"
+        elif self._falls_short(best, seqs, rates, got_draft, got_plain):
+            r, self._short_since = self.realised, None
+            self._measuring = (seqs, max(r.min_count, -(-r.min_seqs // seqs)))
+            self._measure(seqs)
+            return 0, "measure"
+        return best, why
+
+    def _measure(self, seqs: int) -> bool:
+        """Whether this iteration at ``seqs`` sequences decodes plainly to measure plain
+        decoding (a burst started by :meth:`_falls_short`; one at another batch size ends)."""
+        m = self._measuring
+        if m is None:
+            return False
+        if m[0] != seqs or m[1] == 0:
+            self._measuring = None
+            return False
+        self._measuring = (seqs, m[1] - 1)
+        self.history.append((self.iteration, seqs, 0, "measure"))
+        return True
+
+    def _falls_short(self, best: int, seqs: int, rates: list[float], got_draft, got_plain) -> bool:
+        """Whether plain decoding is to be measured (``measure``): drafting ``best`` tokens, the
+        model's choice at ``seqs`` >= 2 sequences, has achieved lately (``got_draft``, tokens/s)
+        ``2 * guard_margin`` less than the model predicts (``rates[best]``) while plain decoding
+        has no recent evidence (``got_plain`` None), for 16 choices running, and the prediction
+        has not come down meanwhile (by 5 %). Half that shortfall comes by chance too often over
+        the guard's 8 iterations (acceptance 0.45, drafting ~1.35x plain: ~5 % of the iterations
+        measured plain); a model that is learning (an acceptance that collapsed) lowers its
+        prediction and corrects itself, faster than plain iterations, which teach it no
+        acceptance, would let it."""
+        short = not (best == 0 or seqs < 2 or got_plain is not None or got_draft is None)
+        short = short and got_draft < (1 - 2 * self.guard_margin) * rates[best]
+        if not short:
+            self._short_since = None
+            return False
+        if self._short_since is None or rates[best] < 0.95 * self._short_since[1]:
+            self._short_since = (self.iteration, rates[best])
+        return self.iteration - self._short_since[0] >= self.realised.fresh // 4
+
     def choose(self, seqs: int, token_budget: int | None = None) -> tuple[int, bool]:
         """``(draft tokens per sequence, probe)`` for this iteration; ``seqs`` sequences are
         decoding. ``probe`` true means plain decoding wins but one sequence should draft the
@@ -449,6 +513,8 @@ class DraftLengthController:
             self.history.append((self.iteration, seqs, 0, "model"))
             return 0, False
         self._plain_until = None
+        if self._measure(seqs):
+            return 0, False
         top = self.max_draft
         if token_budget is not None:
             top = max(0, min(top, token_budget // seqs - 1))
@@ -462,17 +528,9 @@ class DraftLengthController:
         best = max(range(reach + 1), key=lambda k: (rates[k], -k))
         if best > 0 and rates[best] < (1 + (self.min_gain if seqs == 1 else self.min_gain_batch)) * rates[0]:
             best = 0  # a near tie: plain decoding (see ``min_gain``, ``min_gain_batch``)
-        why = "model"
-        # the guard: what each option achieved lately at this batch size beats what was predicted
-        got_draft = self.realised.get(seqs, True, self.iteration)
-        got_plain = self.realised.get(seqs, False, self.iteration)
-        if got_draft is not None and got_plain is not None and top > 0:
-            if best > 0 and got_draft < (1 - self.guard_margin) * got_plain:
-                best, why = 0, "guard"
-            elif best == 0 and got_plain < (1 - self.guard_margin) * got_draft:
-                best = max(range(1, top + 1), key=lambda k: (rates[k], -k))
-                why = "guard"
-            self.overrides += why == "guard"
+        best, why = self._guard(best, seqs, rates, top)
+        if why == "measure":
+            return 0, False
         if (
             best > 0
             and why == "model"
