@@ -35,11 +35,13 @@ def run(
     host_s=lambda drafting: 0.0,
     walls: list | None = None,
     committed_out: list | None = None,
+    commit=lambda acc, it: acc + 1,
 ) -> None:
     """Drive ``ctl`` like the engine does: choose, "run" the iteration at the scripted costs
     (``target_s(tokens, it)``, ``draft_s(drafter tokens, it)``: forwards, plus ``host_s(drafting)``
     seconds of host work around them), feed back costs, acceptance and the achieved rate; each
-    iteration's seconds go to ``walls``, its committed tokens to ``committed_out``."""
+    iteration's seconds go to ``walls``, its committed tokens to ``committed_out``; a drafting
+    sequence that accepted ``acc`` drafts commits ``commit(acc, it)`` tokens."""
     for it in iters:
         k, probe = ctl.choose(seqs)
         drafting = 1 if probe else (seqs if k else 0)
@@ -55,7 +57,7 @@ def run(
             while acc < k and rng.random() < accept_q(it):
                 acc += 1
             ctl.observe_acceptance(k, acc, drafting)
-            committed += acc + 1
+            committed += commit(acc, it)
         if drafting in (0, seqs):  # every sequence drafted or none did (as the engine feeds it)
             ctl.observe_iteration(seqs, k > 0, t + host_s(k > 0), committed, t, probe)
         if walls is not None:
@@ -529,27 +531,20 @@ def test_drafting_that_falls_short_of_its_prediction_is_measured_against_plain()
     ctl = calibrated(3, target, draft, seqs)
     rng = random.Random(5)
     picks, walls, commits = [], [], []
-    for it in range(700):
-        k, probe = ctl.choose(seqs)
-        drafting = 1 if probe else (seqs if k else 0)
-        tokens = seqs + (k if probe else seqs * k)
-        drafter = ctl.draft_tokens(drafting, k)
-        t = target(tokens, it) + (draft(drafter, it) if k else 0.0)
-        ctl.target_cost.observe(tokens, target(tokens, it))
-        if k:
-            ctl.observe_drafter(drafting, drafter, draft(drafter, it))
-        committed = seqs - drafting
-        for _ in range(drafting):
-            acc = 0
-            while acc < k and rng.random() < 0.6:
-                acc += 1
-            ctl.observe_acceptance(k, acc, drafting)
-            committed += 1 + (acc if it < 400 or rng.random() < 0.15 else 0)
-        if drafting in (0, seqs):
-            ctl.observe_iteration(seqs, k > 0, t, committed, t, probe)
-        picks.append((it, 0 if probe else k))
-        walls.append(t)
-        commits.append(committed)
+    commit = lambda acc, it: 1 + (acc if it < 400 or rng.random() < 0.15 else 0)  # noqa: E731
+    run(
+        ctl,
+        range(700),
+        seqs,
+        target,
+        draft,
+        lambda it: 0.6,
+        rng,
+        picks,
+        walls=walls,
+        committed_out=commits,
+        commit=commit,
+    )
     assert settled(picks, 0, want_draft=True, end=400) is not None
     assert "measure" in {h[3] for h in ctl.history if h[0] >= 400}
     assert ctl.rate(2, seqs) > 1.2 * ctl.rate(0, seqs)  # the model still predicts drafting wins

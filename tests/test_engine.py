@@ -534,11 +534,11 @@ def test_calibration_keeps_the_median_of_its_runs(smollm2, random_drafter):
     assert plain4 < max(others) + 0.1, (plain4, others)
 
 
-def test_shadow_draft_measures_the_next_position(smollm2):
-    """Drafting one token a sequence, the drafter's block reaches one position further (the
-    shadow draft, never verified): whenever the draft is accepted, the shadow is checked against
-    the bonus token, so the controller's second-position counts grow by exactly those steps and
-    their matches, while nothing of the output changes."""
+def _forced_choice_run(smollm2, choice: tuple[int, bool]):
+    """The shipped drafter (fp32, block 4) with the adaptive controller's every choice forced
+    to ``choice`` on two chat prompts, 24 tokens each, outputs checked against plain decoding;
+    returns the controller (plain acceptance counts: no decay), every iteration's ``(plan,
+    StepOutput)``, the prompts and the results."""
     from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
     from dflash_trt.checkpoints.zlab import load_drafter
 
@@ -547,13 +547,22 @@ def test_shadow_draft_measures_the_next_position(smollm2):
     engine = LLMEngine(smollm2.model, drafter, (), cfg)  # (no stop tokens, as plain_outputs)
     ctl = engine.controller
     ctl.decay = 1.0  # plain counts
-    ctl.choose = lambda seqs, token_budget=None: (1, False)  # one draft a sequence, every iteration
+    ctl.choose = lambda seqs, token_budget=None: choice
     steps = []
     run = engine._run
     engine._run = lambda plan: steps.append((plan, run(plan))) or steps[-1][1]
     prompts = [chat_prompt_ids(smollm2.tokenizer, q) for q in ("What is 7 * 8?", "List three primes.")]
     out = engine.generate([Request(p, 24) for p in prompts])
     assert [o.output_ids for o in out] == plain_outputs(smollm2.model, prompts, 24)
+    return engine, ctl, steps, prompts, out
+
+
+def test_shadow_draft_measures_the_next_position(smollm2):
+    """Drafting one token a sequence, the drafter's block reaches one position further (the
+    shadow draft, never verified): whenever the draft is accepted, the shadow is checked against
+    the bonus token, so the controller's second-position counts grow by exactly those steps and
+    their matches, while nothing of the output changes."""
+    _, ctl, steps, _, _ = _forced_choice_run(smollm2, (1, False))  # one draft a sequence, every iteration
     reached = hits = 0
     for plan, o in steps:
         for drafts, acc, shadow, choice in zip(o.drafts, o.accepted, o.shadow, o.choice):
@@ -728,21 +737,7 @@ def test_unverified_probe_measures_what_a_verify_would(smollm2):
     the tokens the sequence commits over the next iterations. The controller's acceptance counts
     equal those recomputed from the final outputs (the longest matching prefix of each probe's
     drafts, as a verify would have accepted), and the output is plain decoding's."""
-    from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
-    from dflash_trt.checkpoints.zlab import load_drafter
-
-    drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32)
-    cfg = engine_config(block_size=4, adaptive=True, max_batch_size=4, max_num_tokens=256, kv_capacity=4096)
-    engine = LLMEngine(smollm2.model, drafter, (), cfg)  # (no stop tokens, as plain_outputs)
-    ctl = engine.controller
-    ctl.decay = 1.0  # plain counts
-    ctl.choose = lambda seqs, token_budget=None: (2, True)  # a two-draft probe every iteration
-    steps = []
-    run = engine._run
-    engine._run = lambda plan: steps.append((plan, run(plan))) or steps[-1][1]
-    prompts = [chat_prompt_ids(smollm2.tokenizer, q) for q in ("What is 7 * 8?", "List three primes.")]
-    out = engine.generate([Request(p, 24) for p in prompts])
-    assert [o.output_ids for o in out] == plain_outputs(smollm2.model, prompts, 24)
+    engine, ctl, steps, prompts, out = _forced_choice_run(smollm2, (2, True))  # a two-draft probe every iteration
     tokens = {i: p + o.output_ids for i, (p, o) in enumerate(zip(prompts, out))}
     reached, accepted, probes = [0] * 3, [0] * 3, 0
     for plan, o in steps:
