@@ -554,3 +554,18 @@ def test_drafting_that_falls_short_of_its_prediction_is_measured_against_plain()
     late = [k for it, k in picks if it >= 450]
     assert sum(1 for k in late if k) <= 0.15 * len(late)
     assert sum(commits[450:]) / sum(walls[450:]) >= 0.93 * seqs / target(seqs, 0)
+
+
+def test_a_probe_verifies_where_the_verify_costs_less_than_the_drafter_alone():
+    # a CPU-like target whose rows cost little within a 16-row tile and a step past it (a
+    # 2-core AMX CPU: 3 more rows at 4 sequences ~1.5 ms of a ~22 ms step, at 16 +15-25 ms of
+    # ~30), a 4 ms drafter: at 4 sequences the verified probe (its accepted drafts gained) is
+    # the cheaper, at 16 the drafter alone
+    target = lambda n, it: 0.020 + 0.0005 * n + (0.015 if n > 16 else 0.0)  # noqa: E731
+    draft = lambda n, it: 0.004  # noqa: E731
+    ctl = calibrated(3, target, draft, 16)
+    for _ in range(20):
+        ctl.observe_acceptance(3, 1)  # acceptance ~0.5 at the first position
+    assert not ctl.unverified_probe(4, 3)
+    assert ctl.unverified_probe(16, 3)
+    assert ctl.unverified_probe(32, 3) == (target(35, 0) - target(32, 0) > 0.004)

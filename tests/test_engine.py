@@ -534,11 +534,12 @@ def test_calibration_keeps_the_median_of_its_runs(smollm2, random_drafter):
     assert plain4 < max(others) + 0.1, (plain4, others)
 
 
-def _forced_choice_run(smollm2, choice: tuple[int, bool]):
+def _forced_choice_run(smollm2, choice: tuple[int, bool], unverified_probes: bool = False):
     """The shipped drafter (fp32, block 4) with the adaptive controller's every choice forced
     to ``choice`` on two chat prompts, 24 tokens each, outputs checked against plain decoding;
     returns the controller (plain acceptance counts: no decay), every iteration's ``(plan,
-    StepOutput)``, the prompts and the results."""
+    StepOutput)``, the prompts and the results. ``unverified_probes``: probes run the drafter
+    alone (else they verify; the controller's cost comparison is not what is tested here)."""
     from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
     from dflash_trt.checkpoints.zlab import load_drafter
 
@@ -548,6 +549,7 @@ def _forced_choice_run(smollm2, choice: tuple[int, bool]):
     ctl = engine.controller
     ctl.decay = 1.0  # plain counts
     ctl.choose = lambda seqs, token_budget=None: choice
+    ctl.unverified_probe = lambda seqs, k: unverified_probes
     steps = []
     run = engine._run
     engine._run = lambda plan: steps.append((plan, run(plan))) or steps[-1][1]
@@ -737,7 +739,8 @@ def test_unverified_probe_measures_what_a_verify_would(smollm2):
     the tokens the sequence commits over the next iterations. The controller's acceptance counts
     equal those recomputed from the final outputs (the longest matching prefix of each probe's
     drafts, as a verify would have accepted), and the output is plain decoding's."""
-    engine, ctl, steps, prompts, out = _forced_choice_run(smollm2, (2, True))  # a two-draft probe every iteration
+    # a two-draft probe every iteration
+    engine, ctl, steps, prompts, out = _forced_choice_run(smollm2, (2, True), unverified_probes=True)
     tokens = {i: p + o.output_ids for i, (p, o) in enumerate(zip(prompts, out))}
     reached, accepted, probes = [0] * 3, [0] * 3, 0
     for plan, o in steps:

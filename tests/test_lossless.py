@@ -157,13 +157,12 @@ def test_one_sequence_probes_take_turns_and_stay_lossless(smollm2, random_drafte
     # sequences in turn: while all four run, each probes at every fourth step. Always the first
     # (the oldest) measured the acceptance of late answer positions only (0.17 where every
     # sequence drafting saw 0.39, 4 bf16 GSM8K sequences). Greedy requests probe the drafter
-    # alone (its drafts checked against the tokens committed next); ``unverified=False`` forces
-    # the verified probe that sampled requests and prompt lookup take
+    # alone (its drafts checked against the tokens committed next) where that is the cheaper
+    # kind, forced here either way (sampled requests and prompt lookup always verify)
     reqs = [Request(p, MAX_NEW) for p in prompts[:4]]
     engine = make_engine(smollm2, random_drafter, 4, reqs, adaptive=True)
     engine.controller.choose = lambda seqs, token_budget=None: (2, True)
-    if not unverified:
-        engine._probe_unverified = lambda s: False
+    engine.controller.unverified_probe = lambda seqs, k: unverified  # (the cheaper kind, forced)
     probes = []  # per decode step of all four sequences: the sequences that probed in it
     run = engine._run
 

@@ -388,7 +388,7 @@ class LLMEngine:
         if probe and drafts:  # one sequence drafts, each in turn (see ``_probe_turn``)
             j = self._probe_turn % len(drafts)
             self._probe_turn += 1
-            if self._probe_unverified(sched.decode[j]):  # (none while its last one is being checked)
+            if self._probe_unverified(sched.decode[j], len(drafts), drafts[j]):  # (none while one is checked)
                 unverified = (j, drafts[j]) if sched.decode[j].seq_id not in self._probe_checks else None
                 drafts = []
             else:
@@ -537,20 +537,22 @@ class LLMEngine:
         ingest, self._ingest = self._ingest, []
         return StepPlan(items, block, release, ingest)
 
-    def _probe_unverified(self, s: Sequence) -> bool:
-        """Whether the controller's one-sequence probe of ``s`` runs the drafter alone, its
-        drafts checked against the tokens ``s`` commits over the next iterations
-        (:meth:`_check_probe`), instead of a verify of ``s``'s drafts in the target's forward.
-        For a greedy request the two measure the same acceptance (a draft is accepted exactly
-        when it equals the target's token); the unverified probe adds no target rows: at 16
-        bf16 sequences on a 2-core CPU a verified probe's ragged step (16 rows past the AMX
-        tile's 16) cost +15-25 ms on a ~30 ms step, the drafter alone ~4 ms, and under CUDA
-        graphs the ragged step runs eagerly (~25 ms against a ~5 ms replay on an H200). Sampled
-        requests (accepted by rejection sampling, not by equality), prompt lookup (its tokens
-        replace the drafter's) and the controller's every-sequence probes (they measure a
-        verify's cost too) verify as before. A probe of ``s`` while its last one is still being
-        checked is skipped (that check's evidence is on its way)."""
-        return s.generator is None and self.lookup is None and not self.controller.uniform_probes
+    def _probe_unverified(self, s: Sequence, seqs: int, k: int) -> bool:
+        """Whether the controller's one-sequence probe of ``s`` (``k`` drafts, ``seqs``
+        sequences decoding) runs the drafter alone, its drafts checked against the tokens ``s``
+        commits over the next iterations (:meth:`_check_probe`), instead of a verify of ``s``'s
+        drafts in the target's forward. For a greedy request the two measure the same acceptance
+        (a draft is accepted exactly when it equals the target's token); the unverified probe
+        adds no target rows and gains no tokens, and is taken where the controller predicts it
+        the cheaper (:meth:`~.adaptive.DraftLengthController.unverified_probe`: at 16 bf16
+        sequences on a 2-core CPU a verified probe's ragged step, 16 rows past the AMX tile's
+        16, cost +15-25 ms on a ~30 ms step, the drafter alone ~4 ms; at 4 the verified one).
+        Sampled requests (accepted by rejection sampling, not by equality), prompt lookup (its
+        tokens replace the drafter's) and the controller's every-sequence probes (they measure
+        a verify's cost too) verify. A probe of ``s`` while its last one is still being checked
+        is skipped (that check's evidence is on its way)."""
+        ctl = self.controller
+        return s.generator is None and self.lookup is None and not ctl.uniform_probes and ctl.unverified_probe(seqs, k)
 
     def _check_probe(self, s: Sequence) -> None:
         """Check ``s``'s unverified probe drafts against the tokens it has committed: the
