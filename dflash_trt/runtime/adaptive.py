@@ -430,10 +430,14 @@ class DraftLengthController:
         expected accepted drafts gained): the higher predicted rate of the two iterations. On a
         2-core CPU the verified probe wins at 4 bf16 sequences (3 more rows ~1.5 ms on a ~22 ms
         step, ~0.5 tokens gained, against a ~4 ms drafter), the unverified one at 16 (3 rows
-        past the AMX tile's 16: +15-25 ms on a ~30 ms step)."""
+        past the AMX tile's 16: +15-25 ms on a ~30 ms step). The verify's ragged size is charged
+        the cost of the next size the model measured at or above it: between measured sizes a
+        tiled GEMM's cost is a step, not the line (the model put 19 rows at 43 ms against 41 for
+        16, and probes verified at 16 bf16 sequences)."""
         host = self.host_cost[False](seqs)
         drafter = self.draft_cost(self.draft_tokens(1, k))
-        verified = (seqs - 1 + self.expected_committed(k)) / max(self.target_cost(seqs + k) + drafter + host, 1e-9)
+        n = next((x for x in self.target_cost.xs if x >= seqs + k), seqs + k)
+        verified = (seqs - 1 + self.expected_committed(k)) / max(self.target_cost(n) + drafter + host, 1e-9)
         unverified = seqs / max(self.target_cost(seqs) + drafter + host, 1e-9)
         return unverified > verified
 
