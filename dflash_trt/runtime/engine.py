@@ -527,8 +527,9 @@ class LLMEngine:
             probe = block - 1 if unverified and unverified[0] == j else 0
             span = block if nd or probe else 1  # the drafter writes a whole block
             table = self.blocks.ensure(s.seq_id, s.num_cached + span)
-            item = StepItem(s.seq_id, [s.tokens[-1]], s.num_cached, list(table), num_draft=nd, num_logits=1 + nd)
-            item.probe_draft = probe
+            item = StepItem(
+                s.seq_id, [s.tokens[-1]], s.num_cached, list(table), num_draft=nd, num_logits=1 + nd, probe_draft=probe
+            )
             if nd and self.lookup is not None:
                 item.lookup = self.lookup.propose(s.seq_id, s.tokens, nd)
             _sample_on_device(s, item)
