@@ -24,7 +24,17 @@ from torch import nn
 
 from dflash_trt.checkpoints.loader import load_pair
 from dflash_trt.errors import DFlashError
-from dflash_trt.kernels.cpu_ops import _cpu_flags, bf16_gemm, bi_attention, bi_linear, bi_paged_attention, rms_norm
+from dflash_trt.kernels.context_kv import context_kv_reference
+from dflash_trt.kernels.cpu_ops import (
+    _cpu_flags,
+    argmax_rows,
+    bf16_gemm,
+    bi_attention,
+    bi_linear,
+    bi_paged_attention,
+    context_kv,
+    rms_norm,
+)
 from dflash_trt.models.batch_invariant import BatchInvariantLinear, check_batch_invariant, set_batch_invariant
 from dflash_trt.models.layers import RMSNorm
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
@@ -178,6 +188,67 @@ def test_rms_norm_kernel_equals_torch_and_rows_independent(dtype):
             assert torch.equal(norm(x.view(4, 10, d)).view(40, d), ref)
             norm.cpu_kernel = True
             assert torch.equal(norm(x.view(4, 10, d)).view(40, d), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_torch_argmax(dtype):
+    """``dflash_cpu::argmax_rows`` (the greedy choice of logits rows, ``argmax_last`` on the CPU)
+    gives ``torch.argmax``'s index: random rows, rows of a few integer values (ties everywhere:
+    the first maximum), rows shorter than a vector and with a tail past the last full vector,
+    NaN (the first NaN), +-inf, strided rows (a view of every other row); refuses fp16."""
+    g = torch.Generator().manual_seed(0)
+    for shape in ((1, 1), (3, 15), (5, 17), (7, 49152), (13, 8192), (4, 33)):
+        for _ in range(10):
+            for x in (torch.randn(*shape, generator=g), torch.randint(-3, 4, shape, generator=g).float()):
+                x = x.to(dtype)
+                assert torch.equal(argmax_rows(x), x.float().argmax(-1)), shape
+    x = torch.randn(6, 1000, generator=g).to(dtype)
+    x[1, 999] = float("inf")
+    x[2, 500] = x[2, 700] = float("nan")
+    x[3] = float("-inf")
+    x[4, 5] = x[4, 900] = float("inf")
+    x[5, 17] = float("nan")
+    x[5, 3] = float("inf")
+    want = x.float().argmax(-1)
+    assert want.tolist()[1:] == [999, 500, 0, 5, 17]
+    assert torch.equal(argmax_rows(x), want)
+    assert torch.equal(argmax_rows(x[::2]), want[::2])
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        argmax_rows(x.half())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_context_kv_kernel_equals_the_reference(dtype):
+    """``dflash_cpu::context_kv`` (the drafter's KV injection writes in one call) against
+    :func:`~dflash_trt.kernels.context_kv.context_kv_reference`: the same bits in bf16, within
+    2 fp32 ulps of the scale in fp32 (the mean square summed in another order); V copied as it
+    is; nothing written outside the given slots, from 1 token to the parallel sizes (512
+    tokens); a slot outside the pools is refused before anything is written."""
+    L, hkv, d, P = 2, 3, 64, 1100
+    g = torch.Generator().manual_seed(0)
+    inv_freq = 1.0 / (100000 ** (torch.arange(0, d, 2).float() / d))
+    knorm = (1 + 0.1 * torch.randn(L, d, generator=g)).to(dtype)
+    for T in (1, 7, 512):
+        kv = (3 * torch.randn(T, L * 2 * hkv * d, generator=g)).to(dtype)
+        positions = torch.randint(0, 8192, (T,), generator=g)
+        slots = torch.randperm(P, generator=g)[:T]
+        ref = [torch.zeros(L, P, hkv, d, dtype=dtype) for _ in range(2)]
+        got = [torch.zeros(L, P, hkv, d, dtype=dtype) for _ in range(2)]
+        context_kv_reference(kv, knorm, 1e-5, inv_freq, positions, slots, *ref)
+        context_kv(kv, knorm, 1e-5, inv_freq, positions, slots, *got)
+        assert torch.equal(got[1], ref[1])
+        if dtype == torch.bfloat16:
+            assert torch.equal(got[0], ref[0])
+        else:
+            scale = ref[0].abs().max().item()
+            assert (got[0] - ref[0]).abs().max().item() <= 2 * torch.finfo(dtype).eps * scale
+        untouched = torch.ones(P, dtype=torch.bool)
+        untouched[slots] = False
+        assert got[0][:, untouched].abs().sum() == 0 and got[1][:, untouched].abs().sum() == 0
+    pools = [torch.zeros(L, P, hkv, d, dtype=dtype) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="out of the pools' range"):
+        context_kv(kv[:2], knorm, 1e-5, inv_freq, positions[:2], torch.tensor([3, P]), *pools)
+    assert pools[0].abs().sum() == 0 and pools[1].abs().sum() == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

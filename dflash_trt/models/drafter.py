@@ -218,7 +218,7 @@ class DFlashDrafter(nn.Module):
                 ``[k_proj; v_proj]`` compute, used instead of them (the fused CPU path's
                 batch-invariant copies, ``models/fused_layer.py``).
         """
-        from ..kernels import ops
+        from ..kernels import cpu_ops, ops
         from ..kernels.context_kv import context_kv_reference
 
         w, b, knorm = self._stacked_kv()
@@ -232,10 +232,14 @@ class DFlashDrafter(nn.Module):
             # YaRN multiplies cos and sin by a factor; RoPE is linear in k, so that is the same
             # factor on k, applied through the k_norm weight (the kernel's RoPE takes inv_freq alone)
             knorm = knorm * self.rope.attention_factor
-        # on the eager CPU path the reference directly: the custom op's dispatch (autograd, in-place
-        # bookkeeping) cost ~0.2 ms of a ~0.5 ms KV injection at draft sizes
+        # on the eager CPU path not the custom op (its dispatch, autograd and in-place bookkeeping,
+        # cost ~0.2 ms of a ~0.5 ms KV injection at draft sizes): the C++ kernel where the CPU
+        # kernels are loaded (~0.5 ms less a drafting step than the torch reference's ~20 ops)
         eager_cpu = kv.device.type == "cpu" and not torch.compiler.is_compiling()
-        write = context_kv_reference if eager_cpu else ops.context_kv
+        write = ops.context_kv
+        if eager_cpu:
+            one = kv.dtype in (torch.float32, torch.bfloat16) and kv.dtype == knorm.dtype == k_pools.dtype
+            write = cpu_ops.context_kv if one and cpu_ops.loaded() else context_kv_reference
         write(kv, knorm, self.cfg.rms_norm_eps, inv_freq, positions, slots, k_pools, v_pools)
 
     def _stacked_kv(self) -> tuple[torch.Tensor | PackedLinear, torch.Tensor | None, torch.Tensor]:
