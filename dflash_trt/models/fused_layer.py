@@ -174,16 +174,14 @@ def plan_drafter_layers(drafter, dtype: torch.dtype) -> tuple[list[tuple], tuple
     return plan, context
 
 
-def run_dense_layer(
-    args: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, meta: AttentionMetadata, window=None
-) -> torch.Tensor:
-    """A layer through ``dflash_cpu::dense_layer`` (``args``: its entry of
-    :func:`plan_dense_layers` or :func:`plan_drafter_layers`): ``x [1, N, hidden]`` ->
-    ``[1, N, hidden]``, the layer's K/V written into the pools ``kv``; ``window``: the layer's
-    sliding window (its mask in ``meta``), None for full attention."""
-    scale = 1.0 / math.sqrt(args[-1][2])  # dims: (heads, KV heads, head dim, hidden, intermediate)
+def dense_layer_attention(meta: AttentionMetadata, window=None) -> tuple[tuple, tuple]:
+    """The attention arguments of ``dflash_cpu::dense_layer`` for the layers of one forward under
+    ``meta`` that attend with ``window`` (None: full attention): ``(write slots, read slots,
+    mask)`` and ``(query index, query rows, each attention group's read slots, mask, query
+    gathers and output rows)``. Built once per forward and window, not per layer (its Python,
+    ~30 us a layer, was ~1 ms of a 30-layer step)."""
     gs = meta.groups or []
-    groups = (  # each attention group's read slots, mask, query gathers and output rows
+    groups = (
         [g.read_slots for g in gs],
         [g.mask_for(window) for g in gs],
         [g.query_index for g in gs],
@@ -191,7 +189,16 @@ def run_dense_layer(
         [g.query_out for g in gs],
     )
     own = gs[0] if gs else meta  # (with groups the op reads theirs alone: the first stands in)
-    return torch.ops.dflash_cpu.dense_layer(
-        x, *args, cos, sin, kv[0], kv[1], meta.write_slots, own.read_slots, own.mask_for(window), scale,
-        meta.query_index, meta.query_rows, *groups
-    )  # fmt: skip
+    return (meta.write_slots, own.read_slots, own.mask_for(window)), (meta.query_index, meta.query_rows, *groups)
+
+
+def run_dense_layer(
+    args: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, attention: tuple[tuple, tuple]
+) -> torch.Tensor:
+    """A layer through ``dflash_cpu::dense_layer`` (``args``: its entry of
+    :func:`plan_dense_layers` or :func:`plan_drafter_layers`): ``x [1, N, hidden]`` ->
+    ``[1, N, hidden]``, the layer's K/V written into the pools ``kv``; ``attention``: the
+    forward's :func:`dense_layer_attention` for the layer's sliding window."""
+    scale = 1.0 / math.sqrt(args[-1][2])  # dims: (heads, KV heads, head dim, hidden, intermediate)
+    pre, post = attention
+    return torch.ops.dflash_cpu.dense_layer(x, *args, cos, sin, kv[0], kv[1], *pre, scale, *post)

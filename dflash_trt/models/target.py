@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .config import TargetConfig
-from .fused_layer import fused_forward_wanted, run_dense_layer
+from .fused_layer import dense_layer_attention, fused_forward_wanted, run_dense_layer
 from .layers import AttentionMetadata, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, cached_attention
 from .moe import MoEBlock
 
@@ -158,11 +158,15 @@ class TargetModel(nn.Module):
         upto = max(capture) + 1 if features_only else len(self.layers)
         # uniform paged steps on the CPU: each planned layer in one C++ call (models/fused_layer.py)
         dense = self.dense_layers if self.dense_layers is not None and fused_forward_wanted(x, meta, kv_cache) else None
+        layers, attention = list(self.layers), {}  # (a list: ModuleList indexing costs ~20 us a layer)
         for i in range(upto):
-            layer = self.layers[i]
+            layer = layers[i]
             args = dense[i] if dense is not None else None
             if args is not None:
-                x = run_dense_layer(args, x, cos, sin, kv_cache[i], meta, layer.attn.window)
+                w = layer.attn.window
+                if w not in attention:  # (once per forward and window)
+                    attention[w] = dense_layer_attention(meta, w)
+                x = run_dense_layer(args, x, cos, sin, kv_cache[i], attention[w])
             else:
                 x = layer(x, cos, sin, kv_cache[i], meta)
             if i in wanted:

@@ -16,7 +16,7 @@ import torch
 from ...errors import DFlashError
 from ...models.batch_invariant import resolve_batch_invariant
 from ...models.drafter import DFlashDrafter, PagedBlocks
-from ...models.fused_layer import fused_forward_wanted, plan_drafter_layers, run_dense_layer
+from ...models.fused_layer import dense_layer_attention, fused_forward_wanted, plan_drafter_layers, run_dense_layer
 from ...models.target import TargetModel
 from ..attention_meta import plan_packed
 from ..compiled import compiled_forward
@@ -330,8 +330,9 @@ class DFlashProposer:
         if not fused_forward_wanted(x, meta, self.cache.layers):
             raise DFlashError("the drafter's fused layers need one uniform attention group")  # (never: S blocks of B)
         cos, sin = d.rope(meta.positions, x.dtype, meta.max_position)
-        for args, kv in zip(layers, self.cache.layers):  # (the plan put the window into meta.mask)
-            x = run_dense_layer(args, x, cos, sin, kv, meta)
+        attention = dense_layer_attention(meta)  # (the plan put the window into meta.mask)
+        for args, kv in zip(layers, self.cache.layers):
+            x = run_dense_layer(args, x, cos, sin, kv, attention)
         return d.norm(x)
 
     def _forward_kernels(self, ids, feats, ctx_pos, ctx_slots, tables, starts, block) -> torch.Tensor:
