@@ -33,6 +33,7 @@ from dflash_trt.kernels.cpu_ops import (
     bi_linear,
     bi_paged_attention,
     context_kv,
+    load,
     rms_norm,
 )
 from dflash_trt.models.batch_invariant import BatchInvariantLinear, check_batch_invariant, set_batch_invariant
@@ -223,7 +224,9 @@ def test_context_kv_kernel_equals_the_reference(dtype):
     :func:`~dflash_trt.kernels.context_kv.context_kv_reference`: the same bits in bf16, within
     2 fp32 ulps of the scale in fp32 (the mean square summed in another order); V copied as it
     is; nothing written outside the given slots, from 1 token to the parallel sizes (512
-    tokens); a slot outside the pools is refused before anything is written."""
+    tokens); a slot outside the pools is refused before anything is written. (``context_kv``
+    falls back to the reference where the kernels are not loaded: they are, here.)"""
+    load()
     L, hkv, d, P = 2, 3, 64, 1100
     g = torch.Generator().manual_seed(0)
     inv_freq = 1.0 / (100000 ** (torch.arange(0, d, 2).float() / d))

@@ -29,10 +29,10 @@ import torch
 
 from ..errors import DFlashError
 
-SOURCE = Path(__file__).with_name("cpu") / "batch_invariant.cpp"
+CPU_DIR = Path(__file__).with_name("cpu")
 #: every source of the extension: the kernels, the host-side paged attention metadata builder, the
 #: KV injection's norm / RoPE / pool writes, and the greedy choice (argmax) of logits rows
-SOURCES = tuple(SOURCE.with_name(n) for n in ("batch_invariant.cpp", "paged_meta.cpp", "context_kv.cpp", "argmax.cpp"))
+SOURCES = tuple(CPU_DIR / n for n in ("batch_invariant.cpp", "paged_meta.cpp", "context_kv.cpp", "argmax.cpp"))
 
 _lock = threading.Lock()
 _loaded = False
@@ -241,7 +241,9 @@ def context_kv(
     """:func:`~dflash_trt.kernels.context_kv.context_kv_reference` in one call (DFlash KV
     injection, arXiv:2602.06036 section 3: each layer's K heads k_norm-ed and rotated, K and V
     written to the pools at ``slots``), with the reference's roundings; its mean square summed
-    in order (the reference's vectorized sum: an ulp apart now and then).
+    in order (the reference's vectorized sum: an ulp apart now and then). The eager CPU path's
+    KV injection: where the kernels are not loaded in this process (they are not built for it
+    here) or the dtypes are not one of fp32 / bf16 throughout, the torch reference itself.
 
     Args:
         kv: ``[T, L * 2 * Hkv * D]`` fp32 or bf16 (rows contiguous), layer ``l``'s K then V heads.
@@ -251,9 +253,12 @@ def context_kv(
         k_pools, v_pools: ``[L, P, Hkv, D]`` contiguous, ``kv``'s dtype; written in place.
 
     Raises:
-        RuntimeError: another dtype or layout, or a slot outside ``[0, P)``.
+        RuntimeError: another layout, or a slot outside ``[0, P)``.
     """
-    load()
+    if not (_loaded and kv.dtype in (torch.float32, torch.bfloat16) and kv.dtype == k_norm.dtype == k_pools.dtype):
+        from .context_kv import context_kv_reference
+
+        return context_kv_reference(kv, k_norm, eps, inv_freq, positions, slots, k_pools, v_pools)
     ang = positions.float().unsqueeze(1) * inv_freq  # [T, D / 2], as the reference's
     torch.ops.dflash_cpu.context_kv(kv, k_norm, eps, ang.cos(), ang.sin(), slots.contiguous(), k_pools, v_pools)
 

@@ -219,7 +219,6 @@ class DFlashDrafter(nn.Module):
                 batch-invariant copies, ``models/fused_layer.py``).
         """
         from ..kernels import cpu_ops, ops
-        from ..kernels.context_kv import context_kv_reference
 
         w, b, knorm = self._stacked_kv()
         fc = self.fc
@@ -236,10 +235,7 @@ class DFlashDrafter(nn.Module):
         # cost ~0.2 ms of a ~0.5 ms KV injection at draft sizes): the C++ kernel where the CPU
         # kernels are loaded (~0.5 ms less a drafting step than the torch reference's ~20 ops)
         eager_cpu = kv.device.type == "cpu" and not torch.compiler.is_compiling()
-        write = ops.context_kv
-        if eager_cpu:
-            one = kv.dtype in (torch.float32, torch.bfloat16) and kv.dtype == knorm.dtype == k_pools.dtype
-            write = cpu_ops.context_kv if one and cpu_ops.loaded() else context_kv_reference
+        write = cpu_ops.context_kv if eager_cpu else ops.context_kv
         write(kv, knorm, self.cfg.rms_norm_eps, inv_freq, positions, slots, k_pools, v_pools)
 
     def _stacked_kv(self) -> tuple[torch.Tensor | PackedLinear, torch.Tensor | None, torch.Tensor]:

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import DFlashError
+from ..kernels import cpu_ops
 
 _CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -41,9 +42,7 @@ def argmax_last(x: torch.Tensor) -> torch.Tensor:
     CPU tensors go through fp32 (torch's bf16 CPU argmax measured 6-7x slower than upcasting and
     reducing). Either way the same index."""
     if x.device.type == "cpu":
-        from ..kernels import cpu_ops
-
-        kernel = x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] and cpu_ops.loaded()
+        kernel = x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] > 0 and cpu_ops.loaded()
         if kernel and not torch.compiler.is_compiling():
             return cpu_ops.argmax_rows(x.reshape(-1, x.shape[-1])).view(x.shape[:-1])
         if x.dtype in (torch.bfloat16, torch.float16):
