@@ -8,7 +8,10 @@ Model (measured, not assumed):
   where the drafter runs whole blocks, under CUDA graphs: :meth:`DraftLengthController.draft_tokens`)
   (:class:`CostModel`: per size the median of
   its recent measurements, fitted non-decreasing in the size with weights that fade for sizes
-  not measured lately, so one slow period cannot lock in a wrong choice);
+  not measured lately, so one slow period cannot lock in a wrong choice), in the machine's
+  long-run time times its current speed (:class:`MachineSpeed`: every target forward's time
+  against its size's long-run value; a shared host slows every size alike, and a size measured
+  only in a slow period must not be compared as it was with one measured in a fast period);
 - ``host_cost[mode](S)``: seconds of an iteration of ``S`` decoding sequences outside those
   forwards (planning, acceptance, commit, feature bookkeeping), per mode (drafting / plain):
   the whole iteration's wall time minus its forwards. A drafting iteration does more host work
@@ -97,6 +100,26 @@ def _isotonic(values: list[float], weights: list[float]) -> list[float]:
     return out
 
 
+class MachineSpeed:
+    """How slow the machine runs now against the long run: the median of the last ``window``
+    ratios of a forward's measured seconds to the recent value of its size point (``CostModel``
+    with ``feeds_speed``). Cost models sharing it keep their measurements divided by the speed
+    at the time and multiply their fit by the current speed, so a size measured in one of a
+    shared host's slow periods (steal time: every size slows alike) is not compared with another
+    measured in a fast one. (Load bench, 4 bf16 sequences on a 2-core VM: the verify sizes of 8 /
+    12 / 16 rows read 38-47 / 43-49 / 46-56 ms in the model, measured while drafting in slow
+    periods, beside the plain size's 29-35 ms re-measured every iteration since; interleaved,
+    they cost 29-34 ms, and the controller decoded plainly where drafting won by 5-9 %.)"""
+
+    def __init__(self, window: int = 3):
+        self.ratios: deque = deque(maxlen=window)
+        self.value = 1.0
+
+    def observe(self, ratio: float) -> None:
+        self.ratios.append(ratio)
+        self.value = _median(list(self.ratios))
+
+
 class CostModel:
     """Seconds as a non-decreasing, piecewise-linear function of a size, from measurements.
 
@@ -123,6 +146,13 @@ class CostModel:
 
     Ticks are the controller's iterations when it sets :attr:`now`, else measurements.
 
+    With a :class:`MachineSpeed` (``speed``), measurements are kept in the machine's long-run
+    time (divided by the speed when measured) and the model's seconds are its fit times the
+    current speed; with ``feeds_speed`` every measurement at a size with ``min_ref`` earlier ones
+    first updates the speed: its ratio to the median of that size's last ``ref_window``. (Against
+    the point's value itself, the median of its last ``window``, the point took up a slow period
+    in 3 measurements, before the speed's median did, and the speed stayed where it was.)
+
     Args:
         window: measurements kept per point.
         horizon: ticks within which a measurement counts as recent.
@@ -131,15 +161,30 @@ class CostModel:
         age_down: whether stale points age down at all (the drafter's cost does not: its fresher
             smaller sizes are one-sequence probes, whose cost says nothing of 32 sequences';
             every-sequence probes re-measure it, see :meth:`DraftLengthController.choose`).
+        speed, feeds_speed: the machine's speed this model scales by and whether its
+            measurements update it (None: seconds as measured).
+        ref_window, min_ref: see above.
     """
 
     def __init__(
-        self, window: int = 5, horizon: int = 32, half_life: float = 32.0, snap: float = 1.25, age_down: bool = True
+        self,
+        window: int = 5,
+        horizon: int = 32,
+        half_life: float = 32.0,
+        snap: float = 1.25,
+        age_down: bool = True,
+        speed: MachineSpeed | None = None,
+        feeds_speed: bool = False,
+        ref_window: int = 32,
+        min_ref: int = 2,
     ):
         self.window, self.horizon, self.half_life, self.snap = window, horizon, half_life, snap
         self.age_down = age_down
+        self.speed, self.feeds_speed = speed, feeds_speed and speed is not None
+        self.ref_window, self.min_ref = ref_window, min_ref
         self.xs: list[float] = []
         self.obs: list[deque] = []  # (tick, seconds)
+        self.ref: list[deque] = []  # per point its last ``ref_window`` seconds: the speed's reference
         self.now = 0
         self._own_clock = True
         self._fit: tuple[int, list[float]] | None = None
@@ -158,15 +203,21 @@ class CostModel:
         near = [j for j in (i - 1, i) if 0 <= j < len(self.xs) and max(n, self.xs[j]) / min(n, self.xs[j]) <= self.snap]
         if near:
             j = min(near, key=lambda j: abs(self.xs[j] - n))
+            if self.feeds_speed and len(self.ref[j]) >= self.min_ref:
+                self.speed.observe(seconds / _median(list(self.ref[j])))
         else:
             j = i
             self.xs.insert(j, float(n))
             self.obs.insert(j, deque(maxlen=self.window))
-        self.obs[j].append((self.now, seconds))
+            self.ref.insert(j, deque(maxlen=self.ref_window))
+        kept = seconds / self.speed.value if self.speed is not None else seconds
+        self.obs[j].append((self.now, kept))
+        self.ref[j].append(kept)
 
     @property
     def ys(self) -> list[float]:
-        """The fitted seconds at each point (non-decreasing)."""
+        """The fitted seconds at each point (non-decreasing), in the machine's long-run time
+        (multiplied by the speed in :meth:`__call__`)."""
         if self._fit is not None and self._fit[0] == self.now:
             return self._fit[1]
         values, weights, ages = [], [], []
@@ -200,6 +251,10 @@ class CostModel:
         return self.now - max(near) if near else math.inf
 
     def __call__(self, n: float) -> float:
+        """Predicted seconds at size ``n`` at the machine's current speed."""
+        return self._fitted(n) * (self.speed.value if self.speed is not None else 1.0)
+
+    def _fitted(self, n: float) -> float:
         ys = self.ys
         if not self.xs:
             return 0.0
@@ -337,8 +392,10 @@ class DraftLengthController:
         self.prior, self.prior_weight = prior, prior_weight
         self.reached = [0.0] * max_draft
         self.accepted = [0.0] * max_draft
-        self.target_cost = CostModel()
-        self.draft_cost = CostModel(age_down=False)
+        #: the machine's speed, from the target's forwards; the target's and the drafter's costs scale by it
+        self.speed = MachineSpeed()
+        self.target_cost = CostModel(speed=self.speed, feeds_speed=True)
+        self.draft_cost = CostModel(age_down=False, speed=self.speed)
         self._drafter_seen: dict[int, int] = {}  # sequences drafting -> the iteration the drafter last ran for them
         self.host_cost = {False: CostModel(), True: CostModel()}  # per mode: drafting?
         self.min_probe, self.max_probe = probe, max_probe
@@ -688,12 +745,13 @@ class DraftLengthController:
             self.realised.observe(seqs, drafted, committed, seconds, self.iteration)
 
     def state(self) -> dict:
-        """The model as plain data: fitted costs (ms) per size (host costs per mode), acceptance
-        per position, the draft length chosen per iteration (with why: model, guard, explore,
-        probe), overrides."""
+        """The model as plain data: fitted costs (ms, at the current speed) per size (host costs
+        per mode), the speed, acceptance per position, the draft length chosen per iteration
+        (with why: model, guard, explore, probe), overrides."""
         return {
-            "target_cost_ms": [[x, y * 1e3] for x, y in zip(self.target_cost.xs, self.target_cost.ys)],
-            "draft_cost_ms": [[x, y * 1e3] for x, y in zip(self.draft_cost.xs, self.draft_cost.ys)],
+            "target_cost_ms": [[x, self.target_cost(x) * 1e3] for x in self.target_cost.xs],
+            "draft_cost_ms": [[x, self.draft_cost(x) * 1e3] for x in self.draft_cost.xs],
+            "speed": self.speed.value,
             "host_cost_ms": {
                 mode: [[x, y * 1e3] for x, y in zip(m.xs, m.ys)]
                 for mode, m in (("plain", self.host_cost[False]), ("drafting", self.host_cost[True]))
