@@ -83,7 +83,10 @@ class Fp8Linear(nn.Module):
         input_scale: fp32 ``[1]`` (``activation_scaling_factor``, calibrated amax / 448).
         bias: optional ``[out]`` in the compute dtype.
 
-    ``forward(x [..., in])`` returns ``[..., out]`` in ``x.dtype``.
+    ``forward(x [..., in])`` returns ``[..., out]`` in ``x.dtype``: ``torch._scaled_mm`` on a
+    GPU; on the CPU the same product of the e4m3 values as an fp32 GEMM (torch's CPU
+    ``_scaled_mm`` is a reference loop: 0.2-1.1 s for one 16-row linear of this repository's
+    target on 2 cores against ~8 ms, ~75 s a forward), equal to it up to the fp32 summation order.
 
     Raises:
         DFlashError: a weight that is not 2-D float8_e4m3fn or scales that are not single values.
@@ -111,6 +114,10 @@ class Fp8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         xq = (x2.float() / self.input_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        if x.device.type == "cpu":
+            y = (xq.float() @ self.weight.float().t()) * (self.input_scale * self.weight_scale)
+            y = y if self.bias is None else y + self.bias.float()
+            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         y = torch._scaled_mm(
             xq,
             self.weight.t(),
