@@ -463,8 +463,9 @@ def test_reused_plain_choices_match_the_model_and_skip_its_evaluation():
     an iteration on the 2-core CPU). Over a run where drafting loses (at 4 sequences, a costly
     drafter at acceptance 0.3), then one where it wins (batch 1, acceptance 0.8), the choices
     per iteration are those of a controller that evaluates every iteration, and the model is
-    evaluated in about a tenth of the iterations (drafting is predicted far behind: the choice
-    stands for ``4 * reuse`` iterations; 25 of 256 measured, 69 with ``reuse`` alone)."""
+    evaluated in about a twentieth of the iterations (drafting is predicted far behind: the
+    choice stands for ``8 * reuse`` iterations; 13 of 256 measured, 25 with ``4 * reuse``, 69
+    with ``reuse`` alone)."""
     draft = lambda n, it: 0.006 + 0.001 * n  # noqa: E731  (4 ms a sequence's whole block of 4)
     for seqs, q in ((4, 0.3), (1, 0.8)):
         runs = {}
@@ -484,7 +485,7 @@ def test_reused_plain_choices_match_the_model_and_skip_its_evaluation():
         )
         assert reused == every
         if seqs == 4:
-            assert len(plain) > 200 and n_reused <= 0.15 * n_every
+            assert len(plain) > 200 and n_reused <= 0.08 * n_every
 
 
 def test_probes_wait_where_drafting_is_far_behind():
