@@ -53,7 +53,10 @@ class EngineArgs:
         "packed, decoded per GEMM (any device)",
         choices=WEIGHT_FORMATS,
     )
-    fp8_gemm: bool = arg("with an FP8 engine: run its linears as FP8 GEMMs (torch._scaled_mm)", default=False)
+    fp8_gemm: bool = arg(
+        "with an FP8 engine: run its linears as FP8 GEMMs (torch._scaled_mm; on the CPU fp32 GEMMs of the e4m3 values)",
+        default=False,
+    )
     compile: bool = arg(
         "compile the target forward with torch.compile (inductor): faster steps after tens of seconds "
         "of compiling per step shape on first use",

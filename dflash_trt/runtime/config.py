@@ -54,7 +54,8 @@ class ModelConfig:
             ``auto``; fp16 checkpoints stay fp16), ``fp32``, ``bf16``, ``fp16``.
         device: ``cpu``, ``cuda``, ``cuda:N``; None: cuda when a GPU is visible.
         weights: ``int4`` / ``int8`` weight-only packed CPU linears, or None (dense).
-        fp8_gemm: an FP8 engine's linears run as FP8 GEMMs (``torch._scaled_mm``).
+        fp8_gemm: an FP8 engine's linears run as FP8 GEMMs (``torch._scaled_mm``; on the CPU an
+            fp32 GEMM of the e4m3 values).
         compile: the target's forward compiled by torch.compile (``runtime/compiled.py``).
         cuda_graphs: decode and verify iterations replayed from CUDA graphs
             (``runtime/cuda_graphs.py``; one CUDA GPU).
