@@ -391,9 +391,9 @@ class _LoadRun:
                     reqs = [Request(p, cfg.max_new_tokens, self.sampling) for p in req_prompts]
                     lanes[mode] = Lane(eng, reqs, arrivals, c, bar)
                 drive_lanes([lanes[m] for m in group])
-        divergences = self._divergences(
-            {mode: [r.output for r in lane.records] for mode, lane in lanes.items()}, req_prompts
-        )
+        outputs = {mode: [r.output for r in lane.records] for mode, lane in lanes.items()}
+        # every mode's requests against plain decoding's (the ar row shows DFlash's)
+        divergences = {mode: self._divergences(outputs, mode, req_prompts) for mode in outputs if mode != "ar"}
         self.plain_outputs[c] = (req_prompts, [r.output for r in lanes["ar"].records] if "ar" in lanes else None)
         rows = []
         for mode in cfg.modes:
@@ -403,8 +403,9 @@ class _LoadRun:
             row |= summarize(lane.records, eng.stats, lane.iteration_s)
             if eng.controller is not None:
                 row["controller"] = controller_state(eng.controller)
-            row["lossless"] = None if divergences is None else not divergences
-            row["divergences"] = divergences
+            found = divergences.get("dflash" if mode == "ar" else mode)
+            row["lossless"] = None if found is None else not found
+            row["divergences"] = found
             rows.append(row)
         return rows
 
@@ -450,14 +451,16 @@ class _LoadRun:
                 )
         return rows, {}
 
-    def _divergences(self, outputs: dict[str, list[list[int]]], req_prompts: list[list[int]]) -> list[dict] | None:
-        """Greedy runs of both modes: the requests where DFlash parts from plain decoding, with
-        the target's top-2 margin there (None under TP: a sharded target runs forwards on every
-        rank only); None when sampling or a mode did not run."""
-        if self.cfg.temperature != 0 or not set(MODES) <= set(self.cfg.modes):
+    def _divergences(
+        self, outputs: dict[str, list[list[int]]], mode: str, req_prompts: list[list[int]]
+    ) -> list[dict] | None:
+        """Greedy runs of plain decoding and ``mode``: the requests where ``mode`` parts from
+        plain decoding, with the target's top-2 margin there (None under TP: a sharded target
+        runs forwards on every rank only); None when sampling or a mode did not run."""
+        if self.cfg.temperature != 0 or "ar" not in outputs or mode not in outputs:
             return None
         found = []
-        for i, (ar, df) in enumerate(zip(outputs["ar"], outputs["dflash"])):
+        for i, (ar, df) in enumerate(zip(outputs["ar"], outputs[mode])):
             k = first_divergence(ar, df)
             if k is not None:
                 model = self.models.target.model
