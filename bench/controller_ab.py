@@ -61,7 +61,8 @@ def contender_engines(run, fixed: list[int], old: Path | None) -> list[str]:
         if k is not None:
             fixed_controller(eng.controller, k)
         else:
-            eng.controller = controller_class(old)(eng.block_size - 1)
+            graphs = eng.config.model.cuda_graphs  # (as the engine makes its own controller)
+            eng.controller = controller_class(old)(eng.block_size - 1, uniform_probes=graphs, full_blocks=graphs)
             eng.calibrate()
         run.engines[name] = eng
     run.engines["dflash"] = main_engine

@@ -102,7 +102,7 @@ def _isotonic(values: list[float], weights: list[float]) -> list[float]:
 
 class MachineSpeed:
     """How slow the machine runs now against the long run: the median of the last ``window``
-    ratios of a forward's measured seconds to the recent value of its size point (``CostModel``
+    ratios of a forward's measured seconds to the long-run value of its size point (``CostModel``
     with ``feeds_speed``). Cost models sharing it keep their measurements divided by the speed
     at the time and multiply their fit by the current speed, so a size measured in one of a
     shared host's slow periods (steal time: every size slows alike) is not compared with another
@@ -181,10 +181,12 @@ class CostModel:
         self.window, self.horizon, self.half_life, self.snap = window, horizon, half_life, snap
         self.age_down = age_down
         self.speed, self.feeds_speed = speed, feeds_speed and speed is not None
-        self.ref_window, self.min_ref = ref_window, min_ref
+        self.min_ref = min_ref
         self.xs: list[float] = []
-        self.obs: list[deque] = []  # (tick, seconds)
-        self.ref: list[deque] = []  # per point its last ``ref_window`` seconds: the speed's reference
+        # per point (tick, seconds), the latest last: its last ``window`` give its value; with
+        # ``feeds_speed`` its last ``ref_window`` are the speed's reference
+        self.obs: list[deque] = []
+        self._kept = max(window, ref_window) if self.feeds_speed else window
         self.now = 0
         self._own_clock = True
         self._fit: tuple[int, list[float]] | None = None
@@ -203,16 +205,13 @@ class CostModel:
         near = [j for j in (i - 1, i) if 0 <= j < len(self.xs) and max(n, self.xs[j]) / min(n, self.xs[j]) <= self.snap]
         if near:
             j = min(near, key=lambda j: abs(self.xs[j] - n))
-            if self.feeds_speed and len(self.ref[j]) >= self.min_ref:
-                self.speed.observe(seconds / _median(list(self.ref[j])))
+            if self.feeds_speed and len(self.obs[j]) >= self.min_ref:
+                self.speed.observe(seconds / _median([s for _, s in self.obs[j]]))
         else:
             j = i
             self.xs.insert(j, float(n))
-            self.obs.insert(j, deque(maxlen=self.window))
-            self.ref.insert(j, deque(maxlen=self.ref_window))
-        kept = seconds / self.speed.value if self.speed is not None else seconds
-        self.obs[j].append((self.now, kept))
-        self.ref[j].append(kept)
+            self.obs.insert(j, deque(maxlen=self._kept))
+        self.obs[j].append((self.now, seconds / self.speed.value if self.speed is not None else seconds))
 
     @property
     def ys(self) -> list[float]:
@@ -222,6 +221,7 @@ class CostModel:
             return self._fit[1]
         values, weights, ages = [], [], []
         for o in self.obs:
+            o = list(o)[-self.window :] if len(o) > self.window else o  # (the point's own measurements)
             recent = [s for t, s in o if self.now - t <= self.horizon]
             values.append(_median(recent or [s for t, s in o if o[-1][0] - t <= self.horizon]))
             ages.append(self.now - o[-1][0])
