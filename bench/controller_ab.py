@@ -63,6 +63,8 @@ def contender_engines(run, fixed: list[int], old: Path | None) -> list[str]:
         else:
             graphs = eng.config.model.cuda_graphs  # (as the engine makes its own controller)
             eng.controller = controller_class(old)(eng.block_size - 1, uniform_probes=graphs, full_blocks=graphs)
+            if not hasattr(eng.controller, "idle_iterations"):  # (older: every iteration keeps its features)
+                eng.controller.idle_iterations = lambda: 0
             eng.calibrate()
         run.engines[name] = eng
     run.engines["dflash"] = main_engine

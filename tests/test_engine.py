@@ -559,6 +559,50 @@ def _forced_choice_run(smollm2, choice: tuple[int, bool], unverified_probes: boo
     return engine, ctl, steps, prompts, out
 
 
+def test_iterations_without_features_leave_the_drafts_unchanged(smollm2):
+    """Plain iterations that the controller plans far from any draft keep no target features
+    (``StepPlan.capture`` False): the shipped sliding-window drafter (fp32, block 4) drafts
+    exactly the same tokens, step for step, as when every iteration keeps them, once its window
+    lies past the skipped positions; drafting chosen sooner waits (those sequences decode
+    plainly) until it does. Two chat prompts, 72 tokens each, outputs equal to plain decoding."""
+    from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
+    from dflash_trt.checkpoints.zlab import load_drafter
+
+    drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32)
+    W = drafter.cfg.sliding_window
+    prompts = [chat_prompt_ids(smollm2.tokenizer, q) for q in ("What is 7 * 8?", "List three primes.")]
+    plain = plain_outputs(smollm2.model, prompts, 72)
+
+    def run(skip_until: int, draft_from: int) -> list:
+        """Every iteration's (plan, output): plain decoding, idle far ahead before iteration
+        ``skip_until``, two drafts a sequence from iteration ``draft_from`` on."""
+        cfg = engine_config(block_size=4, max_batch_size=4, max_num_tokens=256, kv_capacity=4096)
+        engine = LLMEngine(smollm2.model, drafter, (), cfg)
+        engine.controller = ctl = engine._new_controller()  # (its choices scripted: no calibration)
+        it = 0
+
+        def choose(seqs: int, token_budget: int | None = None) -> tuple[int, bool]:
+            nonlocal it
+            it += 1
+            return (2 if it >= draft_from else 0), False
+
+        ctl.choose = choose
+        ctl.idle_iterations = lambda: 4 * W if it < skip_until else 0
+        steps, step = [], engine._run
+        engine._run = lambda plan: steps.append((plan, step(plan))) or steps[-1][1]
+        assert [o.output_ids for o in engine.generate([Request(p, 72) for p in prompts])] == plain
+        return steps
+
+    skipped, kept = run(20, 20 + W + 2), run(0, 20 + W + 2)
+    assert sum(not plan.capture for plan, _ in skipped) >= 15 and all(plan.capture for plan, _ in kept)
+    drafts = [(o.drafts, o.accepted) for _, o in skipped]
+    assert drafts == [(o.drafts, o.accepted) for _, o in kept]
+    assert sum(bool(d) for o, _ in drafts for d in o) >= 10  # (both sequences drafted, in several steps)
+    waiting = run(20, 21)  # drafting chosen right after the skipped iterations: it waits for the window
+    first = next(i for i, (plan, _) in enumerate(waiting) if plan.draft_block)
+    assert first >= 20 + W - 2 and sum(bool(plan.draft_block) for plan, _ in waiting[first:]) >= 5
+
+
 def test_shadow_draft_measures_the_next_position(smollm2):
     """Drafting one token a sequence, the drafter's block reaches one position further (the
     shadow draft, never verified): whenever the draft is accepted, the shadow is checked against
@@ -651,7 +695,10 @@ def test_feature_store_hands_the_drafter_exactly_the_positions_it_has_not_seen(s
     positions ``[lo, upto)`` (``lo``: the first position not yet taken, or with a sliding window
     ``W`` no earlier than ``upto - W + 1``), each row the one stored last for its position. As in
     the engine, every store or take after a store at ``s`` is at ``s + 1`` or later (the next
-    anchor follows the last committed token)."""
+    anchor follows the last committed token). Some plain steps store nothing (iterations that
+    capture no features, ``StepPlan.capture``): the next store leaves a gap, whatever came
+    before it is never taken, and a block is ``ready`` only once the stored end reaches its
+    anchor and its window (a sliding-window drafter's; never a full one's) lies past the gap."""
     runner = ModelRunner(
         smollm2.model, random_drafter, engine_config(block_size=16, tokens_per_block=16, kv_capacity=64)
     ).proposer
@@ -671,18 +718,33 @@ def test_feature_store_hands_the_drafter_exactly_the_positions_it_has_not_seen(s
         end, last = start + n, start
 
     store(0, 40)  # a prompt chunk
-    for _ in range(300):
+    gap = None  # the first position stored after the last gap, until a ready block's window is past it
+    skipped = 0  # positions decoded since the last store without storing their features
+    gaps = waits = 0
+    for _ in range(600):
         op = rng.random()
-        if op < 0.2:  # the drafter takes the context up to its block's anchor
+        if op < 0.15:  # a drafting block is ready, or waits for its context
+            upto = end + skipped
+            want = skipped == 0 and (gap is None or window is not None and gap <= upto - window + 1)
+            assert runner.ready(7, upto) == want, (upto, end, skipped, gap)
+            gap = None if want else gap
+            waits += not want
+        elif op < 0.3 and not skipped and gap is None:  # the drafter takes the context up to its block's anchor
             upto = rng.randint(max(first, last + 1), end)
             lo = first if window is None else max(first, upto - window + 1)
             at, feats = runner._take_features(7, upto)
             assert at == lo
             assert feats[:, 0].tolist() == [stored[p] for p in range(lo, upto)]
             first = upto
+        elif op < 0.4 and window is not None:  # plain steps that keep no features
+            skipped += rng.choice([1, 2, 5, 30])
         else:  # a verify block or a plain step from the last committed position, drafts past it
-            start = rng.randint(max(first, last + 1, end - 5), end)
-            store(start, rng.choice([1, 1, 1, 3, 5, 17]))
+            start = end + skipped if skipped else rng.randint(max(first, last + 1, end - 5), end)
+            if skipped:  # the positions skipped are a gap: nothing before it is taken any more
+                first, gap, skipped, gaps = start, start, 0, gaps + 1
+            store(start, 1 if start > end else rng.choice([1, 1, 1, 3, 5, 17]))
+    if window is not None:
+        assert gaps > 5 and waits > 5, (gaps, waits)
 
 
 # ---------------------------------------------------------------- CUDA graphs (the static path)

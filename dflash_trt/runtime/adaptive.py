@@ -455,6 +455,20 @@ class DraftLengthController:
         self._acceptance = None
         self._plain_until = None
 
+    def idle_iterations(self) -> int:
+        """Iterations after this one's choice before the drafter runs again, as far as the
+        controller plans: while every draft length is predicted ``far_behind`` plain decoding
+        (a choice that stands for ``8 * reuse`` iterations), those until the next probe is due;
+        else 0. Past that many, a drafting block sees none of the positions decoded now (a
+        sliding-window drafter's), and the engine keeps no target features of them
+        (:attr:`~.model_runner.StepPlan.capture`). A choice the model flips meanwhile (after a
+        cost change of over ``far_behind``, or at a batch size it predicts otherwise) drafts
+        once its sequences' features cover the window again (``DFlashProposer.ready``)."""
+        held = self._plain_until
+        if held is None or not held[2]:
+            return 0
+        return max(self.probe_every - self.since_draft, 0)
+
     def plausible_acceptance(self) -> list[float]:
         """:meth:`acceptance` with the first position's raised to the Wilson score upper bound
         (``evidence_z`` standard deviations) of its decayed counts: as high as the probes so far

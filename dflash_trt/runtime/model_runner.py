@@ -107,12 +107,19 @@ class StepPlan:
         ingest: ``(seq_id, block table, upto)`` of ended sequences whose blocks the prefix cache
             keeps: their waiting target features before ``upto`` go into the drafter's pool
             first (:meth:`~.spec_decode.dflash.DFlashProposer.ingest`).
+        capture: whether the target features of the iteration's positions are kept for the
+            drafter. False: none are (the eager forward captures no layers; a compiled or
+            replayed one computes them as always, and they are not stored), for iterations that
+            no drafting block will see (the engine's ``_captures``); the positions they leave
+            out are a gap in each sequence's context
+            (:meth:`~.spec_decode.dflash.DFlashProposer.ready`).
     """
 
     items: list[StepItem]
     draft_block: int = 0
     release: list[int] = field(default_factory=list)
     ingest: list[tuple[int, list[int], int]] = field(default_factory=list)
+    capture: bool = True
 
 
 @dataclass
@@ -376,7 +383,8 @@ class ModelRunner:
         then the target's choices and the acceptance on the device; one host copy at the end.
 
         Returns:
-            :class:`StepOutput`; features of every target position are kept for the drafter.
+            :class:`StepOutput`; features of every target position are kept for the drafter
+            (none with :attr:`StepPlan.capture` False).
         """
         graphs = self.graph_count()
         with self.grad_mode():
@@ -465,10 +473,9 @@ class ModelRunner:
         elif graph is not None:  # (every token has logits, in order: the rows are 0 .. N - 1)
             res = self.graphs.run(graph, ids, meta, len(packed.flat))
             out.replayed = True
-        else:
-            res = self.forward(
-                ids.unsqueeze(0), meta, self.tcache.layers, self.capture, logits_index=index.unsqueeze(0)
-            )
+        else:  # (compiled: the same layers always, as a change of them compiles a graph of its own)
+            capture = self.capture if plan.capture or self.compile else ()
+            res = self.forward(ids.unsqueeze(0), meta, self.tcache.layers, capture, logits_index=index.unsqueeze(0))
         choice = target_tokens(res.logits[0], verify_in.get("sampled"), verify_in.get("banned"))  # [R]
         to_host = [choice]
         if drafting:  # the longest matching prefix per drafting item, on the device
@@ -482,7 +489,7 @@ class ModelRunner:
         out.draft_s, out.target_s = clock.seconds() if drafting or probing else (0.0, sum(clock.seconds()))
         out.target_tokens = len(packed.flat)
         packed.read(host_out, out)
-        if self.proposer is not None:  # (one split into every item's rows: no indexing call per item)
+        if self.proposer is not None and plan.capture:  # (one split into every item's rows: no indexing call per item)
             for it, rows in zip(items, res.features[0, : len(packed.flat)].split(packed.lengths)):
                 self.proposer.store_features(it.seq_id, it.start, rows)
         return out

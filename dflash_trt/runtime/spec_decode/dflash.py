@@ -79,6 +79,9 @@ class DFlashProposer:
         # per sequence: the positions [lo, hi) whose drafter K/V its drafting steps wrote (the prefix cache
         # may keep those blocks for later requests)
         self._drafted: dict[int, tuple[int, int]] = {}
+        # per sequence: the first position stored after its features were last skipped (iterations
+        # planned without them, :attr:`~..model_runner.StepPlan.capture`), until blocks see past it
+        self._gaps: dict[int, int] = {}
         # the drafter kernels (dflash_trt.kernels) on CUDA, or when forced by DFLASH_TRT_KERNELS=triton
         # (interpreted on the CPU); else the torch modules
         # (non-causal layers only: a drafter with causal layers drafts through the torch modules)
@@ -120,13 +123,21 @@ class DFlashProposer:
         O(steps since the last draft): 2.7 ms per iteration at 64 sequences after ~60 plain steps).
         With a sliding-window drafter, whole chunks that no later block can see (every position
         before ``start + 1 - window + 1``: the next anchor is at ``start + 1`` or later) are dropped,
-        so a sequence keeps O(window) rows however long it decodes without drafting."""
+        so a sequence keeps O(window) rows however long it decodes without drafting.
+
+        Positions skipped since the last store (``start`` past the stored end: iterations that
+        captured no features) leave a gap: what was stored before it is dropped, and the
+        sequence's blocks are not :meth:`ready` until their window lies past it."""
         n = feats.shape[0]  # (not len(): Tensor.__len__ is a Python call, and this runs per sequence per step)
         old = self._features.get(seq_id)
         if old is None:
             self._features[seq_id] = (start, [feats], start + n)
             return
         first, chunks, end = old
+        if start > end:  # a gap: the features of positions [end, start) were never captured
+            self._gaps[seq_id] = start
+            self._features[seq_id] = (start, [feats], start + n)
+            return
         while chunks and end - chunks[-1].shape[0] >= start:  # whole chunks at or past ``start``
             end -= chunks.pop().shape[0]
         if chunks and end > start:
@@ -138,6 +149,23 @@ class DFlashProposer:
             while len(chunks) > 1 and first + chunks[0].shape[0] < start + 2 - self.window:
                 first += chunks.pop(0).shape[0]
         self._features[seq_id] = (first, chunks, start + n)
+
+    def ready(self, seq_id: int, start: int) -> bool:
+        """Whether a block anchored at ``start`` has its whole context: every position it sees
+        had its features captured (always, but after iterations that skipped them: those of a
+        sliding-window drafter's blocks whose window starts past the gap they left)."""
+        stored = self._features.get(seq_id)
+        if stored is None:
+            return True
+        if stored[2] < start:  # the last positions before the anchor were not captured
+            return False
+        gap = self._gaps.get(seq_id)
+        if gap is None:
+            return True
+        if self.window is None or gap > start - self.window + 1:
+            return False
+        del self._gaps[seq_id]  # (later blocks see even further past it)
+        return True
 
     def _take_features(self, seq_id: int, upto: int) -> tuple[int, torch.Tensor]:
         """Features of positions ``[lo, upto)`` (removed from the store) and ``lo``: ``lo`` is the
@@ -213,11 +241,13 @@ class DFlashProposer:
         for s in seq_ids:
             self._features.pop(s, None)
             self._drafted.pop(s, None)
+            self._gaps.pop(s, None)
 
     def release_all(self) -> None:
         """Drop every sequence's stored features."""
         self._features.clear()
         self._drafted.clear()
+        self._gaps.clear()
 
     # ---- drafting ----
     def propose(self, items: list, block: int) -> torch.Tensor:
