@@ -382,24 +382,7 @@ class LLMEngine:
         else:
             nd = self.block_size - 1
         sched = self.scheduler.schedule(1 if probe else 1 + nd, only, held)
-        caps = [s.request.max_draft_tokens for s in sched.decode]
-        drafts = [nd if c is None else min(nd, c) for c in caps]
-        unverified = None
-        proposer = self.runner.proposer
-        ready = proposer.ready if proposer is not None else lambda seq_id, start: True
-        if probe and drafts:  # one sequence drafts, each in turn (see ``_probe_turn``)
-            j = self._probe_turn % len(drafts)
-            self._probe_turn += 1
-            s = sched.decode[j]
-            if not ready(s.seq_id, s.num_cached):  # (its context has a gap: no probe)
-                drafts = []
-            elif self._probe_unverified(s, len(drafts), drafts[j]):  # (none while one is checked)
-                unverified = (j, drafts[j]) if s.seq_id not in self._probe_checks else None
-                drafts = []
-            else:
-                drafts = [0] * j + drafts[j : j + 1]
-        elif nd:  # a sequence whose drafter context has a gap decodes plainly until it has not
-            drafts = [k if ready(s.seq_id, s.num_cached) else 0 for s, k in zip(sched.decode, drafts)]
+        drafts, unverified = self._drafts(sched, nd, probe)
         seqs = sched.decode + [s for s, _ in sched.prefill]
         rng = {s.seq_id: s.generator.get_state() for s in seqs if s.generator is not None}
         plan = None
@@ -424,6 +407,29 @@ class LLMEngine:
         if self.controller is not None:
             self._feedback(sched, plan, out, committed, time.perf_counter() - t0, probe)
         return done
+
+    def _drafts(self, sched: Schedule, nd: int, probe: bool) -> tuple[list[int], tuple[int, int] | None]:
+        """The draft tokens of each decoding sequence of ``sched`` and the unverified probe
+        (:meth:`_plan`'s ``drafts`` and ``unverified``) for the controller's choice: ``nd`` drafts
+        each (at most a request's ``max_draft_tokens``), or with ``probe`` one sequence's, each
+        in turn. A sequence whose drafter context has a gap (iterations that kept no features,
+        :meth:`_captures`) decodes plainly, and is not probed, until blocks no longer see it."""
+        caps = [s.request.max_draft_tokens for s in sched.decode]
+        drafts = [nd if c is None else min(nd, c) for c in caps]
+        proposer = self.runner.proposer
+        ready = proposer.ready if proposer is not None else lambda seq_id, start: True
+        if not (probe and drafts):
+            if nd:
+                drafts = [k if ready(s.seq_id, s.num_cached) else 0 for s, k in zip(sched.decode, drafts)]
+            return drafts, None
+        j = self._probe_turn % len(drafts)  # one sequence drafts, each in turn (see ``_probe_turn``)
+        self._probe_turn += 1
+        s = sched.decode[j]
+        if not ready(s.seq_id, s.num_cached):
+            return [], None
+        if self._probe_unverified(s, len(drafts), drafts[j]):  # (none while one is checked)
+            return [], ((j, drafts[j]) if s.seq_id not in self._probe_checks else None)
+        return [0] * j + drafts[j : j + 1], None
 
     # ---- failed iterations ----
     def _turn(self) -> tuple[AbstractSet[int] | None, AbstractSet[int]]:

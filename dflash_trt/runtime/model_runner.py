@@ -474,8 +474,13 @@ class ModelRunner:
             res = self.graphs.run(graph, ids, meta, len(packed.flat))
             out.replayed = True
         else:  # (compiled: the same layers always, as a change of them compiles a graph of its own)
-            capture = self.capture if plan.capture or self.compile else ()
-            res = self.forward(ids.unsqueeze(0), meta, self.tcache.layers, capture, logits_index=index.unsqueeze(0))
+            res = self.forward(
+                ids.unsqueeze(0),
+                meta,
+                self.tcache.layers,
+                self.capture if plan.capture or self.compile else (),
+                logits_index=index.unsqueeze(0),
+            )
         choice = target_tokens(res.logits[0], verify_in.get("sampled"), verify_in.get("banned"))  # [R]
         to_host = [choice]
         if drafting:  # the longest matching prefix per drafting item, on the device
@@ -489,10 +494,15 @@ class ModelRunner:
         out.draft_s, out.target_s = clock.seconds() if drafting or probing else (0.0, sum(clock.seconds()))
         out.target_tokens = len(packed.flat)
         packed.read(host_out, out)
-        if self.proposer is not None and plan.capture:  # (one split into every item's rows: no indexing call per item)
-            for it, rows in zip(items, res.features[0, : len(packed.flat)].split(packed.lengths)):
-                self.proposer.store_features(it.seq_id, it.start, rows)
+        if self.proposer is not None and plan.capture:
+            self._store_features(items, packed, res.features)
         return out
+
+    def _store_features(self, items: list[StepItem], packed: _Packed, features: torch.Tensor) -> None:
+        """Hand each item's rows of the forward's ``features`` ``[1, >= N, F]`` to the proposer
+        (one split into every item's rows: no indexing call per item)."""
+        for it, rows in zip(items, features[0, : len(packed.flat)].split(packed.lengths)):
+            self.proposer.store_features(it.seq_id, it.start, rows)
 
     def _target_plan(
         self, items: list[StepItem], packed: _Packed
