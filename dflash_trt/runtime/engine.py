@@ -416,12 +416,11 @@ class LLMEngine:
         :meth:`_captures`) decodes plainly, and is not probed, until blocks no longer see it."""
         caps = [s.request.max_draft_tokens for s in sched.decode]
         drafts = [nd if c is None else min(nd, c) for c in caps]
-        proposer = self.runner.proposer
-        ready = proposer.ready if proposer is not None else lambda seq_id, start: True
-        if not (probe and drafts):
-            if nd:
-                drafts = [k if ready(s.seq_id, s.num_cached) else 0 for s, k in zip(sched.decode, drafts)]
+        if not nd:  # (a probe drafts too)
             return drafts, None
+        ready = self.runner.proposer.ready  # (drafting: an engine with a drafter)
+        if not (probe and drafts):
+            return [k if ready(s.seq_id, s.num_cached) else 0 for s, k in zip(sched.decode, drafts)], None
         j = self._probe_turn % len(drafts)  # one sequence drafts, each in turn (see ``_probe_turn``)
         self._probe_turn += 1
         s = sched.decode[j]
@@ -561,10 +560,10 @@ class LLMEngine:
         time at 16 bf16 sequences on a 2-core CPU, where the controller decodes plainly; the
         positions left out are a gap that keeps a sequence from drafting until blocks no longer
         see it (:meth:`~.spec_decode.dflash.DFlashProposer.ready`)."""
-        proposer, ctl = self.runner.proposer, self.controller
-        if block or sched.prefill or ctl is None or proposer is None or proposer.window is None:
+        ctl = self.controller  # (an adaptive engine's: it has a drafter)
+        if block or sched.prefill or ctl is None or self.runner.proposer.window is None:
             return True
-        return ctl.idle_iterations() <= proposer.window
+        return ctl.idle_iterations() <= self.runner.proposer.window
 
     def _probe_unverified(self, s: Sequence, seqs: int, k: int) -> bool:
         """Whether the controller's one-sequence probe of ``s`` (``k`` drafts, ``seqs``
