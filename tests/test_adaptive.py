@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from dflash_trt.runtime.adaptive import CostModel, DraftLengthController, MachineSpeed, _isotonic
 
 BOUND = 120  # iterations to return to the better option once a disturbance is over
@@ -488,40 +490,103 @@ def test_reused_plain_choices_match_the_model_and_skip_its_evaluation():
             assert len(plain) > 200 and n_reused <= 0.08 * n_every
 
 
+def _amx_target(n, it):
+    """16 and 32 bf16 sequences' target costs as a load bench fitted them on a 2-core AMX CPU (16
+    rows 40 ms, 32 rows 62-66 ms, 64 rows 108 ms), linear between."""
+    pts = [(1, 0.0219), (4, 0.0277), (8, 0.0314), (16, 0.0403), (32, 0.0615), (64, 0.1083), (128, 0.152)]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if n <= x1:
+            return y0 + (y1 - y0) * (max(n, x0) - x0) / (x1 - x0)
+    return pts[-1][1] * n / 128
+
+
+def _amx_draft(n, it):
+    """The drafter there: 14.5 ms for 16-32 sequences' one-draft blocks, 28 ms for 32 sequences' two-draft ones."""
+    return 0.0042 if n <= 2 else 0.0049 if n <= 4 else 0.0067 if n <= 16 else 0.0145 if n <= 32 else 0.0284
+
+
+def _amx_host(drafting):
+    return 0.0014 if drafting else 0.0008
+
+
+def _far_behind(seqs: int, rng: random.Random) -> DraftLengthController:
+    """A controller at those costs after the acceptance was measured at batch 1 (0.3 a position,
+    200 drafting iterations of three drafts): drafting ~30 % behind at ``seqs`` = 16 or 32 even
+    at the plausible acceptance."""
+    ctl = calibrated(7, _amx_target, _amx_draft, seqs)
+    for _ in range(200):
+        acc = 0
+        while acc < 3 and rng.random() < 0.3:
+            acc += 1
+        ctl.observe_acceptance(3, acc)
+    return ctl
+
+
 def test_probes_wait_where_drafting_is_far_behind():
-    # 16 and 32 bf16 sequences at a 2-core AMX CPU's costs as a load bench fitted them (16 rows
-    # 40 ms, 32 rows 62-66 ms, 64 rows 108 ms; the drafter 14.5 ms for 16-32 sequences' one-draft
-    # blocks, 28 ms for 32 sequences' two-draft ones), after the acceptance was measured at
-    # batch 1 (0.3 a position): drafting is ~30 % behind even at the plausible acceptance, so a
-    # probe could not flip the choice. Doubling the probe interval from 8 ran 3-4 probes in 128
-    # iterations, 0.42-0.62 % of plain decoding's time (seeds 0-3; the scripted ragged step is
-    # cheaper than a CPU's real one, +15-25 ms on ~41 ms); waiting ``far_probe`` runs one, 0.11-0.18 %
-    def target(n, it):
-        pts = [(1, 0.0219), (4, 0.0277), (8, 0.0314), (16, 0.0403), (32, 0.0615), (64, 0.1083), (128, 0.152)]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            if n <= x1:
-                return y0 + (y1 - y0) * (max(n, x0) - x0) / (x1 - x0)
-        return pts[-1][1] * n / 128
-
-    def draft(n, it):
-        return 0.0042 if n <= 2 else 0.0049 if n <= 4 else 0.0067 if n <= 16 else 0.0145 if n <= 32 else 0.0284
-
-    host = lambda drafting: 0.0014 if drafting else 0.0008  # noqa: E731
+    # 16 and 32 bf16 sequences where drafting is ~30 % behind even at the plausible acceptance
+    # (``_far_behind``), so a probe could not flip the choice. Doubling the probe interval from 8
+    # ran 3-4 probes in 128 iterations, 0.42-0.62 % of plain decoding's time (seeds 0-3; the
+    # scripted ragged step is cheaper than a CPU's real one, +15-25 ms on ~41 ms); waiting
+    # ``far_probe`` runs one, 0.11-0.18 %
     for seqs in (16, 32):
         for seed in range(4):
-            ctl = calibrated(7, target, draft, seqs)
             rng = random.Random(100 + seed)
-            for _ in range(200):  # batch 1's drafting iterations, three drafts each
-                acc = 0
-                while acc < 3 and rng.random() < 0.3:
-                    acc += 1
-                ctl.observe_acceptance(3, acc)
+            ctl = _far_behind(seqs, rng)
             walls: list = []
-            run(ctl, range(128), seqs, target, draft, lambda it: 0.3, rng, [], host, walls)
+            run(ctl, range(128), seqs, _amx_target, _amx_draft, lambda it: 0.3, rng, [], _amx_host, walls)
             probes = [h for h in ctl.history if h[3].startswith("probe")]
             assert len(probes) <= 1, (seqs, seed, probes)
-            assert sum(walls) <= 1.003 * 128 * (target(seqs, 0) + host(False)), (seqs, seed, sum(walls))
+            assert sum(walls) <= 1.003 * 128 * (_amx_target(seqs, 0) + _amx_host(False)), (seqs, seed, sum(walls))
             assert not [h for h in ctl.history if h[3] == "model" and h[2] > 0]
+
+
+def test_far_behind_waits_double_while_probes_find_drafting_far_behind():
+    # the same, over 1024 iterations: after the first ``far_probe`` wait, each probe that finds
+    # drafting still far behind doubles the interval (64, 128, 256, 256, ...: 5 probes where
+    # waiting ``far_probe`` every time would run 16)
+    for seqs in (16, 32):
+        for seed in range(3):
+            rng = random.Random(200 + seed)
+            ctl = _far_behind(seqs, rng)
+            run(ctl, range(1024), seqs, _amx_target, _amx_draft, lambda it: 0.3, rng, [], _amx_host)
+            at = [h[0] for h in ctl.history if h[3].startswith("probe")]
+            assert 3 <= len(at) <= 6, (seqs, seed, at)
+            gaps = [b - a for a, b in zip(at, at[1:])]
+            assert gaps == sorted(gaps) and gaps[-1] >= ctl.max_probe - ctl.min_probe, (seqs, seed, at)
+            assert not [h for h in ctl.history if h[3] == "model" and h[2] > 0]
+    # a probe that finds drafting closer starts the wait over: the acceptance measured elsewhere
+    # (e.g. at batch 1) rises to 0.9, and the probes at 16 sequences come ``far_probe`` apart
+    # at most
+    rng = random.Random(7)
+    ctl = _far_behind(16, rng)
+    run(ctl, range(1024), 16, _amx_target, _amx_draft, lambda it: 0.3, rng, [], _amx_host)
+    assert ctl.probe_every == ctl.max_probe
+    for _ in range(300):
+        ctl.observe_acceptance(3, 3 if rng.random() < 0.73 else 0)
+    run(ctl, range(1024, 1300), 16, _amx_target, _amx_draft, lambda it: 0.9, rng, [], _amx_host)
+    at = [h[0] for h in ctl.history if h[0] > 1024 and h[3].startswith("probe")]
+    assert len(at) >= 3 and max(b - a for a, b in zip(at, at[1:])) <= ctl.far_probe, at
+
+
+def test_warm_up_host_costs_do_not_stand_for_the_batch():
+    # an engine's warm-up decodes one short prompt alone: the host costs it measures are batch
+    # 1's. A single size's host cost stands for every size as it is (host work is mostly per
+    # iteration; scaled by the size it put drafting at 16 sequences ~9 ms dearer than it was),
+    # and ``forget_warm_up`` drops it with the acceptance and the achieved rates, keeping the
+    # forward costs
+    ctl = calibrated(7, _amx_target, _amx_draft, 16)
+    for it in range(20):
+        ctl.choose(1)
+        ctl.observe_iteration(1, it < 2, 0.030 if it < 2 else 0.022, 3 if it < 2 else 1, 0.0294 if it < 2 else 0.02175)
+    ctl.observe_acceptance(3, 0)
+    assert ctl.host_cost[True](16) == pytest.approx(ctl.host_cost[True](1)) == pytest.approx(0.0006)
+    assert ctl.host_cost[False](16) == pytest.approx(0.00025)
+    assert ctl.realised.get(1, False, ctl.iteration) is not None
+    sizes = list(ctl.target_cost.xs)
+    ctl.forget_warm_up()
+    assert ctl.host_cost[True](16) == ctl.host_cost[False](16) == 0.0
+    assert ctl.realised.get(1, False, ctl.iteration) is None
+    assert ctl.acceptance()[0] == ctl.prior and ctl.target_cost.xs == sizes
 
 
 def test_one_accepted_probe_is_not_a_batch_s_evidence():

@@ -164,6 +164,8 @@ class CostModel:
         speed, feeds_speed: the machine's speed this model scales by and whether its
             measurements update it (None: seconds as measured).
         ref_window, min_ref: see above.
+        flat: with a single size point, its cost at every size (else scaled by the size, no less
+            than at the point).
     """
 
     def __init__(
@@ -177,8 +179,10 @@ class CostModel:
         feeds_speed: bool = False,
         ref_window: int = 32,
         min_ref: int = 2,
+        flat: bool = False,
     ):
         self.window, self.horizon, self.half_life, self.snap = window, horizon, half_life, snap
+        self.flat = flat
         self.age_down = age_down
         self.speed, self.feeds_speed = speed, feeds_speed and speed is not None
         self.min_ref = min_ref
@@ -259,7 +263,7 @@ class CostModel:
         if not self.xs:
             return 0.0
         if len(self.xs) == 1:
-            return ys[0] * max(n / self.xs[0], 1.0)
+            return ys[0] if self.flat else ys[0] * max(n / self.xs[0], 1.0)
         i = min(max(bisect.bisect_left(self.xs, n), 1), len(self.xs) - 1)
         x0, x1, y0, y1 = self.xs[i - 1], self.xs[i], ys[i - 1], ys[i]
         if n <= x0:
@@ -339,11 +343,12 @@ class DraftLengthController:
             without one when drafting is predicted ``far_behind`` (relative) behind plain
             decoding even at the plausible acceptance (see ``evidence_z``): the acceptance a
             probe measures cannot flip such a batch size's choice, only a cost measured in a
-            passing spike can, and that waits ``far_probe`` iterations at most. (Load bench, 16
-            and 32 bf16 sequences on a 2-core CPU: a verify of two tokens a sequence ~1.6x a
-            plain step plus a 14.5 ms drafter, drafting ~30 % behind; the probes doubling from
-            ``probe`` ran 4-6 times in a lane of 128 iterations, each a ragged step of +15-25 ms
-            on a ~41 ms one: 1-2 % of the lane.)
+            passing spike can, and that waits ``far_probe`` iterations at first; the interval
+            then doubles from there, up to ``max_probe``, while the probes find drafting far
+            behind. (Load bench, 16 and 32 bf16 sequences on a 2-core CPU: a verify of two tokens
+            a sequence ~1.6x a plain step plus a 14.5 ms drafter, drafting ~30 % behind; the
+            probes doubling from ``probe`` ran 4-6 times in a lane of 128 iterations, each a
+            ragged step of +15-25 ms on a ~41 ms one: 1-2 % of the lane.)
         min_gain: the model drafts only when the predicted rate beats plain decoding's by this
             much (relative). Near a tie, what the model leaves out decides, and it goes against
             drafting: drafting sequences finish at different times, so waiting prompts are
@@ -399,7 +404,10 @@ class DraftLengthController:
         self.target_cost = CostModel(speed=self.speed, feeds_speed=True)
         self.draft_cost = CostModel(age_down=False, speed=self.speed)
         self._drafter_seen: dict[int, int] = {}  # sequences drafting -> the iteration the drafter last ran for them
-        self.host_cost = {False: CostModel(), True: CostModel()}  # per mode: drafting?
+        #: per mode (drafting?); a single size's cost stands for every size (``flat``): host work is
+        #: mostly per iteration, and batch 1's scaled by the batch size made drafting at 16
+        #: sequences look ~9 ms dearer than it was
+        self.host_cost = {False: CostModel(flat=True), True: CostModel(flat=True)}
         self.min_probe, self.max_probe = probe, max_probe
         self.probe_every = probe
         self.min_explore, self.max_explore = explore, max_explore
@@ -454,6 +462,19 @@ class DraftLengthController:
         self.accepted = [0.0] * self.max_draft
         self._acceptance = None
         self._plain_until = None
+
+    def forget_warm_up(self) -> None:
+        """Drop what untimed warm-up requests taught, keeping the forward costs: the acceptance
+        (:meth:`forget_acceptance`), the host costs and the achieved rates. The engine's warm-up
+        decodes one short prompt alone, so its host costs are batch 1's only; kept, they stood
+        for every batch size until one was measured (proportionally, 16x batch 1's at 16
+        sequences, before the host models extrapolated flat from a single size), and the load
+        bench's DFlash lanes of 16 and 32 bf16 sequences ran ~1 % behind those of an engine
+        whose controller started after its warm-up (2-core AMX Xeon, paired lanes, 8 runs each;
+        with the host costs dropped, level with it)."""
+        self.forget_acceptance()
+        self.host_cost = {False: CostModel(flat=True), True: CostModel(flat=True)}
+        self.realised = _Realised()
 
     def idle_iterations(self) -> int:
         """Iterations after this one's choice before the drafter runs again, as far as the

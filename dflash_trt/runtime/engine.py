@@ -720,8 +720,8 @@ class LLMEngine:
         decode blocks, prompts beside decode blocks), so these graphs compile here rather than
         in the first timed iterations; the adaptive controller then starts afresh and is
         calibrated again (what it measured meanwhile included compiling). Otherwise the
-        controller keeps its costs and forgets the acceptance it saw
-        (:meth:`~.adaptive.DraftLengthController.forget_acceptance`).
+        controller keeps its forward costs and forgets the acceptance, host costs and achieved
+        rates it saw (:meth:`~.adaptive.DraftLengthController.forget_warm_up`).
 
         Args:
             prompts: prompt token ids (at least one; two or more to warm batched steps up).
@@ -754,7 +754,7 @@ class LLMEngine:
             self.controller = self._new_controller()
             self.calibrate()
         elif self.controller is not None:
-            self.controller.forget_acceptance()  # (its costs stay: measured warm, after the first forwards)
+            self.controller.forget_warm_up()  # (its forward costs stay: measured warm, after the first forwards)
         return time.perf_counter() - t
 
     def _new_controller(self) -> DraftLengthController:
