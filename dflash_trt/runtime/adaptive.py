@@ -404,10 +404,7 @@ class DraftLengthController:
         self.target_cost = CostModel(speed=self.speed, feeds_speed=True)
         self.draft_cost = CostModel(age_down=False, speed=self.speed)
         self._drafter_seen: dict[int, int] = {}  # sequences drafting -> the iteration the drafter last ran for them
-        #: per mode (drafting?); a single size's cost stands for every size (``flat``): host work is
-        #: mostly per iteration, and batch 1's scaled by the batch size made drafting at 16
-        #: sequences look ~9 ms dearer than it was
-        self.host_cost = {False: CostModel(flat=True), True: CostModel(flat=True)}
+        self.host_cost = self._host_cost_models()
         self.min_probe, self.max_probe = probe, max_probe
         self.probe_every = probe
         self.min_explore, self.max_explore = explore, max_explore
@@ -474,8 +471,15 @@ class DraftLengthController:
         paired lanes, 8 runs each); with the host costs dropped, within the +-1 % that two
         identically started engines pair to."""
         self.forget_acceptance()
-        self.host_cost = {False: CostModel(flat=True), True: CostModel(flat=True)}
+        self.host_cost = self._host_cost_models()
         self.realised = _Realised()
+
+    @staticmethod
+    def _host_cost_models() -> dict[bool, CostModel]:
+        """Empty host-cost models per mode (drafting?). A single size's cost stands for every
+        size (``flat``): host work is mostly per iteration, and batch 1's scaled by the batch
+        size made drafting at 16 sequences look ~9 ms dearer than it was."""
+        return {False: CostModel(flat=True), True: CostModel(flat=True)}
 
     def idle_iterations(self) -> int:
         """Iterations after this one's choice before the drafter runs again, as far as the
