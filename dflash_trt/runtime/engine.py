@@ -414,10 +414,10 @@ class LLMEngine:
         each (at most a request's ``max_draft_tokens``), or with ``probe`` one sequence's, each
         in turn. A sequence whose drafter context has a gap (iterations that kept no features,
         :meth:`_captures`) decodes plainly, and is not probed, until blocks no longer see it."""
+        if not nd:  # plain decoding (a probe drafts too): no sequence drafts (``_plan`` reads past the list as 0)
+            return [], None
         caps = [s.request.max_draft_tokens for s in sched.decode]
         drafts = [nd if c is None else min(nd, c) for c in caps]
-        if not nd:  # (a probe drafts too)
-            return drafts, None
         ready = self.runner.proposer.ready  # (drafting: an engine with a drafter)
         if not (probe and drafts):
             return [k if ready(s.seq_id, s.num_cached) else 0 for s, k in zip(sched.decode, drafts)], None
@@ -504,6 +504,10 @@ class LLMEngine:
             # with a prompt chunk is not); under CUDA graphs replayed ones (an eager forward costs
             # several times a replay of its size)
             ctl.target_cost.observe(out.target_tokens, out.target_s)
+        if not plan.draft_block:  # nothing drafted nor probed (the drafter did not run): a plain iteration
+            if decode_only:
+                ctl.observe_iteration(len(sched.decode), False, wall_s - out.ingest_s, committed, out.target_s, probe)
+            return
         drafting = [it.num_draft > 0 for it in plan.items]
         probing = sum(it.probe_draft > 0 for it in plan.items)
         if out.drafter_ran:  # (not when prompt-lookup tokens filled every draft position)
