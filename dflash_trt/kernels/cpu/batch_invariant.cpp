@@ -23,7 +23,8 @@
 //     rounded to nearest even for bf16). bf16 x with bf16 weights on a CPU with AVX512-BF16:
 //     vdpbf16ps over the pairs of inputs (0, 1), (2, 3), ... instead (tile_bf16; a fixed order
 //     per output too, twice the inputs an instruction); on a CPU with AMX and K a multiple of 32,
-//     tdpbf16ps on tiles of up to 16 rows (tile_amx; 32 inputs an instruction, in order).
+//     tdpbf16ps on tiles of up to 16 rows (tile_amx; 32 inputs an instruction, in order; two row tiles
+//     share each weight tile past 16 rows: tile_amx_pair).
 // dflash_cpu::bf16_gemm() -> str: which of those a process uses ("amx", "avx512-bf16", "fma").
 //
 // dflash_cpu::int4_linear(x [M, K], codes [S, K / 8, 8, 32] uint8, scales [S, K / g, 2, 8, 8], N, g, bias?)
@@ -510,18 +511,77 @@ __attribute__((noinline)) void tile_amx(const c10::BFloat16* x, int64_t K, const
   if constexpr (C > 3) _tile_stored(3, out + 3 * VL, ldo * 4);
 }
 
-// the whole bf16 x bf16 GEMM on AMX (see tile_amx): each group of panels swept by tiles of 16
-// rows, 4 panels at a time
+// tiles 0, 1: accumulators of rows 0..15 x panels 0, 1; 2, 3: of rows 16.. (R - 16 of them); 4, 5:
+// those rows' activations; 6, 7: the two panels' weights (amx_pair_config, R 17 .. 32)
+inline void amx_pair_config(int R) {
+  TileConfig cfg;
+  for (int t : {0, 1, 4}) cfg.rows[t] = AR, cfg.colsb[t] = 64;
+  for (int t : {2, 3, 5}) cfg.rows[t] = static_cast<uint8_t>(R - AR), cfg.colsb[t] = 64;
+  for (int t : {6, 7}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// tile_amx for 17 .. 32 rows (amx_pair_config) x C (1, 2) panels: two row tiles share each weight
+// tile, which is loaded once for both (tile_amx over 16 rows at a time loads every weight tile of a
+// group once per 16 rows: a 32-row GEMM read its weights from L2 twice). Every output is the same
+// tdpbf16ps chain over its 32-input chunks in order from zero as in tile_amx: the same bits.
+template <int C>
+__attribute__((noinline)) void tile_amx_pair(const c10::BFloat16* x, int64_t K, const c10::BFloat16* wp, float* out,
+                                             int64_t ldo) {
+  static_assert(C == 1 || C == 2, "two weight tiles");
+  const int64_t ps = K * VL;
+  const c10::BFloat16* x1 = x + AR * K;  // rows 16..
+  _tile_zero(0);
+  _tile_zero(2);
+  if constexpr (C > 1) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  const c10::BFloat16* next = wp + C * ps;
+  for (int64_t k = 0; k < K; k += 32) {
+    for (int c = 0; c < C; ++c)
+      for (int l = 0; l < 16; ++l) _mm_prefetch(reinterpret_cast<const char*>(next + c * ps + k * VL + l * 32), _MM_HINT_T1);
+    _tile_loadd(4, x + k, K * 2);
+    _tile_loadd(5, x1 + k, K * 2);
+    _tile_loadd(6, wp + k * VL, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (C > 1) {
+      _tile_loadd(7, wp + ps + k * VL, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, ldo * 4);
+  _tile_stored(2, out + AR * ldo, ldo * 4);
+  if constexpr (C > 1) {
+    _tile_stored(1, out + VL, ldo * 4);
+    _tile_stored(3, out + AR * ldo + VL, ldo * 4);
+  }
+}
+
+// the whole bf16 x bf16 GEMM on AMX (see tile_amx): each group of panels swept by 32 rows at a
+// time, two row tiles over 2 panels at a time (tile_amx_pair), or 16 rows and fewer by one row
+// tile over 4 panels at a time (tile_amx). (bf16, 2-core AMX Xeon, the 210 GEMMs of the default
+// target's 30 layers, best of 5, old and new kernels in alternating processes: 32 rows 1.28-1.33x
+// the 16 rows' time with tile_amx alone, 1.08-1.13x with pairs; 64 rows 18.2-18.6 ms -> 14.4-16.0;
+// the target's forward at 32 decode rows of the load bench, medians of 25: 30.4-32.5 ms -> 29.1-32.0.)
 template <typename O>
 void linear_amx(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* wp, const float* bias, int64_t N,
                 O* out) {
   panel_groups(
-      M, K, N, 2, 4, AR, bias, out,
+      M, K, N, 2, 4, 2 * AR, bias, out,
       [&](int64_t m, int rows, int64_t p0, int64_t np, float* t, int64_t ldt) {
-        amx_config(rows);
         const c10::BFloat16* xm = x + m * K;
         const c10::BFloat16* wg = wp + p0 * K * VL;
         int64_t p = 0;
+        if (rows > AR) {
+          amx_pair_config(rows);
+          for (; p + 2 <= np; p += 2) tile_amx_pair<2>(xm, K, wg + p * K * VL, t + p * VL, ldt);
+          if (p < np) tile_amx_pair<1>(xm, K, wg + p * K * VL, t + p * VL, ldt);
+          return;
+        }
+        amx_config(rows);
         for (; p + 4 <= np; p += 4) tile_amx<4>(xm, K, wg + p * K * VL, t + p * VL, ldt);
         if (np - p == 3) tile_amx<3>(xm, K, wg + p * K * VL, t + p * VL, ldt);
         if (np - p == 2) tile_amx<2>(xm, K, wg + p * K * VL, t + p * VL, ldt);
