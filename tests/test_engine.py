@@ -822,3 +822,45 @@ def test_unverified_probe_measures_what_a_verify_would(smollm2):
                 accepted[k] += k < acc
     assert probes >= 8 and ctl.reached[:3] == reached and ctl.accepted[:3] == accepted
     assert not engine._probe_checks
+
+
+def test_drafting_after_a_plain_stretch_is_timed_without_its_catch_up(smollm2):
+    """The first drafting iteration after plain ones writes the drafter's context that piled up
+    meanwhile (the window's positions a sequence; the shipped sliding-window drafter, fp32, block
+    4, two chat prompts): the runner reports the seconds of that injection past a block a sequence
+    (``catch_up_s``), and the controller learns the drafter's cost and the iteration's host cost
+    without them, as drafting costs while it goes on. Iterations drafting every step after it
+    inject at most a block a sequence: no catch-up."""
+    from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
+    from dflash_trt.checkpoints.zlab import load_drafter
+
+    drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32)
+    W = drafter.cfg.sliding_window
+    prompts = [chat_prompt_ids(smollm2.tokenizer, q) for q in ("What is 7 * 8?", "List three primes.")]
+    cfg = engine_config(block_size=4, max_batch_size=4, max_num_tokens=256, kv_capacity=4096)
+    engine = LLMEngine(smollm2.model, drafter, (), cfg)
+    engine.controller = ctl = engine._new_controller()  # (its choices scripted: no calibration)
+    it = 0
+
+    def choose(seqs: int, token_budget: int | None = None) -> tuple[int, bool]:
+        nonlocal it
+        it += 1
+        return (2 if it > W + 4 else 0), False
+
+    ctl.choose = choose
+    observed = []
+    observe_drafter = ctl.observe_drafter
+    ctl.observe_drafter = lambda n, tokens, seconds: observed.append(seconds) or observe_drafter(n, tokens, seconds)
+    steps, step = [], engine._run
+    engine._run = lambda plan: steps.append((plan, step(plan), engine.runner.proposer.last_context)) or steps[-1][1]
+    out = engine.generate([Request(p, 56) for p in prompts])
+    assert [o.output_ids for o in out] == plain_outputs(smollm2.model, prompts, 56)
+    drafting = [(plan, o, ctx) for plan, o, ctx in steps if o.drafter_ran]
+    (plan, first, (rows, seconds)), rest = drafting[0], drafting[1:]
+    n = sum(item.num_draft > 0 for item in plan.items)
+    assert n == 2 and rows >= n * (W - 1) > n * plan.draft_block and seconds > 0
+    assert first.catch_up_s == pytest.approx(seconds * (rows - n * plan.draft_block) / rows)
+    assert first.catch_up_s < first.draft_s and observed[0] == pytest.approx(first.draft_s - first.catch_up_s)
+    assert len(rest) >= 5
+    for plan, o, (rows, _) in rest:
+        assert rows <= len(plan.items) * plan.draft_block and o.catch_up_s == 0.0
