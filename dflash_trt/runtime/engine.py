@@ -510,20 +510,14 @@ class LLMEngine:
             return
         drafting = [it.num_draft > 0 for it in plan.items]
         probing = sum(it.probe_draft > 0 for it in plan.items)
-        # drafting as it costs while it goes on: less the context that piled up while the sequences
-        # decoded plainly (``catch_up_s``, written once when drafting resumes); counted, it made
-        # drafting after every plain stretch look dearer than it is, to the cost model and to the
-        # achieved-rate guard alike, and held 4 bf16 sequences on a 2-core CPU in plain decoding
-        # for whole lanes (0.97x plain; drafting ran at 1.09x)
-        draft_s = out.draft_s - out.catch_up_s
         if out.drafter_ran:  # (not when prompt-lookup tokens filled every draft position)
             n = sum(drafting) + probing
-            ctl.observe_drafter(n, n * plan.draft_block, draft_s)
+            ctl.observe_drafter(n, n * plan.draft_block, out.draft_s)
         if decode_only and not probing and (all(drafting) or not any(drafting)):
-            # (not a batch probe, not capped per request; less the ended sequences' KV injection:
-            # either mode does it)
-            wall = wall_s - out.ingest_s - out.catch_up_s
-            ctl.observe_iteration(len(sched.decode), any(drafting), wall, committed, out.target_s + draft_s, probe)
+            # (not a batch probe, not capped per request)
+            ctl.observe_iteration(  # (less the ended sequences' KV injection: either mode does it)
+                len(sched.decode), any(drafting), wall_s - out.ingest_s, committed, out.target_s + out.draft_s, probe
+            )
 
     def _plan(self, sched: Schedule, drafts: list[int], unverified: tuple[int, int] | None = None) -> StepPlan:
         """Items for the schedule; decoding sequence ``j`` drafts ``drafts[j]`` tokens (0 past

@@ -144,10 +144,6 @@ class StepOutput:
             timings, read after the iteration's one synchronisation).
         ingest_s: wall seconds of writing ended sequences' target features into the drafter's
             pool (:attr:`StepPlan.ingest`; host clock), work of either mode.
-        catch_up_s: of ``draft_s``, the seconds of the KV injection past ``draft_block``
-            positions a drafting sequence: the context that piled up while a sequence decoded
-            without drafting (a sequence drafting every iteration commits at most a block a step),
-            written once when drafting resumes (the CPU's fused drafter; 0.0 elsewhere).
         target_tokens: tokens in the target forward.
         drafter_ran: the drafter's forward ran (False when nothing was drafted, or when
             prompt-lookup tokens filled every draft position).
@@ -166,7 +162,6 @@ class StepOutput:
     draft_s: float = 0.0
     target_s: float = 0.0
     ingest_s: float = 0.0
-    catch_up_s: float = 0.0
     target_tokens: int = 0
     drafter_ran: bool = False
     replayed: bool = False
@@ -433,10 +428,6 @@ class ModelRunner:
             drafts, out.drafter_ran = self._draft([items[i] for i in drafting], block)
         elif probing:
             probes, out.drafter_ran = self.proposer.propose([items[i] for i in probing], block), True
-        if out.drafter_ran:
-            rows, seconds = self.proposer.last_context
-            steady = block * (len(drafting) + len(probing))
-            out.catch_up_s = seconds * (rows - steady) / rows if rows > steady else 0.0
         return drafting, drafts, probing, probes
 
     def _step(self, plan: StepPlan) -> StepOutput:

@@ -11,8 +11,6 @@ sliding rule when the drafter has a window); the target's LM head over the draft
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ...errors import DFlashError
@@ -94,10 +92,6 @@ class DFlashProposer:
         # KV injection's linears (models/fused_layer.py): planned at the first draft, False where
         # it does not apply
         self._fused: tuple[list[tuple], tuple] | bool | None = None
-        #: the last :meth:`propose`'s KV injection: ``(context positions written, seconds)``;
-        #: seconds measured on the fused CPU path only (elsewhere 0.0: the injection runs inside
-        #: the drafter's forward or its graphs)
-        self.last_context: tuple[int, float] = (0, 0.0)
 
     def enable_graphs(self, max_batch: int, capture_graphs: bool) -> bool:
         """Draft from CUDA graphs (:mod:`~..drafter_graphs`) for up to ``max_batch`` sequences;
@@ -269,7 +263,6 @@ class DFlashProposer:
             ``num_draft`` tokens (the rest of the row is not verified). No host copy.
         """
         d = self.drafter
-        self.last_context = (0, 0.0)
         ctx = [self._take_features(it.seq_id, it.start) for it in items]
         tables = [it.table for it in items]
         starts = [it.start for it in items]
@@ -348,9 +341,7 @@ class DFlashProposer:
         d = self.drafter
         layers, context = self._fused
         if len(feats):
-            t0 = time.perf_counter()
             d.write_context_kv(feats, ctx_pos, ctx_slots, self.cache.k, self.cache.v, context)
-            self.last_context = (len(feats), time.perf_counter() - t0)
         n = len(starts)
         window = d.cfg.layer_kinds[0][1]
         plan = plan_packed(
