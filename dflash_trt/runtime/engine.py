@@ -504,12 +504,9 @@ class LLMEngine:
             # with a prompt chunk is not); under CUDA graphs replayed ones (an eager forward costs
             # several times a replay of its size)
             ctl.target_cost.observe(out.target_tokens, out.target_s)
-        if not plan.draft_block:  # nothing drafted nor probed (the drafter did not run): a plain iteration
-            if decode_only:
-                ctl.observe_iteration(len(sched.decode), False, wall_s - out.ingest_s, committed, out.target_s, probe)
-            return
-        drafting = [it.num_draft > 0 for it in plan.items]
-        probing = sum(it.probe_draft > 0 for it in plan.items)
+        # (a plan without a drafter block drafted and probed nothing: its items are not walked)
+        drafting = [it.num_draft > 0 for it in plan.items] if plan.draft_block else []
+        probing = sum(it.probe_draft > 0 for it in plan.items) if plan.draft_block else 0
         if out.drafter_ran:  # (not when prompt-lookup tokens filled every draft position)
             n = sum(drafting) + probing
             ctl.observe_drafter(n, n * plan.draft_block, out.draft_s)
