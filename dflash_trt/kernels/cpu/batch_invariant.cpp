@@ -108,6 +108,12 @@
 #else
 #define DFLASH_AMX 0
 #endif
+// AMX int8 tiles for the packed integer GEMMs of 2 rows and more (int_amx)
+#if DFLASH_AMX && defined(__AMX_INT8__)
+#define DFLASH_AMX_INT8 1
+#else
+#define DFLASH_AMX_INT8 0
+#endif
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -1048,6 +1054,201 @@ __attribute__((noinline)) void int4_tile2(const int8_t* xq, const float* xd, con
 }
 #endif
 
+#if DFLASH_AMX_INT8
+// ---- the packed integer GEMMs on AMX (int4_linear and int8_linear with 8 rows or more) ----
+// tdpbsud multiplies a tile of up to 16 rows x 32 signed activation bytes (one Q8 block) by 8 pair
+// rows x 16 columns of unsigned weight bytes into 16 x 16 int32 sums: each (row, column) the exact
+// integer dot product of the block that vpdpbusd forms 4 inputs at a time in int4_tile2 /
+// int8_tile2. Those are the only integers; the fp32 FMAs after each block and after each group are
+// the register tiles' own, in their order, so every output has the same bits at any row count.
+// A panel pair's 64 bytes of one chunk are a pair row of AMX's B layout: int8's codes as they are
+// (input 4kq + i of column j in byte 4j + i), int4's after the mask (inputs 8kc .. 8kc + 3: pair
+// row 2kc) or the shift (8kc + 4 .. 8kc + 7: pair row 2kc + 1), staged in L1 for the tile load.
+// Each weight byte is unpacked once per 16 rows, where the register tiles unpack it per 1 - 6 rows
+// and multiply it per row. Staging the unpacked tile in L1 costs about what the register tiles'
+// multiplies of 2 - 4 rows do, so AMX takes 8 rows and more. (2-core AMX Xeon, the default target's
+// 210 int4 GEMMs with distinct weights, bf16 activations, medians of 9, processes alternating,
+// register tiles -> AMX: 8 rows 10.9-13.0 -> 9.0-11.7 ms, 16 rows 14.1-15.8 -> 10.4-14.0, 64 rows
+// 40.2-45.8 -> 32.3-40.4; the Q8_0 LM head [49152, 576]: 8 rows 1.28-1.32 -> 1.11-1.19 ms, 16 rows
+// 1.81-1.95 -> 1.45-1.49; at 2 and 4 rows AMX took 1.2-1.4x the register tiles' time.)
+constexpr int64_t AMX_INT_ROWS = 8;  // the fewest rows that take AMX
+
+// tiles 0: activations (R rows x 32 bytes), 1, 2: the weights of up to 2 units of 16 columns (8 pair
+// rows x 64 bytes), 3, 4 and 5, 6: their int32 sums (R rows x 16), the even blocks' and the odd ones'
+inline void amx_int_config(int R) {
+  TileConfig cfg;
+  cfg.rows[0] = static_cast<uint8_t>(R), cfg.colsb[0] = 32;
+  for (int t = 1; t < 3; ++t) cfg.rows[t] = 8, cfg.colsb[t] = 64;
+  for (int t = 3; t < 7; ++t) cfg.rows[t] = static_cast<uint8_t>(R), cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// one block's sums of U (1, 2) units into the sum tiles of set P (block parity), from the weight
+// tiles at src[u] (stride bytes between pair rows) and the activations in tile 0, stored as [R, 16]
+// int32 at dst[u]. Alternate blocks use alternate sum tiles, so a block's products need not wait
+// for the previous block's sums to be stored.
+template <int U, int P>
+inline void amx_int_block(const void* const* src, int64_t stride, int32_t (*dst)[AR * 16]) {
+  // (the tile intrinsics take their tile numbers as literals)
+#define DFLASH_AMX_INT_BLOCK(c0, c1)                            \
+  _tile_loadd(1, src[0], stride);                               \
+  _tile_zero(c0);                                               \
+  _tile_dpbsud(c0, 0, 1);                                       \
+  if constexpr (U > 1) {                                        \
+    _tile_loadd(2, src[1], stride);                             \
+    _tile_zero(c1);                                             \
+    _tile_dpbsud(c1, 0, 2);                                     \
+  }                                                             \
+  _tile_stored(c0, dst[0], 64);                                 \
+  if constexpr (U > 1) _tile_stored(c1, dst[1], 64);
+  if constexpr (P) {
+    DFLASH_AMX_INT_BLOCK(5, 6)
+  } else {
+    DFLASH_AMX_INT_BLOCK(3, 4)
+  }
+#undef DFLASH_AMX_INT_BLOCK
+}
+
+// The integer GEMMs' AMX loop over the K / 32 blocks of R rows x U units: block b's weight tiles are
+// staged (stage(b, src): int4 unpacks them, int8 points at its codes) one block ahead, and its
+// int32 sums are scaled into the fp32 sums (fold(b, sums)) one block behind, while the next
+// block's tile products run.
+template <int U, typename Stage, typename Fold>
+inline void amx_int_blocks(int64_t KB, const int8_t* xq, int64_t K, int64_t stride, const Stage& stage,
+                           const Fold& fold) {
+  alignas(64) int32_t cs[2][U][AR * 16];
+  const void* src[2][U];
+  stage(0, src[0]);
+  for (int64_t b = 0; b < KB; ++b) {
+    if (b + 1 < KB) stage(b + 1, src[(b + 1) & 1]);
+    _tile_loadd(0, xq + b * QB, K);
+    if (b & 1)
+      amx_int_block<U, 1>(src[1], stride, cs[1]);
+    else
+      amx_int_block<U, 0>(src[0], stride, cs[0]);
+    if (b > 0) fold(b - 1, cs[(b - 1) & 1]);
+  }
+  fold(KB - 1, cs[(KB - 1) & 1]);
+}
+
+// int4_tile2's outputs for R (configured) rows x U (1, 2) units of 16 columns: panels p .. p + 2U - 1
+// (p even); out[r * ldo + 16 u + j]
+template <int U, typename S>
+__attribute__((noinline)) void int4_amx(int R, const int8_t* xq, const float* xd, const float* xs, int64_t K,
+                                         int64_t G, int64_t g, const uint8_t* codes, const S* sz, int64_t p,
+                                         float* out, int64_t ldo) {
+  constexpr int64_t group_scales = 2 * IB * IL, chunk = IB * 32;
+  const int64_t KC = K / 8, KB = K / QB, blocks = g / QB;
+  const uint8_t* wc[2 * U];
+  const S* sc[2 * U];
+  panel_starts<2 * U>(codes, KC * chunk, sz, G * group_scales, p, wc, sc);
+  alignas(64) uint8_t bt[2][U][8 * 64];  // the weight tiles of two blocks, unpacked
+  alignas(64) float a[AR][U][16];
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int r = 0; r < R; ++r) std::memset(out + r * ldo, 0, sizeof(float) * U * 16);
+  std::memset(a, 0, sizeof(float) * R * U * 16);
+  amx_int_blocks<U>(
+      KB, xq, K, 64,
+      [&](int64_t b, const void** src) {
+        for (int u = 0; u < U; ++u) {
+          const uint8_t* w = wc[2 * u] + 4 * b * chunk;
+          uint8_t* t = bt[b & 1][u];
+          src[u] = t;
+#pragma GCC unroll 4
+          for (int q = 0; q < 4; ++q) {
+            __builtin_prefetch(w + (q + 8) * chunk, 0, 1);
+            const __m512i v = _mm512_loadu_si512(w + q * chunk);
+            _mm512_store_si512(t + 2 * q * 64, _mm512_and_si512(v, mask));
+            _mm512_store_si512(t + (2 * q + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+          }
+        }
+      },
+      [&](int64_t b, int32_t (*cs)[AR * 16]) {
+        for (int r = 0; r < R; ++r) {
+          const __m512 d = _mm512_set1_ps(xd[r * KB + b]);
+#pragma GCC unroll 2
+          for (int u = 0; u < U; ++u)
+            _mm512_store_ps(a[r][u], _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_load_si512(cs[u] + r * 16)),
+                                                     _mm512_load_ps(a[r][u])));
+        }
+        if ((b + 1) % blocks) return;
+        const int64_t gi = b / blocks;  // the group's end: its scale and zero terms
+#pragma GCC unroll 2
+        for (int u = 0; u < U; ++u) {
+          const S* ps = sc[2 * u] + gi * group_scales;
+          const __m512 sv = load16(ps), zv = load16(ps + IB * IL);
+          for (int r = 0; r < R; ++r) {
+            float* o = out + r * ldo + 16 * u;
+            const __m512 y = _mm512_fmadd_ps(sv, _mm512_load_ps(a[r][u]), _mm512_loadu_ps(o));
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[r * G + gi]), y));
+          }
+        }
+        std::memset(a, 0, sizeof(float) * R * U * 16);
+      });
+}
+
+// int8_tile2's outputs for R (configured) rows x U (1, 2) units of 16 columns (as int4_amx); the
+// codes' pair rows are loaded in place, a chunk (256 bytes) apart
+template <int U, typename S>
+__attribute__((noinline)) void int8_amx(int R, const int8_t* xq, const float* xd, const int32_t* xsum, int64_t K,
+                                         const uint8_t* codes, const S* sz, int64_t p, float* out, int64_t ldo) {
+  constexpr int64_t chunk = IB * 32;
+  const int64_t KQ = K / 4, KB = K / QB;
+  const uint8_t* wc[2 * U];
+  const S* sc[2 * U];
+  panel_starts<2 * U>(codes, KQ * chunk, sz, IB * IL, p, wc, sc);
+  alignas(64) float a[AR][U][16];
+  std::memset(a, 0, sizeof(float) * R * U * 16);
+  amx_int_blocks<U>(
+      KB, xq, K, chunk,
+      [&](int64_t b, const void** src) {
+        for (int u = 0; u < U; ++u) {
+          src[u] = wc[2 * u] + 8 * b * chunk;
+          for (int q = 0; q < 8; ++q) __builtin_prefetch(wc[2 * u] + (8 * b + 16 + q) * chunk, 0, 1);
+        }
+      },
+      [&](int64_t b, int32_t (*cs)[AR * 16]) {
+        for (int r = 0; r < R; ++r) {
+          const __m512 d = _mm512_set1_ps(xd[r * KB + b]);
+          const __m512i off = _mm512_set1_epi32(128 * xsum[r * KB + b]);
+#pragma GCC unroll 2
+          for (int u = 0; u < U; ++u)
+            _mm512_store_ps(
+                a[r][u], _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(cs[u] + r * 16), off)),
+                                         _mm512_load_ps(a[r][u])));
+        }
+      });
+#pragma GCC unroll 2
+  for (int u = 0; u < U; ++u) {
+    const __m512 sv = load16(sc[2 * u]);
+    for (int r = 0; r < R; ++r)
+      _mm512_storeu_ps(out + r * ldo + 16 * u, _mm512_fmadd_ps(sv, _mm512_load_ps(a[r][u]), _mm512_setzero_ps()));
+  }
+}
+
+// an integer GEMM of M >= AMX_INT_ROWS rows on AMX: threads take groups of units of 16 columns
+// (sweep_groups; balanced as the float GEMMs' panels), swept 16 rows at a time, 2 units a kernel
+// call; tile(U, R, m, p, t, ldt) computes rows m .. m + R - 1 of panels p .. p + 2U - 1 into t. The
+// tile configuration is loaded once per task and row count (amx_int_rows) and released after the
+// task (see amx_config)
+inline thread_local int amx_int_rows = 0;  // the rows the tiles are configured for (0: none)
+template <typename O, typename Tile>
+void int_amx(int64_t M, int64_t N, const float* bias, O* out, const Tile& tile) {
+  const int64_t units = (N + 15) / 16;
+  sweep_groups(
+      M, N, 16, balanced_panels(units, 1, IB / 2), 1, AR, bias, out,
+      [&](int64_t m, int rows, int64_t u0, int64_t nu, float* t, int64_t ldt) {
+        if (amx_int_rows != rows) amx_int_config(rows), amx_int_rows = rows;
+        int64_t u = 0;
+        for (; u + 2 <= nu; u += 2) tile(std::integral_constant<int, 2>{}, rows, m, 2 * (u0 + u), t + 16 * u, ldt);
+        if (u < nu) tile(std::integral_constant<int, 1>{}, rows, m, 2 * (u0 + u), t + 16 * u, ldt);
+      },
+      [] { _tile_release(); amx_int_rows = 0; });
+}
+
+inline bool use_int_amx(int64_t M) { return M >= AMX_INT_ROWS && amx_ready(); }
+#endif
+
 // the rows' activations as Q8 blocks: codes, scales and per-block code sums
 template <typename T>
 struct Q8Rows {
@@ -1070,9 +1271,12 @@ struct Q8Rows {
 // beside the codes and the broadcast activations (the fp32 sums are in L1). With AVX-512's 32
 // registers 4 rows take 4 panels: 120 int4 GEMMs of the default target's shapes, 4 rows, 2
 // threads (AMD EPYC Zen 4), 1.88 ms with 2 panels, 1.61 with 4 (more loads in flight on the
-// streaming weight); 16 registers hold 2.
+// streaming weight); and 2 - 4 rows 8, a block's whole 256 bytes of each 8 inputs (2-core AMX
+// Xeon, 210 int4 GEMMs with distinct weights, medians of 9, processes alternating: 2 rows
+// 4.93-5.20 -> 4.30-4.43 ms, 4 rows 5.58-6.45 -> 4.95-5.24; the Q8_0 LM head [49152, 576], 2
+// rows 0.80-0.87 -> 0.67-0.77, 4 rows 0.93-1.05 -> 0.79-0.91). 16 registers hold 2.
 #ifdef __AVX512F__
-#define INT_PANELS 8, 4, 4, 4, 2, 2
+#define INT_PANELS 8, 8, 8, 8, 4, 4
 #else
 #define INT_PANELS 4, 2, 2, 2, 1, 1
 #endif
@@ -1090,6 +1294,13 @@ void int4_impl(const T* x, int64_t M, int64_t K, int64_t g, const uint8_t* wp, c
         s = std::fma(xr.d[m * KB + b], static_cast<float>(xr.sum[m * KB + b]), s);
       xs[m * G + gi] = s;
     }
+#if DFLASH_AMX_INT8
+  if (use_int_amx(M))
+    return int_amx(M, N, bias, out, [&](auto u, int rows, int64_t m, int64_t p, float* t, int64_t ldt) {
+      int4_amx<decltype(u)::value>(rows, xr.q.data() + m * K, xr.d.data() + m * KB, xs.data() + m * G, K, G, g, wp,
+                                   sz, p, t, ldt);
+    });
+#endif
   int_panels<INT_PANELS>(M, N, bias, out, [&](auto r, auto c, int64_t m, int64_t p, float* t, int64_t ldt) {
     constexpr int R = decltype(r)::value, C = decltype(c)::value;
 #ifdef INT_PANEL_PAIRS
@@ -1256,6 +1467,13 @@ void int8_impl(const T* x, int64_t M, int64_t K, const uint8_t* wp, const S* sz,
                O* out) {
   const Q8Rows<T> xr(x, M, K);
   const int64_t KB = K / QB;
+#if DFLASH_AMX_INT8
+  if (use_int_amx(M))
+    return int_amx(M, N, bias, out, [&](auto u, int rows, int64_t m, int64_t p, float* t, int64_t ldt) {
+      int8_amx<decltype(u)::value>(rows, xr.q.data() + m * K, xr.d.data() + m * KB, xr.sum.data() + m * KB, K, wp, sz,
+                                   p, t, ldt);
+    });
+#endif
   int_panels<INT_PANELS>(M, N, bias, out, [&](auto r, auto c, int64_t m, int64_t p, float* t, int64_t ldt) {
     constexpr int R = decltype(r)::value, C = decltype(c)::value;
 #ifdef INT_PANEL_PAIRS
