@@ -99,10 +99,11 @@ def test_bf16_gemm_is_the_best_kernel_this_cpu_has():
 def test_packed_int_linear_rows_independent(fmt, group, dtype):
     """``dflash_cpu::int4_linear`` / ``int8_linear`` (the packed modules' GEMMs): a row alone,
     among other rows and in any position gives the same bits, for every register-tile height
-    (1-6 rows and more; on a CPU with AMX-INT8, the tiles of 8 rows and more, 16 at a time), and the values are those of the format's arithmetic in fp64 to the
-    output's rounding, over the activations as :func:`quantize_activations` rounds them: int8
-    Q8_0 x Q8_0's block sums times the row's scale, int4 Q4_1 x Q8_1's (and within the
-    activations' rounding of ``x @ w.T``)."""
+    (1-6 rows and more; on a CPU with AMX-INT8, the tiles of 8 rows and more, 16 at a time),
+    and the values are those of the format's arithmetic in fp64 to the output's rounding, over
+    the activations as :func:`quantize_activations` rounds them: int8 Q8_0 x Q8_0's block sums
+    times the row's scale, int4 Q4_1 x Q8_1's (and within the activations' rounding of
+    ``x @ w.T``)."""
     torch.manual_seed(group)
     for n, k in ((48, 256), (592, 512), (1040, 256)):  # 6, 74, 130 panels: full and partial tiles
         w, b = torch.randn(n, k) * 0.05, torch.randn(n)
