@@ -30,13 +30,13 @@
 // dflash_cpu::int4_linear(x [M, K], codes [S, K / 8, 8, 32] uint8, scales [S, K / g, 2, 8, 8], N, g, bias?)
 //     -> [M, N]: int4 group-wise asymmetric weights (w = q * scale + zero) against activations
 //     quantized per row to int8 in blocks of 32 (GGUF Q8_1's rule), integer dot products per
-//     block (vpmaddubsw, or VNNI vpdpbusd: the same integers), then fp32: llama.cpp's Q4_1 x
-//     Q8_1 arithmetic, in a fixed order per row.
+//     block (vpmaddubsw, or VNNI vpdpbusd, or from 8 rows on AMX tdpbsud: the same integers),
+//     then fp32: llama.cpp's Q4_1 x Q8_1 arithmetic, in a fixed order per row.
 // dflash_cpu::int8_linear(x [M, K], codes [S, K / 4, 8, 32] uint8, scales [S, 8, 8], N, bias?)
 //     -> [M, N]: int8 per output row (w = q * scale) against the activations rounded as
-//     int4_linear rounds them, integer dot products per block (VNNI vpdpbusd, or vpmaddubsw),
-//     then fp32: GGUF Q8_0 x Q8_0's arithmetic with a scale per row. Both: output in x's dtype
-//     (layouts and order of the sums where the kernels are).
+//     int4_linear rounds them, integer dot products per block (VNNI vpdpbusd, or vpmaddubsw, or
+//     from 8 rows on AMX tdpbsud), then fp32: GGUF Q8_0 x Q8_0's arithmetic with a scale per
+//     row. Both: output in x's dtype (layouts and order of the sums where the kernels are).
 //
 // dflash_cpu::bi_attention(q [S, H, T, D], k [S, Hkv, L, D], v, mask [S|1, 1, T, L], scale, sinks?)
 //     -> [S, H, T, D] fp32: each (sequence, head, query) alone: scores over its visible keys in
