@@ -108,7 +108,7 @@
 #else
 #define DFLASH_AMX 0
 #endif
-// AMX int8 tiles for the packed integer GEMMs of 2 rows and more (int_amx)
+// AMX int8 tiles for the packed integer GEMMs of 8 rows and more (int_amx)
 #if DFLASH_AMX && defined(__AMX_INT8__)
 #define DFLASH_AMX_INT8 1
 #else
@@ -1112,7 +1112,9 @@ inline void amx_int_block(const void* const* src, int64_t stride, int32_t (*dst)
 // The integer GEMMs' AMX loop over the K / 32 blocks of R rows x U units: block b's weight tiles are
 // staged (stage(b, src): int4 unpacks them, int8 points at its codes) one block ahead, and its
 // int32 sums are scaled into the fp32 sums (fold(b, sums)) one block behind, while the next
-// block's tile products run.
+// block's tile products run. (Against one block at a time on one set of sum tiles, the 210 int4
+// GEMMs with distinct weights, medians of 9, processes alternating: 8 rows 11.3-11.9 ms against
+// 12.4-13.4, 16 and 32 rows within the noise.)
 template <int U, typename Stage, typename Fold>
 inline void amx_int_blocks(int64_t KB, const int8_t* xq, int64_t K, int64_t stride, const Stage& stage,
                            const Fold& fold) {
