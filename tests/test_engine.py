@@ -663,8 +663,8 @@ def test_windowed_drafter_sees_the_same_context_as_a_full_one(smollm2):
             cached[i] += acc + 1
     assert len(hidden) == 4 and len(calls) == 6
     stored = [runner.proposer._features[i] for i in range(2)]  # (first position, chunks, end): O(window) rows kept
-    for i, (first, chunks, _) in enumerate(stored):
-        assert first > cached[i] - 2 * W and sum(len(c) for c in chunks) <= 2 * W
+    for i, (first, chunks, _) in enumerate(stored):  # (a chunk: [features, first row, rows])
+        assert first > cached[i] - 2 * W and sum(n for _, _, n in chunks) <= 2 * W
 
     feats = [
         f for f, _ in features_and_predictions(model, [torch.tensor(s) for s in seqs], drafter.cfg.target_layer_ids)

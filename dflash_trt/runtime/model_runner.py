@@ -500,9 +500,10 @@ class ModelRunner:
 
     def _store_features(self, items: list[StepItem], packed: _Packed, features: torch.Tensor) -> None:
         """Hand each item's rows of the forward's ``features`` ``[1, >= N, F]`` to the proposer
-        (one split into every item's rows: no indexing call per item)."""
-        for it, rows in zip(items, features[0, : len(packed.flat)].split(packed.lengths)):
-            self.proposer.store_features(it.seq_id, it.start, rows)
+        (as row ranges of one tensor: no tensor op per item)."""
+        base, store = features[0], self.proposer.store_rows
+        for it, row, n in zip(items, packed.offsets, packed.lengths):
+            store(it.seq_id, it.start, base, row, n)
 
     def _target_plan(
         self, items: list[StepItem], packed: _Packed
