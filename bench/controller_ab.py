@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import statistics
 import sys
@@ -65,6 +66,11 @@ def contender_engines(run, fixed: list[int], old: Path | None) -> list[str]:
             eng.controller = controller_class(old)(eng.block_size - 1, uniform_probes=graphs, full_blocks=graphs)
             if not hasattr(eng.controller, "idle_iterations"):  # (older: every iteration keeps its features)
                 eng.controller.idle_iterations = lambda: 0
+            observe = eng.controller.observe_drafter
+            if "cold" not in inspect.signature(observe).parameters:  # (older: cold forwards not apart)
+                eng.controller.observe_drafter = lambda seqs, tokens, seconds, cold=False, f=observe: f(
+                    seqs, tokens, seconds
+                )
             eng.calibrate()
         run.engines[name] = eng
     run.engines["dflash"] = main_engine

@@ -12,6 +12,10 @@ Model (measured, not assumed):
   long-run time times its current speed (:class:`MachineSpeed`: every target forward's time
   against its size's long-run value; a shared host slows every size alike, and a size measured
   only in a slow period must not be compared as it was with one measured in a fast period);
+  ``draft_cost`` holds the forwards of a drafter that ran for as many sequences the iteration
+  before; a cold one (after plain iterations: it first writes the context that piled up, its
+  weights come from memory) is a probe's price (``cold_cost``) and stands for drafting's only
+  where no warm one was measured lately (:meth:`DraftLengthController.observe_drafter`);
 - ``host_cost[mode](S)``: seconds of an iteration of ``S`` decoding sequences outside those
   forwards (planning, acceptance, commit, feature bookkeeping), per mode (drafting / plain):
   the whole iteration's wall time minus its forwards. A drafting iteration does more host work
@@ -40,13 +44,16 @@ Exploration keeps both options measured, at a bounded cost:
   decoding's time) a drafting iteration runs, alternately ONE sequence drafting (the acceptance of
   the draft positions stays current; the engine takes the decoding sequences in turn) and EVERY
   sequence drafting one token (the drafter's and the verify's costs at this batch size stay
-  current). A one-sequence probe drafts only as far as drafts are likely to be accepted (``1 + 2 *
+  current; two iterations in a row, the second's drafter warm, unless the first's verify rules
+  drafting out even at the one-sequence drafter cost; only at a batch size that has lasted
+  ``steady`` iterations). A one-sequence probe drafts only as far as drafts are likely to be accepted (``1 + 2 *
   (E(max) - 1)`` rounded up: a position past the first rejection teaches nothing, and a probe whose
   drafts are all accepted makes the next one longer). The every-sequence probe is replaced by a
   one-sequence one when drafting would lose by more than ``guard_margin`` even at the one-sequence
   drafter cost and plain decoding's host cost (no measurement at this batch size could flip the
   choice), and by a one-sequence probe too while the drafter's cost at this batch size is less than
-  two horizons old (an every-sequence probe costs up to ~2x a plain iteration);
+  two horizons old (four while drafting is further than half the guard margin behind at a
+  plausible acceptance: an every-sequence probe costs up to ~2x a plain iteration);
 - while drafting wins, every ``explore`` iterations (doubling up to ``max_explore`` while the
   choice holds) one iteration decodes plainly (the plain cost stays current). At batch 1 with
   acceptance length ``tau`` this costs about ``(1 - 1/tau) / explore`` of the throughput.
@@ -371,6 +378,12 @@ class DraftLengthController:
             of the load bench, 2-core AMX Xeon: the controller took 17-25 ms of a ~6 s lane, ~0.3 %,
             with ``reuse``; with ``4 * reuse``, ended by every probe's acceptance, it evaluated
             the model in 45 of 256 iterations, 0.56 ms each).
+        steady: every-sequence probes (one draft token for every sequence, measuring the drafter's
+            and the verify's costs at a batch size) only at a batch size that the last ``steady``
+            iterations all had: in a load bench's lane the batch passes through sizes for one or
+            two iterations each as requests end and the next are admitted (16 bf16 sequences on a
+            2-core CPU: every-sequence probes at 10, 6, 9 and 2 sequences, each ~+40 % of an
+            iteration, for costs that were never used again), and drafting there waits.
     """
 
     def __init__(
@@ -393,6 +406,7 @@ class DraftLengthController:
         full_blocks: bool = False,
         far_behind: float = 0.1,
         far_probe: int = 64,
+        steady: int = 3,
     ):
         self.max_draft = max_draft
         self.decay = decay
@@ -403,6 +417,9 @@ class DraftLengthController:
         self.speed = MachineSpeed()
         self.target_cost = CostModel(speed=self.speed, feeds_speed=True)
         self.draft_cost = CostModel(age_down=False, speed=self.speed)
+        #: the drafter's cost where it did not run the iteration before (:meth:`observe_drafter`)
+        self.cold_cost = CostModel(age_down=False, speed=self.speed)
+        self._batch_probe: int | None = None  # the batch size of an every-sequence probe's first iteration
         self._drafter_seen: dict[int, int] = {}  # sequences drafting -> the iteration the drafter last ran for them
         self.host_cost = self._host_cost_models()
         self.min_probe, self.max_probe = probe, max_probe
@@ -433,6 +450,11 @@ class DraftLengthController:
         #: stands without being evaluated again (see ``reuse``)
         self._plain_until: tuple[int, int, bool] | None = None
         self.reuse = reuse
+        #: whether the last probe found drafting within half the guard margin of plain decoding at
+        #: a plausible acceptance (its probes stay at the shortest interval; see :meth:`_probe`)
+        self._close = True
+        self.steady = steady
+        self._steady, self._last_seqs = 0, -1  # iterations in a row at the same batch size, and that size
 
     def acceptance(self) -> list[float]:
         """Current ``q_k`` estimates, k = 1..max_draft: each position's decayed counts shrunk
@@ -483,15 +505,17 @@ class DraftLengthController:
 
     def idle_iterations(self) -> int:
         """Iterations after this one's choice before the drafter runs again, as far as the
-        controller plans: while every draft length is predicted ``far_behind`` plain decoding
-        (a choice that stands for ``8 * reuse`` iterations), those until the next probe is due;
-        else 0. Past that many, a drafting block sees none of the positions decoded now (a
-        sliding-window drafter's), and the engine keeps no target features of them
+        controller plans: while the model chooses plain decoding and every draft length is
+        predicted ``far_behind`` it (a choice that stands for ``8 * reuse`` iterations), or the
+        last probe found drafting further than half the guard margin behind even at a plausible
+        acceptance (its probes back off), those until the next probe is due; else 0. Past that many, a
+        drafting block sees none of the positions decoded now (a sliding-window drafter's), and
+        the engine keeps no target features of them
         (:attr:`~.model_runner.StepPlan.capture`). A choice the model flips meanwhile (after a
         cost change of over ``far_behind``, or at a batch size it predicts otherwise) drafts
         once its sequences' features cover the window again (``DFlashProposer.ready``)."""
         held = self._plain_until
-        if held is None or not held[2]:
+        if held is None or not (held[2] or not self._close):
             return 0
         return max(self.probe_every - self.since_draft, 0)
 
@@ -534,17 +558,43 @@ class DraftLengthController:
         tiled GEMM's cost is a step, not the line (the model put 19 rows at 43 ms against 41 for
         16, and probes verified at 16 bf16 sequences)."""
         host = self.host_cost[False](seqs)
-        drafter = self.draft_cost(self.draft_tokens(1, k))
+        drafter = self._probe_drafter_cost(k)
         n = next((x for x in self.target_cost.xs if x >= seqs + k), seqs + k)
         verified = (seqs - 1 + self.expected_committed(k)) / max(self.target_cost(n) + drafter + host, 1e-9)
         unverified = seqs / max(self.target_cost(seqs) + drafter + host, 1e-9)
         return unverified > verified
 
-    def observe_drafter(self, seqs: int, tokens: int, seconds: float) -> None:
+    def observe_drafter(self, seqs: int, tokens: int, seconds: float, cold: bool = False) -> None:
         """One drafter forward: ``seqs`` sequences drafting, ``tokens`` tokens in its blocks
-        (:meth:`draft_tokens`), ``seconds`` long."""
-        self.draft_cost.observe(tokens, seconds)
+        (:meth:`draft_tokens`), ``seconds`` long; ``cold``: the iteration before ran the drafter
+        for fewer sequences or not at all. A cold forward first writes the drafter context that piled up while its
+        sequences decoded plainly (KV injection, up to the drafter's window a sequence) and
+        reads its weights back from memory: at 4 bf16 sequences on a 2-core CPU 4.7 / 4.8 / 5.1
+        ms after 1 / 2 / 8 plain iterations, 7.2 after 40, against 4.0-4.4 drafting every
+        iteration. Cold forwards go to :attr:`cold_cost` (the price of a probe), the others to
+        :attr:`draft_cost` (drafting's own, :meth:`drafter_cost`): a batch size that decodes
+        plainly is measured only by probes, all cold, and with their cost taken for drafting's
+        it stayed plain where drafting won."""
+        (self.cold_cost if cold else self.draft_cost).observe(tokens, seconds)
         self._drafter_seen[seqs] = self.iteration
+
+    def drafter_cost(self, seqs: int, k: int) -> float:
+        """Predicted seconds of the drafter while ``seqs`` sequences draft ``k`` tokens each
+        every iteration (:meth:`draft_tokens`): :attr:`draft_cost`'s where it was measured
+        within two horizons near that size, else the higher of it and :attr:`cold_cost`'s (a
+        size only probes measured: an every-sequence probe's second iteration measures it
+        warm, :meth:`choose`)."""
+        n = self.draft_tokens(seqs, k)
+        warm = self.draft_cost(n) if self.draft_cost.xs else 0.0
+        if self.draft_cost.age(n) <= 2 * self.draft_cost.horizon or not self.cold_cost.xs:
+            return warm
+        return max(warm, self.cold_cost(n))
+
+    def _probe_drafter_cost(self, k: int) -> float:
+        """Predicted seconds of a one-sequence probe's drafter forward of ``k`` drafts: a cold one
+        (:attr:`cold_cost`, or :attr:`draft_cost` before any cold forward)."""
+        n = self.draft_tokens(1, k)
+        return self.cold_cost(n) if self.cold_cost.xs else self.draft_cost(n)
 
     def _drafter_age(self, seqs: int) -> float:
         """Iterations since the drafter last ran for about ``seqs`` sequences (within the cost
@@ -560,7 +610,7 @@ class DraftLengthController:
         lowest plausible drafter and host costs instead (the one-sequence drafter cost, plain
         decoding's host cost)."""
         draft, host = (1, False) if optimistic else (seqs, k > 0)
-        drafter = self.draft_cost(self.draft_tokens(draft, k)) if k else 0.0
+        drafter = self.drafter_cost(draft, k) if k else 0.0
         cost = self.target_cost(seqs * (k + 1)) + drafter + self.host_cost[host](seqs)
         return seqs * self.expected_committed(k, acceptance) / max(cost, 1e-9)
 
@@ -622,19 +672,14 @@ class DraftLengthController:
         decoding. ``probe`` true means plain decoding wins but one sequence should draft the
         returned number of tokens to refresh the acceptance estimates."""
         self.iteration += 1
-        for m in (self.target_cost, self.draft_cost, *self.host_cost.values()):
+        for m in (self.target_cost, self.draft_cost, self.cold_cost, *self.host_cost.values()):
             m.set_time(self.iteration)
+        self._steady, self._last_seqs = (self._steady + 1 if seqs == self._last_seqs else 1), seqs
         if seqs == 0 or self.max_draft == 0:
             return 0, False
-        held = self._plain_until
-        probe_due = self.since_draft + 1 >= self.probe_every
-        if held is not None and held[1] == seqs and self.iteration <= held[0] and not probe_due:
-            self.since_draft += 1  # plain decoding, as the model chose lately (``reuse``)
-            self.history.append((self.iteration, seqs, 0, "model"))
-            return 0, False
-        self._plain_until = None
-        if self._measure(seqs):
-            return 0, False
+        decided = self._decided(seqs)
+        if decided is not None:
+            return decided
         top = self.max_draft
         if token_budget is not None:
             top = max(0, min(top, token_budget // seqs - 1))
@@ -662,9 +707,12 @@ class DraftLengthController:
             # acceptance resting on fewer sequences than half a batch (a one-sequence probe whose
             # three drafts were all accepted read as 0.75 / 0.88 / 0.94 and 16 bf16 sequences
             # drafted five tokens each, ~2.5x a plain iteration): one token each first, which
-            # measures both at a fraction of a full-length draft's price if the prediction is wrong
-            self.history.append((self.iteration, seqs, 1, "probe-batch"))
-            return 1, False
+            # measures both at a fraction of a full-length draft's price if the prediction is wrong;
+            # only at a batch size that has lasted ``steady`` iterations (see there)
+            if self._steady < self.steady:
+                self.history.append((self.iteration, seqs, 0, "unsteady"))
+                return 0, False
+            return self._batch_probe_start(seqs)
         if best > 0:
             self.since_draft = 0
             self.probe_every = self.min_probe
@@ -704,6 +752,7 @@ class DraftLengthController:
         plausible = self.plausible_acceptance()
         best_plausible = max(self.rate(k, seqs, acceptance=plausible) for k in range(1, top + 1))
         close = best_plausible >= (1 - self.guard_margin / 2) * plain_rate
+        self._close = close
         far = best_plausible < (1 - self.far_behind) * plain_rate
         if far and self.since_draft < self.far_probe:
             # far behind even at a plausible acceptance: the probe waits (the acceptance it would
@@ -722,11 +771,44 @@ class DraftLengthController:
         # batch size, at up to ~2x a plain iteration: only once those are 2 horizons old; with
         # ``uniform_probes`` always (one sequence drafting alone is a ragged step); after a
         # ``far_behind`` wait it is the one kind that could flip the choice (a drafter cost
-        # measured in a passing spike), so it comes first
-        stale = self._drafter_age(seqs) > (1 if far else 2) * self.draft_cost.horizon
+        # measured in a passing spike), so it comes first; 4 horizons old where the probes back off
+        # (not ``close``), and never at a batch size that has not lasted ``steady`` iterations
+        stale = self._drafter_age(seqs) > (1 if far else 2 if close else 4) * self.draft_cost.horizon
+        stale = stale and self._steady >= self.steady
         if seqs == 1 or not self.uniform_probes and (self.probes % 2 and not far or not may_win or not stale):
             self.history.append((self.iteration, seqs, k, "probe"))
             return k, True
+        return self._batch_probe_start(seqs)
+
+    def _decided(self, seqs: int) -> tuple[int, bool] | None:
+        """This iteration's choice where it is made before the model is evaluated, else None:
+        the second iteration of an every-sequence probe (:meth:`_batch_probe_start`) while the
+        batch size holds and drafting could still be chosen at the lowest plausible drafter
+        cost (``optimistic`` rates: its first iteration just measured the verify's cost);
+        plain decoding as the model chose lately (``reuse``); a burst measuring plain decoding
+        (:meth:`_measure`)."""
+        again, self._batch_probe = self._batch_probe == seqs, None
+        gain = self.min_gain if seqs == 1 else self.min_gain_batch
+        if again and max(self.rate(k, seqs, optimistic=True) for k in range(1, self.max_draft + 1)) >= (
+            1 + gain
+        ) * self.rate(0, seqs):
+            self.history.append((self.iteration, seqs, 1, "probe-batch"))
+            return 1, False
+        held = self._plain_until
+        probe_due = self.since_draft + 1 >= self.probe_every
+        if held is not None and held[1] == seqs and self.iteration <= held[0] and not probe_due:
+            self.since_draft += 1  # plain decoding, as the model chose lately (``reuse``)
+            self.history.append((self.iteration, seqs, 0, "model"))
+            return 0, False
+        self._plain_until = None
+        return (0, False) if self._measure(seqs) else None
+
+    def _batch_probe_start(self, seqs: int) -> tuple[int, bool]:
+        """An every-sequence probe: one draft token for each of ``seqs`` sequences, this iteration
+        and the next (if the batch size holds): the first forward is cold (the drafter writes
+        the context that piled up, its weights come from memory), the second measures the
+        drafter as it costs while drafting goes on (:meth:`observe_drafter`)."""
+        self._batch_probe = seqs
         self.history.append((self.iteration, seqs, 1, "probe-batch"))
         return 1, False
 
@@ -737,7 +819,8 @@ class DraftLengthController:
         ``E(k) - 1`` more tokens, each worth a plain iteration's time over ``seqs``. (0 where a
         probe is predicted to lose nothing.)"""
         plain = self.target_cost(seqs) + self.host_cost[False](seqs)
-        probe = self.target_cost(seqs + k) + self.draft_cost(self.draft_tokens(1, k)) + self.host_cost[False](seqs)
+        drafter = self._probe_drafter_cost(k)
+        probe = self.target_cost(seqs + k) + drafter + self.host_cost[False](seqs)
         loss = probe - plain - (self.expected_committed(k) - 1) * plain / seqs
         return math.ceil(loss / (self.probe_budget * plain)) if loss > 0 and plain > 0 else 0
 

@@ -139,6 +139,9 @@ class LLMEngine:
         #: of 0.168 (375 probes, 4 bf16 GSM8K sequences; in turn 0.315) where every sequence
         #: drafting measured 0.39-0.46, and the controller kept a drafter that wins there from drafting
         self._probe_turn = 0
+        #: sequences the drafter ran for in the last iteration: a forward for more is cold
+        #: (:meth:`~.adaptive.DraftLengthController.observe_drafter`)
+        self._drafted_last = 0
         #: seq id -> (position of the first probe draft, the drafts): unverified probes
         #: (:meth:`_probe_unverified`) waiting for the tokens the sequence commits next
         self._probe_checks: dict[int, tuple[int, list[int]]] = {}
@@ -496,20 +499,23 @@ class LLMEngine:
         host cost and achieved rate from the whole iteration's wall time ``wall_s``. Nothing is
         learnt from an iteration that captured a CUDA graph (its times include the capture)."""
         ctl = self.controller
-        if out.captured:
-            return
-        decode_only = sched.decode and not sched.prefill
-        if decode_only and (out.replayed or not self.config.model.cuda_graphs):
-            # decode-only iterations, the forwards the controller chooses between (an iteration
-            # with a prompt chunk is not); under CUDA graphs replayed ones (an eager forward costs
-            # several times a replay of its size)
-            ctl.target_cost.observe(out.target_tokens, out.target_s)
         # (a plan without a drafter block drafted and probed nothing: its items are not walked)
         drafting = [it.num_draft > 0 for it in plan.items] if plan.draft_block else []
         probing = sum(it.probe_draft > 0 for it in plan.items) if plan.draft_block else 0
-        if out.drafter_ran:  # (not when prompt-lookup tokens filled every draft position)
-            n = sum(drafting) + probing
-            ctl.observe_drafter(n, n * plan.draft_block, out.draft_s)
+        n = sum(drafting) + probing if out.drafter_ran else 0  # (not when prompt-lookup tokens filled every draft)
+        cold, self._drafted_last = n > self._drafted_last, n
+        if out.captured:
+            return
+        decode_only = sched.decode and not sched.prefill
+        if decode_only and (out.replayed or not self.config.model.cuda_graphs) and not (probe and not probing):
+            # decode-only iterations, the forwards the controller chooses between (an iteration
+            # with a prompt chunk is not; nor a one-sequence probe's ragged verify: at 4 bf16
+            # sequences on a 2-core CPU one measured at 54 ms among 28-31, and the fit, which
+            # rises with the size, put every verify size above it); under CUDA graphs replayed
+            # ones (an eager forward costs several times a replay of its size)
+            ctl.target_cost.observe(out.target_tokens, out.target_s)
+        if n:
+            ctl.observe_drafter(n, n * plan.draft_block, out.draft_s, cold=cold)
         if decode_only and not probing and (all(drafting) or not any(drafting)):
             # (not a batch probe, not capped per request)
             ctl.observe_iteration(  # (less the ended sequences' KV injection: either mode does it)
