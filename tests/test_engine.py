@@ -822,3 +822,32 @@ def test_unverified_probe_measures_what_a_verify_would(smollm2):
                 accepted[k] += k < acc
     assert probes >= 8 and ctl.reached[:3] == reached and ctl.accepted[:3] == accepted
     assert not engine._probe_checks
+
+
+def test_probe_verifies_feed_the_target_cost_at_batch_1_only(smollm2):
+    """A verified one-sequence probe's forward is a ragged step among other decoding sequences
+    (one measured at 54 ms among 28-31 ms plain steps at 4 bf16 sequences lifted every verify size
+    in the controller's non-decreasing fit): it does not feed the target's cost model. Alone, at
+    batch 1, it is a plain verify of ``1 + k`` rows and the one measurement of the verify sizes
+    while plain decoding wins: it does (left out, a batch-1 lane stayed plain on a 2-row verify
+    measured once at 1.44x a decode step)."""
+    from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
+    from dflash_trt.checkpoints.zlab import load_drafter
+
+    drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32)
+    prompts = [chat_prompt_ids(smollm2.tokenizer, q) for q in ("What is 7 * 8?", "List three primes.")]
+    for batch in (1, 2):
+        cfg = engine_config(block_size=4, adaptive=True, max_batch_size=4, max_num_tokens=256, kv_capacity=4096)
+        engine = LLMEngine(smollm2.model, drafter, (), cfg)
+        ctl = engine.controller
+        ctl.choose = lambda seqs, token_budget=None: (2, True)  # a verified probe of two drafts, every iteration
+        ctl.unverified_probe = lambda seqs, k: False
+        sizes = []
+        observe = ctl.target_cost.observe
+        ctl.target_cost.observe = lambda n, s, got=sizes, f=observe: got.append(n) or f(n, s)
+        out = engine.generate([Request(p, 12) for p in prompts[:batch]])
+        assert [o.output_ids for o in out] == plain_outputs(smollm2.model, prompts[:batch], 12)
+        if batch == 1:
+            assert sizes and set(sizes) <= {3}, sizes  # (every decode iteration a probe of 1 + 2 rows)
+        else:
+            assert 4 not in sizes, sizes  # (2 + 2 rows: ragged)

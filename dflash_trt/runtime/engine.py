@@ -507,12 +507,15 @@ class LLMEngine:
         if out.captured:
             return
         decode_only = sched.decode and not sched.prefill
-        if decode_only and (out.replayed or not self.config.model.cuda_graphs) and not (probe and not probing):
+        ragged = probe and not probing and len(sched.decode) > 1  # (a verified one-sequence probe among others)
+        if decode_only and (out.replayed or not self.config.model.cuda_graphs) and not ragged:
             # decode-only iterations, the forwards the controller chooses between (an iteration
-            # with a prompt chunk is not; nor a one-sequence probe's ragged verify: at 4 bf16
-            # sequences on a 2-core CPU one measured at 54 ms among 28-31, and the fit, which
-            # rises with the size, put every verify size above it); under CUDA graphs replayed
-            # ones (an eager forward costs several times a replay of its size)
+            # with a prompt chunk is not; nor a one-sequence probe's ragged verify among other
+            # sequences: at 4 bf16 sequences on a 2-core CPU one measured at 54 ms among 28-31,
+            # and the fit, which rises with the size, put every verify size above it; alone,
+            # at batch 1, a probe's verify is the one measurement of the verify sizes while plain
+            # decoding wins); under CUDA graphs replayed ones (an eager forward costs several
+            # times a replay of its size)
             ctl.target_cost.observe(out.target_tokens, out.target_s)
         if n:
             ctl.observe_drafter(n, n * plan.draft_block, out.draft_s, cold=cold)
