@@ -46,14 +46,15 @@ Exploration keeps both options measured, at a bounded cost:
   sequence drafting one token (the drafter's and the verify's costs at this batch size stay
   current; two iterations in a row, the second's drafter warm, unless the first's verify rules
   drafting out even at the one-sequence drafter cost; only at a batch size that has lasted
-  ``steady`` iterations). A one-sequence probe drafts only as far as drafts are likely to be accepted (``1 + 2 *
-  (E(max) - 1)`` rounded up: a position past the first rejection teaches nothing, and a probe whose
-  drafts are all accepted makes the next one longer). The every-sequence probe is replaced by a
-  one-sequence one when drafting would lose by more than ``guard_margin`` even at the one-sequence
-  drafter cost and plain decoding's host cost (no measurement at this batch size could flip the
-  choice), and by a one-sequence probe too while the drafter's cost at this batch size is less than
-  two horizons old (four while drafting is further than half the guard margin behind at a
-  plausible acceptance: an every-sequence probe costs up to ~2x a plain iteration);
+  ``steady`` iterations). A one-sequence probe drafts only as far as drafts are likely to be
+  accepted (``1 + 2 * (E(max) - 1)`` rounded up: a position past the first rejection teaches
+  nothing, and a probe whose drafts are all accepted makes the next one longer). The
+  every-sequence probe is replaced by a one-sequence one when drafting would lose by more than
+  ``guard_margin`` even at the one-sequence drafter cost and plain decoding's host cost (no
+  measurement at this batch size could flip the choice), and by a one-sequence probe too while
+  the drafter's cost at this batch size is less than two horizons old (four while drafting is
+  further than half the guard margin behind at a plausible acceptance: an every-sequence probe
+  costs up to ~2x a plain iteration);
 - while drafting wins, every ``explore`` iterations (doubling up to ``max_explore`` while the
   choice holds) one iteration decodes plainly (the plain cost stays current). At batch 1 with
   acceptance length ``tau`` this costs about ``(1 - 1/tau) / explore`` of the throughput.
@@ -508,9 +509,9 @@ class DraftLengthController:
         controller plans: while the model chooses plain decoding and every draft length is
         predicted ``far_behind`` it (a choice that stands for ``8 * reuse`` iterations), or the
         last probe found drafting further than half the guard margin behind even at a plausible
-        acceptance (its probes back off), those until the next probe is due; else 0. Past that many, a
-        drafting block sees none of the positions decoded now (a sliding-window drafter's), and
-        the engine keeps no target features of them
+        acceptance (its probes back off), those until the next probe is due; else 0. Past that
+        many, a drafting block sees none of the positions decoded now (a sliding-window
+        drafter's), and the engine keeps no target features of them
         (:attr:`~.model_runner.StepPlan.capture`). A choice the model flips meanwhile (after a
         cost change of over ``far_behind``, or at a batch size it predicts otherwise) drafts
         once its sequences' features cover the window again (``DFlashProposer.ready``)."""
@@ -567,8 +568,8 @@ class DraftLengthController:
     def observe_drafter(self, seqs: int, tokens: int, seconds: float, cold: bool = False) -> None:
         """One drafter forward: ``seqs`` sequences drafting, ``tokens`` tokens in its blocks
         (:meth:`draft_tokens`), ``seconds`` long; ``cold``: the iteration before ran the drafter
-        for fewer sequences or not at all. A cold forward first writes the drafter context that piled up while its
-        sequences decoded plainly (KV injection, up to the drafter's window a sequence) and
+        for fewer sequences or not at all. A cold forward first writes the drafter context that
+        piled up while its sequences decoded plainly (KV injection, up to the drafter's window a sequence) and
         reads its weights back from memory: at 4 bf16 sequences on a 2-core CPU 4.7 / 4.8 / 5.1
         ms after 1 / 2 / 8 plain iterations, 7.2 after 40, against 4.0-4.4 drafting every
         iteration. Cold forwards go to :attr:`cold_cost` (the price of a probe), the others to
@@ -585,7 +586,7 @@ class DraftLengthController:
         size only probes measured: an every-sequence probe's second iteration measures it
         warm, :meth:`choose`)."""
         n = self.draft_tokens(seqs, k)
-        warm = self.draft_cost(n) if self.draft_cost.xs else 0.0
+        warm = self.draft_cost(n)  # (0.0 before any warm forward)
         if self.draft_cost.age(n) <= 2 * self.draft_cost.horizon or not self.cold_cost.xs:
             return warm
         return max(warm, self.cold_cost(n))
@@ -788,10 +789,7 @@ class DraftLengthController:
         plain decoding as the model chose lately (``reuse``); a burst measuring plain decoding
         (:meth:`_measure`)."""
         again, self._batch_probe = self._batch_probe == seqs, None
-        gain = self.min_gain if seqs == 1 else self.min_gain_batch
-        if again and max(self.rate(k, seqs, optimistic=True) for k in range(1, self.max_draft + 1)) >= (
-            1 + gain
-        ) * self.rate(0, seqs):
+        if again and self._may_win(seqs, self.max_draft, self.min_gain if seqs == 1 else self.min_gain_batch):
             self.history.append((self.iteration, seqs, 1, "probe-batch"))
             return 1, False
         held = self._plain_until
@@ -824,10 +822,11 @@ class DraftLengthController:
         loss = probe - plain - (self.expected_committed(k) - 1) * plain / seqs
         return math.ceil(loss / (self.probe_budget * plain)) if loss > 0 and plain > 0 else 0
 
-    def _may_win(self, seqs: int, top: int) -> bool:
-        """Could drafting win at this batch size at its lowest plausible costs?"""
+    def _may_win(self, seqs: int, top: int, margin: float | None = None) -> bool:
+        """Could drafting come within ``margin`` (relative; ``-guard_margin`` unless given) of
+        plain decoding at this batch size at its lowest plausible costs?"""
         best = max(self.rate(k, seqs, optimistic=True) for k in range(1, top + 1))
-        return best >= (1 - self.guard_margin) * self.rate(0, seqs)
+        return best >= (1 + (-self.guard_margin if margin is None else margin)) * self.rate(0, seqs)
 
     def observe_acceptance(self, num_draft: int, accepted: int, of: int = 1) -> None:
         """One verify step of one sequence: ``accepted`` of its ``num_draft`` drafts taken;
