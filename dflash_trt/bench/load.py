@@ -65,7 +65,7 @@ MODES = ("dflash", "ar")
 class LoadConfig(BenchConfig):
     """Settings of one load benchmark (``dflash-trt bench --concurrency ...`` flags): the
     engine, prompt and sampling settings of :class:`BenchConfig` (``peers``: only ``vllm``, run
-    at each concurrency after our modes; the engine's ``adaptive`` on by default here) plus
+    at each concurrency next to our modes in every repeat; the engine's ``adaptive`` on by default here) plus
 
     Attributes:
         concurrency: the ``C`` values (most requests in flight), each >= 1.
@@ -278,6 +278,11 @@ def controller_state(ctl) -> dict:
     return ctl.state()
 
 
+def median_index(values: list[float]) -> int:
+    """The index of ``values``' median (the lower middle one of an even count)."""
+    return sorted(range(len(values)), key=values.__getitem__)[(len(values) - 1) // 2]
+
+
 def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
     """Run the load benchmark and return the result dict (also written to ``cfg.json_out``).
 
@@ -297,12 +302,19 @@ def run_load_bench(cfg: LoadConfig, progress=print) -> dict | None:
         run.tp_engines.serve()
         run.tp.shutdown()
         return None
-    for mode in cfg.modes:
-        run.engine_for(mode)
-    rows = [row for c in cfg.concurrency for row in run.at_concurrency(c)]
+    try:
+        for mode in cfg.modes:
+            run.engine_for(mode)
+        rows, peer_rows = [], []
+        for c in cfg.concurrency:
+            mine, theirs = run.at_concurrency(c)
+            rows += mine
+            peer_rows += theirs
+    finally:
+        run.close_peers()
     result = run.result(rows, kv_src)
     if "vllm" in cfg.peers:
-        result["peers"], result["peer_errors"] = run.vllm_rows()
+        result["peers"], result["peer_errors"] = peer_rows, run.peer_errors
     if run.tp is not None:
         run.tp_engines.close()
         run.tp.shutdown()
@@ -327,8 +339,8 @@ class _LoadRun:
         self.K = cfg.engine_args.block_size or (drafter.cfg.block_size if drafter is not None else 1)
         self.tp_engines = TPEngines(self.models, tp) if tp is not None else None
         self.engines: dict[str, LLMEngine] = {}
-        #: per concurrency: the requests' prompts and plain decoding's outputs (for the peers)
-        self.plain_outputs: dict[int, tuple[list[list[int]], list[list[int]] | None]] = {}
+        self.vllm = None  # the vLLM peers (VllmPeers), opened at the first concurrency
+        self.peer_errors: dict[str, str] = {}
 
     def engine_for(self, mode: str) -> LLMEngine:
         """The mode's engine (its warm-up untimed; on the compiled path a batch and a request
@@ -356,29 +368,46 @@ class _LoadRun:
         self.engines[mode] = eng
         return eng
 
-    def at_concurrency(self, c: int) -> list[dict]:
+    def at_concurrency(self, c: int) -> tuple[list[dict], list[dict]]:
         """One row per mode at concurrency ``c``: of :attr:`LoadConfig.repeats` runs, the mode's
         run of median tokens/s, with every run's tokens/s (``repeats_tok_s``) and lossless only
-        if every run was."""
-        runs = [self._run_lanes(c) for _ in range(self.cfg.repeats)]
+        if every run was; and with ``--peers vllm`` one row per vLLM peer the same way, each of
+        its runs next to one of ours (after it, or before it in every other repeat), so that a
+        slow period of the host falls on both."""
+        runs, plain, theirs = [], [], []
+        for i in range(self.cfg.repeats):
+            peers_first = i % 2 == 1
+            got = self._run_peers(c) if peers_first else None
+            rows, ar = self._run_lanes(c)
+            runs.append(rows)
+            plain.append(ar)
+            if not peers_first:
+                got = self._run_peers(c)
+            if got:
+                theirs.append(got)
         rows = []
         for mine in zip(*runs):  # one mode's row of every run
             tok_s = [r["output_tokens_per_s"] or 0.0 for r in mine]
-            row = dict(mine[sorted(range(len(mine)), key=tok_s.__getitem__)[(len(mine) - 1) // 2]])
+            row = dict(mine[median_index(tok_s)])
             row["repeats_tok_s"] = tok_s
             if row["lossless"] is not None:
                 row["lossless"] = all(r["lossless"] for r in mine)
             rows.append(row)
-        return rows
+        return rows, self._peer_rows(c, theirs, plain)
 
-    def _run_lanes(self, c: int) -> list[dict]:
-        """One run of every mode's lane at concurrency ``c``: a row per mode."""
+    def requests(self, c: int) -> list[list[int]]:
+        """The prompts of concurrency ``c``'s requests (the bench prompts cycled)."""
+        return [self.prompts[i % len(self.prompts)] for i in range(self.cfg.requests_for(c))]
+
+    def _run_lanes(self, c: int) -> tuple[list[dict], list[list[int]] | None]:
+        """One run of every mode's lane at concurrency ``c``: a row per mode, and plain
+        decoding's outputs (None without the ``ar`` mode)."""
         from tqdm import tqdm
 
         cfg = self.cfg
-        n = cfg.requests_for(c)
+        req_prompts = self.requests(c)
+        n = len(req_prompts)
         arrivals = arrival_times(n, cfg.request_rate, cfg.seed * 1_000_003 + c)
-        req_prompts = [self.prompts[i % len(self.prompts)] for i in range(n)]
         # one process: the modes' lanes interleaved, so contention falls on each in proportion to
         # its compute; under TP the worker ranks mirror one engine at a time: one after the other
         groups = [list(cfg.modes)] if self.tp is None else [[m] for m in cfg.modes]
@@ -394,7 +423,6 @@ class _LoadRun:
         outputs = {mode: [r.output for r in lane.records] for mode, lane in lanes.items()}
         # every mode's requests against plain decoding's (the ar row shows DFlash's)
         divergences = {mode: self._divergences(outputs, mode, req_prompts) for mode in outputs if mode != "ar"}
-        self.plain_outputs[c] = (req_prompts, [r.output for r in lanes["ar"].records] if "ar" in lanes else None)
         rows = []
         for mode in cfg.modes:
             lane = lanes[mode]
@@ -407,49 +435,71 @@ class _LoadRun:
             row["lossless"] = None if found is None else not found
             row["divergences"] = found
             rows.append(row)
-        return rows
+        return rows, outputs.get("ar")
 
-    def vllm_rows(self) -> tuple[list[dict], dict]:
-        """vLLM plain and DFlash (:func:`~.vllm_peer.run_vllm`) on each concurrency's requests,
-        after our modes: one row per (C, peer), and ``{"vllm": error}`` when it failed."""
-        from .vllm_peer import run_vllm
+    def _run_peers(self, c: int) -> dict | None:
+        """vLLM plain and DFlash (:class:`~.vllm_peer.VllmPeers`, opened on first use) on
+        concurrency ``c``'s requests: ``{name: PeerResult}``; None when not asked for or failed
+        (the error in :attr:`peer_errors`; what was measured before is kept)."""
+        from .vllm_peer import VllmPeers, vllm_max_model_len
 
         cfg, target = self.cfg, self.models.target
+        if "vllm" not in cfg.peers or self.peer_errors:
+            return None
         if self.tp is not None:
-            return [], {"vllm": "peer vllm runs without tensor parallelism: bench it without mpiexec"}
+            self.peer_errors["vllm"] = "peer vllm runs without tensor parallelism: bench it without mpiexec"
+            return None
         try:
-            got = run_vllm(
-                target.path,
-                self.models.drafter,
-                target.model.lm_head.weight,
-                self.prompts,
-                cfg.max_new_tokens,
-                parse_dtype(self.models.dtype),
-                target.stop_token_ids,
-                self.K,
-                {c: ps for c, (ps, _) in self.plain_outputs.items()},
-                torch.get_num_threads(),
-                self.progress,
-            )
+            if self.vllm is None:
+                self.vllm = VllmPeers(
+                    target.path,
+                    self.models.drafter,
+                    target.model.lm_head.weight,
+                    parse_dtype(self.models.dtype),
+                    target.stop_token_ids,
+                    self.K,
+                    max(cfg.concurrency),
+                    vllm_max_model_len(self.prompts, cfg.max_new_tokens, self.K),
+                    self.prompts[0],
+                    torch.get_num_threads(),
+                    self.progress,
+                )
+            return self.vllm.run(self.requests(c), cfg.max_new_tokens, c)
         except DFlashError as e:  # the peer fails alone: what was measured is kept
             self.progress(f"peer vllm failed: {e}")
-            return [], {"vllm": str(e)}
+            self.peer_errors["vllm"] = str(e)
+            self.close_peers()
+            return None
+
+    def close_peers(self) -> None:
+        """End the vLLM peers' children (idempotent)."""
+        if self.vllm is not None:
+            self.vllm.close()
+            self.vllm = None
+
+    def _peer_rows(self, c: int, theirs: list[dict], plain: list[list[list[int]] | None]) -> list[dict]:
+        """One row per vLLM peer at concurrency ``c`` from its runs ``theirs`` (``{name:
+        PeerResult}`` each): its run of median tokens/s, every run's under ``repeats_tok_s``,
+        ``identical_to_ar`` against plain decoding's outputs of the same repeat."""
         rows = []
-        for name, by_c in got.items():
-            for c, res in by_c.items():
-                ar = self.plain_outputs[c][1]
-                rows.append(
-                    {
-                        "concurrency": c,
-                        "mode": name,
-                        "requests": len(res.outputs),
-                        "output_tokens": res.new_tokens,
-                        "output_tokens_per_s": res.tokens_per_s,
-                        "tau": res.acceptance_length,
-                        "identical_to_ar": None if ar is None or cfg.temperature else res.outputs == ar,
-                    }
-                )
-        return rows, {}
+        for name in theirs[0] if theirs else ():
+            res = [t[name] for t in theirs]
+            tok_s = [r.tokens_per_s for r in res]
+            r = res[median_index(tok_s)]
+            same = [None if ar is None or self.cfg.temperature else x.outputs == ar for x, ar in zip(res, plain)]
+            rows.append(
+                {
+                    "concurrency": c,
+                    "mode": name,
+                    "requests": len(r.outputs),
+                    "output_tokens": r.new_tokens,
+                    "output_tokens_per_s": r.tokens_per_s,
+                    "tau": r.acceptance_length,
+                    "identical_to_ar": None if None in same else all(same),
+                    "repeats_tok_s": tok_s,
+                }
+            )
+        return rows
 
     def _divergences(
         self, outputs: dict[str, list[list[int]]], mode: str, req_prompts: list[list[int]]
@@ -520,7 +570,7 @@ def format_load_table(r: dict) -> str:
         f"max tokens {ec['max_num_tokens']}, KV {ec['kv_capacity_tokens']:,} tokens"
     )
     cols = (
-        f"{'C':>4} {'mode':<7} {'reqs':>5} {'tokens':>7} {'tok/s':>8} {'user tok/s':>10} "
+        f"{'C':>4} {'mode':<11} {'reqs':>5} {'tokens':>7} {'tok/s':>8} {'user tok/s':>10} "
         f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'iter p50/max ms':>16} {'drafts/step':>11} "
         f"{'tau':>5}  lossless"
     )
@@ -540,19 +590,27 @@ def format_load_table(r: dict) -> str:
         if r["engine_config"].get("cuda_graphs") and x.get("iterations"):
             note += f"; eager {x['eager_iterations']}/{x['iterations']} iterations, {x['capture_iterations']} captured"
         lines.append(
-            f"{x['concurrency']:>4} {x['mode']:<7} {x['requests']:>5} {x['output_tokens']:>7} "
+            f"{x['concurrency']:>4} {x['mode']:<11} {x['requests']:>5} {x['output_tokens']:>7} "
             f"{x['output_tokens_per_s']:>8.1f} {x['per_user_tokens_per_s']:>10.1f} "
             f"{_ms(x['ttft_p50_s']) + '/' + _ms(x['ttft_p99_s']):>16} "
             f"{_ms(x['tpot_p50_s']) + '/' + _ms(x['tpot_p99_s']):>16} "
             f"{_ms(x['iteration_p50_s']) + '/' + _ms(x['iteration_max_s']):>16} "
             f"{x['mean_draft_tokens']:>11.2f} {x['tau']:>5.2f}  {note}"
         )
+    ours = {(x["concurrency"], x["mode"]): x.get("repeats_tok_s") or [] for x in r["load"]}
     for x in r.get("peers", []):
         tau = "-" if x["tau"] is None else f"{x['tau']:.2f}"
+        note = f"same tokens as plain: {x['identical_to_ar']}"
+        runs = x.get("repeats_tok_s") or []
+        if len(runs) > 1:
+            note += f"; {len(runs)} runs {min(runs):.1f}-{max(runs):.1f} tok/s"
+        # each run next to ours of the same repeat: ours / the peer's, run by run
+        mine = ours.get((x["concurrency"], "dflash" if x["mode"].endswith("dflash") else "ar"), [])
+        if runs and len(mine) >= len(runs):
+            note += f"; ours/{x['mode']} per run " + "/".join(f"{a / b:.2f}" for a, b in zip(mine, runs) if b)
         lines.append(
-            f"{x['concurrency']:>4} {x['mode']:<7} {x['requests']:>5} {x['output_tokens']:>7} "
-            f"{x['output_tokens_per_s']:>8.1f} {'':>10} {'':>16} {'':>16} {'':>16} {'':>11} {tau:>5}  "
-            f"same tokens as plain: {x['identical_to_ar']}"
+            f"{x['concurrency']:>4} {x['mode']:<11} {x['requests']:>5} {x['output_tokens']:>7} "
+            f"{x['output_tokens_per_s']:>8.1f} {'':>10} {'':>16} {'':>16} {'':>16} {'':>11} {tau:>5}  {note}"
         )
     lines += [f"peer {name} failed: {err}" for name, err in r.get("peer_errors", {}).items()]
     return "\n".join(lines)

@@ -183,6 +183,77 @@ def vllm_dtype(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+class VllmPeers:
+    """vLLM plain (``"vllm"``) and vLLM DFlash (``"vllm-dflash"``, ``block_size - 1`` draft
+    tokens, ``drafter``'s weights through :func:`export_drafter`) loaded side by side, each in
+    its own child (:class:`VllmSession`, ``max_num_seqs`` / ``max_model_len`` as there) and warmed
+    up untimed on ``warm_prompt``, so that a benchmark can run them between its own runs: in a
+    period when the host is slow, every engine measured in it is (the load benchmark's repeats
+    alternate ours and vLLM's at each concurrency). Both children stay loaded until
+    :meth:`close`; an idle child sleeps (vLLM's engine core blocks on its input queue).
+
+    Raises:
+        DFlashError: as :class:`VllmSession` (what opened before is closed).
+    """
+
+    def __init__(
+        self,
+        target_dir: Path,
+        drafter,
+        lm_head_weight,
+        dtype,
+        stop_token_ids: tuple[int, ...],
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        warm_prompt: list[int],
+        threads: int = 1,
+        progress=print,
+        enforce_eager: bool = False,
+    ):
+        self.stop_token_ids = tuple(stop_token_ids)
+        self._tmp = tempfile.TemporaryDirectory(prefix="dflash-vllm-")  # noqa: SIM115 - closed in close()
+        self.sessions: list[VllmSession] = []
+        try:
+            drafter_dir = export_drafter(drafter, lm_head_weight, Path(self._tmp.name) / "drafter")
+            name, eager = vllm_dtype(dtype), enforce_eager
+            for d in (None, drafter_dir):
+                s = VllmSession(target_dir, name, d, block_size - 1, max_num_seqs, max_model_len, threads, eager)
+                self.sessions.append(s)
+                progress(f"peer {s.name} (vLLM {s.version}, loaded in {s.load_s:.0f} s) ...")
+                s.generate([warm_prompt], 4, self.stop_token_ids)  # warm-up, untimed
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, prompts: list[list[int]], max_new_tokens: int, concurrency: int = 1) -> dict[str, PeerResult]:
+        """Greedy decoding of ``prompts`` with at most ``concurrency`` in flight by each peer, one
+        after the other: ``{name: PeerResult}`` (the DFlash one with vLLM's acceptance length).
+
+        Raises:
+            DFlashError: a child died (the caller keeps what it measured before)."""
+        results: dict[str, PeerResult] = {}
+        stops = set(self.stop_token_ids)
+        for s in self.sessions:
+            r = s.generate(prompts, max_new_tokens, self.stop_token_ids, concurrency)
+            outputs = [cut_at_stop(o, stops) for o in r["outputs"]]
+            tau = 1 + r["accepted"] / r["drafts"] if r["drafts"] else None
+            results[s.name] = PeerResult(s.name, outputs, sum(map(len, outputs)), r["wall_s"], acceptance_length=tau)
+        return results
+
+    def close(self) -> None:
+        """End both children and remove the exported drafter (idempotent)."""
+        for s in self.sessions:
+            s.close()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> VllmPeers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def run_vllm(
     target_dir: Path,
     drafter,
@@ -197,34 +268,36 @@ def run_vllm(
     progress=print,
     enforce_eager: bool = False,
 ) -> dict[str, dict[int, PeerResult]]:
-    """vLLM plain (``"vllm"``) and vLLM DFlash (``"vllm-dflash"``, ``block_size - 1`` draft tokens,
-    ``drafter``'s weights through :func:`export_drafter`) on ``prompts`` one at a time, or with
-    ``concurrency`` ``{C: that run's prompts}`` at each C with at most C in flight:
-    ``{name: {C: PeerResult}}`` (the DFlash one with vLLM's acceptance length). One engine per
-    name (``max_num_seqs`` = the largest C), warmed up untimed on ``prompts[0]``;
-    ``enforce_eager``: as :class:`VllmSession`.
+    """:class:`VllmPeers` on ``prompts`` one at a time, or with ``concurrency`` ``{C: that run's
+    prompts}`` at each C with at most C in flight: ``{name: {C: PeerResult}}`` (``max_num_seqs``
+    = the largest C; warmed up on ``prompts[0]``).
 
     Raises:
         DFlashError: as :class:`VllmSession` (the caller keeps what it measured before).
     """
     runs = concurrency or {1: prompts}
-    max_len = max(len(p) for ps in runs.values() for p in ps) + max_new_tokens + block_size + 16
     results: dict[str, dict[int, PeerResult]] = {}
-    stops = set(stop_token_ids)
-    with tempfile.TemporaryDirectory(prefix="dflash-vllm-") as tmp:
-        drafter_dir = export_drafter(drafter, lm_head_weight, Path(tmp) / "drafter")
-        for d in (None, drafter_dir):
-            with VllmSession(
-                target_dir, vllm_dtype(dtype), d, block_size - 1, max(runs), max_len, threads, enforce_eager
-            ) as s:
-                progress(f"peer {s.name} (vLLM {s.version}, loaded in {s.load_s:.0f} s) ...")
-                s.generate(prompts[:1], 4, stop_token_ids)  # warm-up, untimed
-                results[s.name] = {}
-                for c, ps in runs.items():
-                    r = s.generate(ps, max_new_tokens, stop_token_ids, c)
-                    outputs = [cut_at_stop(o, stops) for o in r["outputs"]]
-                    tau = 1 + r["accepted"] / r["drafts"] if r["drafts"] else None
-                    results[s.name][c] = PeerResult(
-                        s.name, outputs, sum(map(len, outputs)), r["wall_s"], acceptance_length=tau
-                    )
+    with VllmPeers(
+        target_dir,
+        drafter,
+        lm_head_weight,
+        dtype,
+        stop_token_ids,
+        block_size,
+        max(runs),
+        vllm_max_model_len([p for ps in runs.values() for p in ps], max_new_tokens, block_size),
+        prompts[0],
+        threads,
+        progress,
+        enforce_eager,
+    ) as peers:
+        for c, ps in runs.items():
+            for name, res in peers.run(ps, max_new_tokens, c).items():
+                results.setdefault(name, {})[c] = res
     return results
+
+
+def vllm_max_model_len(prompts: list[list[int]], max_new_tokens: int, block_size: int) -> int:
+    """vLLM's ``max_model_len`` for ``prompts``: the longest prompt, its new tokens, a draft block
+    and a margin of 16."""
+    return max(len(p) for p in prompts) + max_new_tokens + block_size + 16
