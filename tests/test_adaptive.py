@@ -16,6 +16,7 @@ plus the cost model's own rules (median per size, non-decreasing fit, fading sta
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -735,3 +736,33 @@ def test_a_cold_drafter_is_not_taken_for_drafting_s_cost():
     ctl.observe_drafter(seqs, blocks, warm)  # a second iteration: the drafter ran the one before
     assert ctl.drafter_cost(seqs, 2) == pytest.approx(warm)
     assert ctl.choose(seqs)[0] == 2
+
+
+def test_old_warm_drafter_cost_outlives_cold_probes_at_batch_1():
+    # bf16 on a 2-core CPU at batch 1: calibration measured the drafter warm (~5.7 ms for up to a
+    # block), then a stretch of plain decoding; each probe since is cold (it writes the context
+    # that piled up first): 14-25 ms. Taking those for drafting's cost once the warm forwards
+    # were two horizons old locked a lane into plain decoding (0.96x-1.01x plain in three runs,
+    # 2-5 drafting iterations of 512): a probe at batch 1 is never followed by a warm iteration
+    ctl = DraftLengthController(7)
+    for n, s in ((1, 0.028), (2, 0.033), (4, 0.034), (8, 0.0375)):
+        for _ in range(3):
+            ctl.target_cost.observe(n, s)
+    for k in range(1, 8):
+        ctl.observe_drafter(1, ctl.draft_tokens(1, k), 0.0057)  # warm (calibration)
+    ctl.host_cost[False].observe(1, 0.001)
+    ctl.host_cost[True].observe(1, 0.001)
+    q = [0.36, 0.45, 0.5, 0.5, 0.5, 0.5, 0.5]
+    ctl.reached = [100.0 * math.prod(q[:i]) for i in range(7)]
+    ctl.accepted = [r * x for r, x in zip(ctl.reached, q)]
+    late = 10 * ctl.draft_cost.horizon  # plain decoding since
+    for m in (ctl.target_cost, ctl.draft_cost, ctl.cold_cost, *ctl.host_cost.values()):
+        m.set_time(late)
+    ctl.iteration = late
+    for n, s in ((1, 0.028), (4, 0.034)):  # plain steps and a probe's verify, lately
+        for _ in range(3):
+            ctl.target_cost.observe(n, s)
+    for _ in range(3):
+        ctl.observe_drafter(1, ctl.draft_tokens(1, 2), 0.018, cold=True)  # the probes' drafter
+    assert ctl.drafter_cost(1, 3) == pytest.approx(0.0057, rel=0.05)
+    assert ctl.choose(1)[0] > 0

@@ -15,7 +15,7 @@ Model (measured, not assumed):
   ``draft_cost`` holds the forwards of a drafter that ran for as many sequences the iteration
   before; a cold one (after plain iterations: it first writes the context that piled up, its
   weights come from memory) is a probe's price (``cold_cost``) and stands for drafting's only
-  where no warm one was measured lately (:meth:`DraftLengthController.observe_drafter`);
+  at a batch size where no warm one was ever measured (:meth:`DraftLengthController.drafter_cost`);
 - ``host_cost[mode](S)``: seconds of an iteration of ``S`` decoding sequences outside those
   forwards (planning, acceptance, commit, feature bookkeeping), per mode (drafting / plain):
   the whole iteration's wall time minus its forwards. A drafting iteration does more host work
@@ -422,6 +422,7 @@ class DraftLengthController:
         self.cold_cost = CostModel(age_down=False, speed=self.speed)
         self._batch_probe: int | None = None  # the batch size of an every-sequence probe's first iteration
         self._drafter_seen: dict[int, int] = {}  # sequences drafting -> the iteration the drafter last ran for them
+        self._warm_seen: set[int] = set()  # sequences drafting in a warm forward, ever
         self.host_cost = self._host_cost_models()
         self.min_probe, self.max_probe = probe, max_probe
         self.probe_every = probe
@@ -578,16 +579,24 @@ class DraftLengthController:
         it stayed plain where drafting won."""
         (self.cold_cost if cold else self.draft_cost).observe(tokens, seconds)
         self._drafter_seen[seqs] = self.iteration
+        if not cold:
+            self._warm_seen.add(seqs)
 
     def drafter_cost(self, seqs: int, k: int) -> float:
         """Predicted seconds of the drafter while ``seqs`` sequences draft ``k`` tokens each
-        every iteration (:meth:`draft_tokens`): :attr:`draft_cost`'s where it was measured
-        within two horizons near that size, else the higher of it and :attr:`cold_cost`'s (a
-        size only probes measured: an every-sequence probe's second iteration measures it
-        warm, :meth:`choose`)."""
+        every iteration (:meth:`draft_tokens`): :attr:`draft_cost`'s (warm forwards, however
+        old: in the machine's long-run time like every cost, and a warm drafter costs what it
+        cost), or, at a batch size where the drafter never ran warm, the higher of it and
+        :attr:`cold_cost`'s (a size only probes measured: an every-sequence probe's second
+        iteration measures it warm, :meth:`choose`). (Where the warm cost went to the cold one
+        after two horizons, a batch-1 lane locked itself into plain decoding: its probes are all
+        cold, each after tens of plain iterations, and bf16 on a 2-core CPU read 14-25 ms
+        against ~5 ms warm, beside a 21-30 ms decode step; three runs of 512 tokens at 0.96x -
+        1.01x plain, 2-5 drafting iterations a run.)"""
         n = self.draft_tokens(seqs, k)
         warm = self.draft_cost(n)  # (0.0 before any warm forward)
-        if self.draft_cost.age(n) <= 2 * self.draft_cost.horizon or not self.cold_cost.xs:
+        snap = self.draft_cost.snap
+        if any(max(s, seqs) / min(s, seqs) <= snap for s in self._warm_seen) or not self.cold_cost.xs:
             return warm
         return max(warm, self.cold_cost(n))
 
