@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios: dict[str, list[float]] = {n: [] for n in names}
     drafts: dict[str, list[float]] = {n: [] for n in names}
     for r in range(a.runs):
-        rows = {x["mode"]: x for x in run._run_lanes(c)}
+        rows = {x["mode"]: x for x in run._run_lanes(c)[0]}
         plain = rows["ar"]["output_tokens_per_s"]
         line = [f"run {r + 1}/{a.runs}: plain {plain:.1f} tok/s"]
         for n in names:
