@@ -117,6 +117,9 @@ def test_load_bench_cli_json_table_plot(tmp_path):
     table = proc.stdout.splitlines()
     ours = [line for line in table if line.split()[:2] in (["1", "ar"], ["1", "dflash"], ["4", "ar"], ["4", "dflash"])]
     assert len(ours) == 4 and all("2 runs" in line for line in ours)
+    for line in ours:  # DFlash's runs against plain decoding's of the same repeat
+        paired = line.split("vs ar per run ")[1].split("/") if line.split()[1] == "dflash" else []
+        assert len(paired) == (2 if line.split()[1] == "dflash" else 0) and all(float(p) > 0 for p in paired), line
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

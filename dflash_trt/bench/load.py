@@ -557,6 +557,17 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.0f}"
 
 
+def _runs_note(runs: list[float], paired: list[float], label: str) -> str:
+    """A row's note on its repeats: their tokens/s range, and ``paired`` (a ratio per run to the
+    run it was paired with, ``label`` naming it) when every run has one."""
+    if len(runs) < 2:
+        return ""
+    note = f"; {len(runs)} runs {min(runs):.1f}-{max(runs):.1f} tok/s"
+    if len(paired) == len(runs):
+        note += f"; {label} per run " + "/".join(f"{p:.3f}" for p in paired)
+    return note
+
+
 def format_load_table(r: dict) -> str:
     """A plain-text table of a :func:`run_load_bench` result, one line per (C, mode)."""
     rate = "all at t=0" if r["request_rate"] is None else f"Poisson {r['request_rate']:g} req/s"
@@ -575,6 +586,7 @@ def format_load_table(r: dict) -> str:
         f"{'tau':>5}  lossless"
     )
     lines = [head, cols, "-" * len(cols)]
+    ours = {(x["concurrency"], x["mode"]): x.get("repeats_tok_s") or [] for x in r["load"]}
     for x in r["load"]:
         note = str(x["lossless"])
         if x["divergences"] is not None:
@@ -585,8 +597,8 @@ def format_load_table(r: dict) -> str:
                 f", top-2 margin <= {max(margins):.2g})" if margins else ")"
             )
         runs = x.get("repeats_tok_s") or []
-        if len(runs) > 1:
-            note += f"; {len(runs)} runs {min(runs):.1f}-{max(runs):.1f} tok/s"
+        plain = ours.get((x["concurrency"], "ar"), []) if x["mode"] != "ar" else []
+        note += _runs_note(runs, [a / b for a, b in zip(runs, plain) if b], "vs ar")
         if r["engine_config"].get("cuda_graphs") and x.get("iterations"):
             note += f"; eager {x['eager_iterations']}/{x['iterations']} iterations, {x['capture_iterations']} captured"
         lines.append(
@@ -597,17 +609,13 @@ def format_load_table(r: dict) -> str:
             f"{_ms(x['iteration_p50_s']) + '/' + _ms(x['iteration_max_s']):>16} "
             f"{x['mean_draft_tokens']:>11.2f} {x['tau']:>5.2f}  {note}"
         )
-    ours = {(x["concurrency"], x["mode"]): x.get("repeats_tok_s") or [] for x in r["load"]}
     for x in r.get("peers", []):
         tau = "-" if x["tau"] is None else f"{x['tau']:.2f}"
-        note = f"same tokens as plain: {x['identical_to_ar']}"
         runs = x.get("repeats_tok_s") or []
-        if len(runs) > 1:
-            note += f"; {len(runs)} runs {min(runs):.1f}-{max(runs):.1f} tok/s"
         # each run next to ours of the same repeat: ours / the peer's, run by run
         mine = ours.get((x["concurrency"], "dflash" if x["mode"].endswith("dflash") else "ar"), [])
-        if runs and len(mine) >= len(runs):
-            note += f"; ours/{x['mode']} per run " + "/".join(f"{a / b:.2f}" for a, b in zip(mine, runs) if b)
+        note = f"same tokens as plain: {x['identical_to_ar']}"
+        note += _runs_note(runs, [a / b for a, b in zip(mine, runs) if b], f"ours/{x['mode']}")
         lines.append(
             f"{x['concurrency']:>4} {x['mode']:<11} {x['requests']:>5} {x['output_tokens']:>7} "
             f"{x['output_tokens_per_s']:>8.1f} {'':>10} {'':>16} {'':>16} {'':>16} {'':>11} {tau:>5}  {note}"
