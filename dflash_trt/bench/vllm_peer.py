@@ -216,9 +216,17 @@ class VllmPeers:
         self.sessions: list[VllmSession] = []
         try:
             drafter_dir = export_drafter(drafter, lm_head_weight, Path(self._tmp.name) / "drafter")
-            name, eager = vllm_dtype(dtype), enforce_eager
             for d in (None, drafter_dir):
-                s = VllmSession(target_dir, name, d, block_size - 1, max_num_seqs, max_model_len, threads, eager)
+                s = VllmSession(
+                    target_dir,
+                    vllm_dtype(dtype),
+                    d,
+                    block_size - 1,
+                    max_num_seqs,
+                    max_model_len,
+                    threads,
+                    enforce_eager,
+                )
                 self.sessions.append(s)
                 progress(f"peer {s.name} (vLLM {s.version}, loaded in {s.load_s:.0f} s) ...")
                 s.generate([warm_prompt], 4, self.stop_token_ids)  # warm-up, untimed

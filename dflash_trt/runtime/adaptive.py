@@ -214,7 +214,7 @@ class CostModel:
             self.now += 1
         self._fit = None
         i = bisect.bisect_left(self.xs, n)
-        near = [j for j in (i - 1, i) if 0 <= j < len(self.xs) and max(n, self.xs[j]) / min(n, self.xs[j]) <= self.snap]
+        near = [j for j in (i - 1, i) if 0 <= j < len(self.xs) and self.near(n, self.xs[j])]
         if near:
             j = min(near, key=lambda j: abs(self.xs[j] - n))
             if self.feeds_speed and len(self.obs[j]) >= self.min_ref:
@@ -256,10 +256,14 @@ class CostModel:
         self._fit = (self.now, fit)
         return fit
 
+    def near(self, a: float, b: float) -> bool:
+        """Whether sizes ``a`` and ``b`` (> 0) are within a factor ``snap`` of each other."""
+        return max(a, b) / min(a, b) <= self.snap
+
     def age(self, n: float) -> float:
         """Ticks since the last measurement of the size point ``n`` would join (within ``snap``);
         infinite when there is none."""
-        near = [o[-1][0] for x, o in zip(self.xs, self.obs) if max(n, x) / min(n, x) <= self.snap]
+        near = [o[-1][0] for x, o in zip(self.xs, self.obs) if self.near(n, x)]
         return self.now - max(near) if near else math.inf
 
     def __call__(self, n: float) -> float:
@@ -517,7 +521,7 @@ class DraftLengthController:
         cost change of over ``far_behind``, or at a batch size it predicts otherwise) drafts
         once its sequences' features cover the window again (``DFlashProposer.ready``)."""
         held = self._plain_until
-        if held is None or not (held[2] or not self._close):
+        if held is None or not held[2] and self._close:  # (neither far behind nor backing off)
             return 0
         return max(self.probe_every - self.since_draft, 0)
 
@@ -595,8 +599,7 @@ class DraftLengthController:
         1.01x plain, 2-5 drafting iterations a run.)"""
         n = self.draft_tokens(seqs, k)
         warm = self.draft_cost(n)  # (0.0 before any warm forward)
-        snap = self.draft_cost.snap
-        if any(max(s, seqs) / min(s, seqs) <= snap for s in self._warm_seen) or not self.cold_cost.xs:
+        if any(self.draft_cost.near(s, seqs) for s in self._warm_seen) or not self.cold_cost.xs:
             return warm
         return max(warm, self.cold_cost(n))
 
@@ -610,8 +613,7 @@ class DraftLengthController:
         """Iterations since the drafter last ran for about ``seqs`` sequences (within the cost
         model's ``snap``): its cost per token at other batch sizes (another number of contexts
         to ingest, another share of fixed costs) says little of this one's."""
-        snap = self.draft_cost.snap
-        near = [t for n, t in self._drafter_seen.items() if max(n, seqs) / min(n, seqs) <= snap]
+        near = [t for n, t in self._drafter_seen.items() if self.draft_cost.near(n, seqs)]
         return self.iteration - max(near) if near else math.inf
 
     def rate(self, k: int, seqs: int, optimistic: bool = False, acceptance: list[float] | None = None) -> float:
@@ -701,7 +703,7 @@ class DraftLengthController:
         fresh = [k for k in range(top + 1) if self.target_cost.age(seqs * (k + 1)) <= self.target_cost.horizon]
         reach = min(top, max(fresh, default=0) + 1)
         best = max(range(reach + 1), key=lambda k: (rates[k], -k))
-        if best > 0 and rates[best] < (1 + (self.min_gain if seqs == 1 else self.min_gain_batch)) * rates[0]:
+        if best > 0 and rates[best] < (1 + self._min_gain(seqs)) * rates[0]:
             best = 0  # a near tie: plain decoding (see ``min_gain``, ``min_gain_batch``)
         best, why = self._guard(best, seqs, rates, top)
         if why == "measure":
@@ -798,7 +800,7 @@ class DraftLengthController:
         plain decoding as the model chose lately (``reuse``); a burst measuring plain decoding
         (:meth:`_measure`)."""
         again, self._batch_probe = self._batch_probe == seqs, None
-        if again and self._may_win(seqs, self.max_draft, self.min_gain if seqs == 1 else self.min_gain_batch):
+        if again and self._may_win(seqs, self.max_draft, self._min_gain(seqs)):
             self.history.append((self.iteration, seqs, 1, "probe-batch"))
             return 1, False
         held = self._plain_until
@@ -830,6 +832,11 @@ class DraftLengthController:
         probe = self.target_cost(seqs + k) + drafter + self.host_cost[False](seqs)
         loss = probe - plain - (self.expected_committed(k) - 1) * plain / seqs
         return math.ceil(loss / (self.probe_budget * plain)) if loss > 0 and plain > 0 else 0
+
+    def _min_gain(self, seqs: int) -> float:
+        """The least predicted gain over plain decoding at which the model drafts (``min_gain``,
+        ``min_gain_batch`` from two sequences on)."""
+        return self.min_gain if seqs == 1 else self.min_gain_batch
 
     def _may_win(self, seqs: int, top: int, margin: float | None = None) -> bool:
         """Could drafting come within ``margin`` (relative; ``-guard_margin`` unless given) of
