@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from .argspec import add_arguments, arg, flag_of, from_arguments
 from .errors import DFlashError
 from .runtime.config import (
+    DRAFTER_WEIGHTS,
     WEIGHT_FORMATS,
     CacheConfig,
     ConfigError,
@@ -91,6 +92,13 @@ class EngineArgs:
         metavar="N",
     )
     prompt_lookup_max: int = arg("longest n-gram prompt lookup matches", default=DEFAULT_MAX_N, metavar="N")
+    drafter_weights: str = arg(
+        "the drafter's linears and draft-vocabulary head: auto (packed int8 on one CPU rank, or --weights' "
+        "format; else dense: the drafting step reads fewer bytes, the drafts' acceptance the same) | none "
+        "(dense, --dtype) | int8 | int4",
+        default="auto",
+        choices=DRAFTER_WEIGHTS,
+    )
     # --- KV cache and scheduler ---
     tokens_per_block: int = arg("KV-cache block size in positions", default=32)
     kv_capacity: int | None = arg("KV positions (default: the engine's memory plan, else 65536)")
@@ -160,6 +168,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 adaptive=self.adaptive,
                 prompt_lookup=lookup,
+                drafter_weights=self.drafter_weights,
             ),
             parallel=ParallelConfig(
                 self.tensor_parallel_size, self.moe_tensor_parallel_size, self.moe_expert_parallel_size

@@ -118,10 +118,13 @@ def _zlab_generator(target, drafter, dtype, device, stops: list[int], block_size
     from transformers import Qwen3Config
 
     from ..checkpoints.zlab import drafter_config_to_json
+    from ..quantization.packed import dense_state_dict
 
     ref = DFlashDraftModel(Qwen3Config(**drafter_config_to_json(drafter.cfg)))
     # z-lab drafts over the target's whole vocabulary: a draft vocabulary (d2t) is ours alone
-    ref.load_state_dict({k: v for k, v in drafter.state_dict().items() if k != "d2t"}, strict=True)
+    # the weights our drafter runs (a packed one's as its GEMMs multiply by them)
+    own = dense_state_dict(drafter)
+    ref.load_state_dict({k: v for k, v in own.items() if k != "d2t"}, strict=True)
     ref = ref.to(device=device, dtype=dtype).eval()
     K = block_size or drafter.cfg.block_size
 

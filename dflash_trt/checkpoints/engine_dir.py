@@ -28,7 +28,7 @@ from ..models.config import TargetConfig
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
 from ..models.uninitialized import skip_random_init
-from ..quantization import INT_WEIGHT_FORMATS
+from ..quantization import DRAFTER_WEIGHTS, INT_WEIGHT_FORMATS
 from ..quantization.common import replace_module, stored_format
 from . import trtllm
 from .loader import LoadedTarget, parse_dtype, with_tokenizer
@@ -406,6 +406,28 @@ def engine_files_ok(engine_dir: str | Path) -> list[str]:
     return bad
 
 
+def drafter_format(drafter_weights: str, weights: str | None, device: torch.device | str, world_size: int) -> str:
+    """The format a checkpoint pair's drafter is loaded in (:func:`.loader.load_pair`'s
+    ``drafter_weights``) for ``--drafter-weights``: ``auto`` is ``--weights``' packed format
+    when it has one, else ``int8`` on one CPU rank (the drafting step streams the drafter's
+    weights and the draft vocabulary's head rows from memory: bf16 batch 1 0.16x -> 0.13x a
+    decode step, fp32 0.13x -> 0.07x, the drafts' acceptance the same; docs/peers.md), else
+    ``none`` (a GPU's drafter runs its own kernels; tensor-parallel ranks shard it);
+    ``none`` / ``int8`` / ``int4`` as named.
+
+    Raises:
+        DFlashError: an unknown name, or a packed format off the CPU or over several ranks.
+    """
+    if drafter_weights not in DRAFTER_WEIGHTS:
+        raise DFlashError(f"unknown --drafter-weights {drafter_weights!r}; choose from {', '.join(DRAFTER_WEIGHTS)}")
+    cpu_rank = torch.device(device).type == "cpu" and world_size == 1
+    if drafter_weights == "auto":
+        return weights if weights in INT_WEIGHT_FORMATS else ("int8" if cpu_rank else "none")
+    if drafter_weights != "none" and not cpu_rank:
+        raise DFlashError(f"--drafter-weights {drafter_weights} runs packed CPU GEMMs on one rank; use none")
+    return drafter_weights
+
+
 def load_models(
     target_spec: str | None,
     drafter_spec: str | None,
@@ -417,6 +439,7 @@ def load_models(
     world_size: int = 1,
     device: torch.device | str = "cpu",
     weights: str | None = None,
+    drafter_weights: str = "auto",
 ) -> tuple[LoadedTarget, DFlashDrafter | None]:
     """What ``generate`` / ``bench`` run: an engine directory (``--engine``) or a checkpoint pair,
     on ``device`` (tensor-parallel ranks move to their own GPU afterwards).
@@ -425,11 +448,12 @@ def load_models(
         weights: ``--weights`` (``int4`` / ``int8``: packed CPU linears, see
             :func:`.loader.load_target`) for a checkpoint pair. An engine's manifest decides its
             own (``weight_quant``), so with ``--engine`` it must be None or the engine's.
+        drafter_weights: ``--drafter-weights`` (:func:`drafter_format`).
 
     Raises:
         DFlashError: ``--engine`` together with ``--target`` / ``--drafter``, ``fp8_gemm``
-            without an engine, ``weights`` that contradict the engine's or with more than one
-            rank, or anything the loaders raise.
+            without an engine, ``weights`` or ``drafter_weights`` that contradict the engine's or
+            with more than one rank, or anything the loaders raise.
     """
     from .loader import check_weights, load_pair
 
@@ -439,7 +463,10 @@ def load_models(
     if fp8_gemm and engine_dir is None:
         raise DFlashError("--fp8-gemm needs --engine (an FP8 engine from dflash-trt build)")
     if engine_dir is None:
-        return load_pair(target_spec, drafter_spec, dtype, need_drafter=need_drafter, device=device, weights=weights)
+        dfmt = drafter_format(drafter_weights, weights, device, world_size)
+        return load_pair(target_spec, drafter_spec, dtype, need_drafter, device, weights=weights, drafter_weights=dfmt)
+    if drafter_weights != "auto":
+        raise DFlashError(f"--drafter-weights {drafter_weights}: an engine's drafter runs as it was built; drop it")
     if target_spec or drafter_spec:
         raise DFlashError("--engine holds the target and the drafter; drop --target / --drafter")
     if weights is not None and weights != read_manifest(engine_dir).get("target_quant"):

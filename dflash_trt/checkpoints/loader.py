@@ -323,23 +323,36 @@ def load_pair(
     need_drafter: bool = True,
     device: torch.device | str = "cpu",
     weights: str | None = None,
+    drafter_weights: str | None = None,
 ) -> tuple[LoadedTarget, DFlashDrafter | None]:
     """Load the target and (unless ``need_drafter`` is false) its drafter on ``device``, and
     validate the pair. With ``weights`` (``int4`` / ``int8``, see :func:`load_target`) the
     drafter's linears are packed too (round to nearest from its stored weights, group 32).
 
+    Args:
+        drafter_weights: the drafter's own format: ``int4`` / ``int8`` (packed CPU linears as
+            above, and the draft vocabulary's rows of a dense target head packed int8:
+            :attr:`DFlashDrafter.head_format`), ``none`` (dense, ``dtype``), or None: as
+            ``weights``.
+
     Raises:
-        DFlashError: anything :func:`load_target`, :func:`load_drafter` or :func:`validate_pair` raise.
+        DFlashError: anything :func:`load_target`, :func:`load_drafter` or :func:`validate_pair`
+            raise; a packed ``drafter_weights`` off the CPU.
     """
     target = load_target(target_spec, dtype, device, weights=weights)
     if not need_drafter and drafter_spec is None:
         return target, None
+    fmt = weights if drafter_weights is None else drafter_weights
+    fmt = fmt if fmt in INT_WEIGHT_FORMATS else None
+    if fmt and torch.device(device).type != "cpu":
+        raise DFlashError(f"--drafter-weights {fmt} runs packed CPU GEMMs; use --device cpu or --drafter-weights none")
     path = Path(drafter_spec) if drafter_spec else default_drafter_path(target, target_spec is None)
-    drafter = load_drafter(path, torch.float32 if weights else dtype)
+    drafter = load_drafter(path, torch.float32 if fmt else dtype)
     validate_pair(target.model.cfg, drafter.cfg)
-    if weights:
+    if fmt:
         from ..quantization.packed import quantize_linears
 
-        quantize_linears(drafter, weights, DEFAULT_GROUP_SIZE, None, dtype)
+        quantize_linears(drafter, fmt, DEFAULT_GROUP_SIZE, None, dtype)
+        drafter.head_format = fmt
         drafter.to(dtype)
     return target, drafter.to(device)

@@ -35,6 +35,7 @@ from ..models.config import (
 )
 from ..models.drafter import DFlashDrafter
 from ..models.uninitialized import skip_random_init
+from ..quantization.packed import dense_state_dict
 from .sources import load_safetensors_dir, read_json
 
 #: config keys that become DrafterConfig fields (the rest is kept in ``extra`` and written back)
@@ -288,8 +289,10 @@ def save_drafter(
     """Write ``model`` as a z-lab drafter directory, atomically (:func:`~dflash_trt.atomic.atomic_dir`).
 
     Args:
-        dtype: dtype of the saved floating-point weights (None: as they are); integer buffers
-            (``d2t``) keep their dtype.
+        dtype: dtype of the saved floating-point weights (None: as they are; packed int4 / int8
+            linears are written as the weights they multiply by, fp32:
+            :func:`~dflash_trt.quantization.packed.dense_state_dict`); integer buffers (``d2t``)
+            keep their dtype.
         replace: replace an existing ``out`` (else that is an error).
         extra: more files for the same directory, ``{name: write(path)}`` (a training
             checkpoint's optimizer state), written before it appears.
@@ -310,7 +313,7 @@ def save_drafter(
     with atomic_dir(out, replace=replace) as tmp:
         sd = {
             k: (v.to(dtype) if dtype and v.is_floating_point() else v).contiguous()
-            for k, v in model.state_dict().items()
+            for k, v in dense_state_dict(model).items()
         }
         if lm_head is not None and model.d2t is not None:
             rows = lm_head.detach()[model.draft_token_ids().to(lm_head.device)].cpu()

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import DFlashError
-from ..quantization.packed import PackedLinear, packed_rows, packed_stack
+from ..quantization.packed import Q8_BLOCK, PackedLinear, packed_class, packed_rows, packed_stack
 from .batch_invariant import BatchInvariantLinear
 from .config import DrafterConfig
 from .cpu_linear import OneDNNLinear
@@ -138,6 +138,12 @@ class DFlashDrafter(nn.Module):
     ``forward`` takes the embedded block and the new context features and returns the final
     normed hidden states of the block; the runtime applies the target's LM head to slots
     ``1..B-1`` to get the draft tokens.
+
+    Attributes:
+        head_format: ``int4`` / ``int8`` when the drafter's linears are packed
+            (:func:`~dflash_trt.quantization.packed.quantize_linears`): the draft vocabulary's
+            rows of a dense target head are packed int8 too (:meth:`propose`); None: they
+            multiply in the head's own kind.
     """
 
     def __init__(self, cfg: DrafterConfig):
@@ -152,6 +158,7 @@ class DFlashDrafter(nn.Module):
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         else:
             self.d2t = None
+        self.head_format: str | None = None
         self._head_cache: tuple | None = None  # (weight key, the head over the draft vocabulary)
         self._kv_stack: tuple | None = None  # (weights key, stacked k/v weights, biases, k_norms)
 
@@ -296,7 +303,10 @@ class DFlashDrafter(nn.Module):
         """``rows [n, hidden] -> logits [n, N]`` over the draft vocabulary's rows of ``lm_head``
         only, built once per head weight in the head's own kind: packed int4 / int8 rows
         (:func:`packed_rows`; dense when int4 cannot pack them), oneDNN-prepacked bf16 rows,
-        batch-invariant rows (the target in that mode), or dense rows (``rows`` cast to the head's dtype)."""
+        batch-invariant rows (the target in that mode), or dense rows (``rows`` cast to the head's
+        dtype); with :attr:`head_format` set, a dense head's rows packed int8 (its dtype the
+        scales': half the bytes of bf16 rows, a quarter of fp32's, for a drafting step that reads
+        them all)."""
         if isinstance(lm_head, PackedLinear):
             key = (lm_head.packed.data_ptr(), lm_head.scales.data_ptr(), lm_head.scales.dtype)
         else:
@@ -306,12 +316,15 @@ class DFlashDrafter(nn.Module):
             ids = self.draft_token_ids()
             if isinstance(lm_head, PackedLinear):
                 head = packed_rows(lm_head, ids)
+            elif self.head_format is not None:
+                w = lm_head.weight
+                head = packed_class("int8").from_weight(w[ids].float(), Q8_BLOCK, None, w.dtype)
             elif isinstance(lm_head, BatchInvariantLinear):
                 head = lm_head.select_rows(ids)
             else:
                 head = lm_head.weight[ids].contiguous()
-            if isinstance(lm_head, OneDNNLinear) and lm_head.packed is not None:
-                head = OneDNNLinear.from_weight(head)
+                if isinstance(lm_head, OneDNNLinear) and lm_head.packed is not None:
+                    head = OneDNNLinear.from_weight(head)
             self._head_cache = (key, head if isinstance(head, nn.Module) else partial(_dense_head, head))
         return self._head_cache[1]
 

@@ -7,3 +7,6 @@ and int8 share), :mod:`.calibrate` (activation ranges with ModelOpt)."""
 #: checkpoint's MXFP4 experts kept packed (:mod:`.mxfp4`)
 INT_WEIGHT_FORMATS = ("int4", "int8")
 WEIGHT_FORMATS = (*INT_WEIGHT_FORMATS, "mxfp4")
+#: ``--drafter-weights``: ``auto`` (checkpoints/engine_dir.drafter_format), dense (``none``) or
+#: a packed-integer format
+DRAFTER_WEIGHTS = ("auto", "none", *INT_WEIGHT_FORMATS)

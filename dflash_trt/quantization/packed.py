@@ -311,6 +311,23 @@ def quantize_linears(
     return counts
 
 
+def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every :class:`PackedLinear`'s codes and scales replaced by the
+    weight its GEMM multiplies by (``<name>.weight`` ``[out, in]`` fp32, :meth:`PackedLinear.dequantize`;
+    its bias kept): the keys of the dense model it was packed from, so the weights a packed model
+    runs can be written to, or loaded into, a dense checkpoint (a z-lab drafter directory, the
+    z-lab reference loop). Dense modules' tensors are returned as they are."""
+    sd = model.state_dict()
+    for name, mod in model.named_modules():
+        if isinstance(mod, PackedLinear):
+            pre = f"{name}." if name else ""
+            for key in [k for k in sd if k.startswith(pre) and "." not in k[len(pre) :]]:
+                if key != f"{pre}bias":
+                    del sd[key]
+            sd[f"{pre}weight"] = mod.dequantize(torch.float32)
+    return sd
+
+
 def packed_summary(model: nn.Module) -> dict:
     """``{"int4": n, "int8": m, "dense": k, "weight_bytes": b}``: packed linears by format, dense
     ``nn.Linear`` modules left, and the bytes of every linear weight (packed codes + scales,

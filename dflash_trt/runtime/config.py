@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..quantization import WEIGHT_FORMATS
+from ..quantization import DRAFTER_WEIGHTS, WEIGHT_FORMATS
 
 #: KV positions of an engine when neither the user nor an engine directory's memory plan says
 DEFAULT_KV_CAPACITY = 65536
@@ -155,6 +155,10 @@ class SpeculativeConfig:
         prompt_lookup: ``(min_n, max_n)``: prompt-lookup tokens replace the drafter's first draft
             tokens where the context's last ``n`` tokens occurred before (``runtime/ngram.py``);
             None: the drafter's alone.
+        drafter_weights: the drafter's linears and draft-vocabulary head: ``auto`` (``int8`` on
+            one CPU rank, or ``--weights``' packed format; else dense), ``none`` (dense),
+            ``int8`` / ``int4`` (packed CPU linears); a checkpoint pair's only, an engine's
+            drafter runs as built (``checkpoints/engine_dir.drafter_format``).
     """
 
     method: str = "dflash"
@@ -162,9 +166,16 @@ class SpeculativeConfig:
     block_size: int | None = None
     adaptive: bool = False
     prompt_lookup: tuple[int, int] | None = None
+    drafter_weights: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.method in SPEC_METHODS, "method", f"{self.method!r} is unknown; choose dflash or none")
+        known = ", ".join(DRAFTER_WEIGHTS)
+        _check(
+            self.drafter_weights in DRAFTER_WEIGHTS,
+            "drafter_weights",
+            f"{self.drafter_weights!r} is unknown; choose from {known}",
+        )
         _check(self.block_size is None or self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
         _check(self.method == "dflash" or self.block_size in (None, 1), "block_size", "above 1 needs the dflash method")
         if self.prompt_lookup is not None:

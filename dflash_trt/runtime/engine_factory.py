@@ -86,6 +86,7 @@ def load_models(config: EngineConfig, rank: int = 0, world_size: int = 1) -> Loa
         need_drafter=spec.enabled,
         fp8_gemm=m.fp8_gemm,
         weights=m.weights,
+        drafter_weights=spec.drafter_weights,
         rank=rank,
         world_size=world_size,
         device=device if world_size == 1 else "cpu",
