@@ -24,6 +24,7 @@ from dflash_trt.runtime.block_manager import BlockManager
 from dflash_trt.runtime.engine import LLMEngine
 from dflash_trt.runtime.model_runner import ModelRunner
 from dflash_trt.runtime.request import Request
+from dflash_trt.runtime.sampling import SamplingParams
 
 
 def reference_outputs(smollm2, reqs: list[Request]) -> list[list[int]]:
@@ -851,3 +852,38 @@ def test_probe_verifies_feed_the_target_cost_at_batch_1_only(smollm2):
             assert sizes and set(sizes) <= {3}, sizes  # (every decode iteration a probe of 1 + 2 rows)
         else:
             assert 4 not in sizes, sizes  # (2 + 2 rows: ragged)
+
+
+def test_rewarm_leaves_the_adaptive_controller_as_it_was(smollm2):
+    """``warm_up(..., rewarm=True)`` (the load benchmark's warm-up before each measured run):
+    the request runs to the end with its drafts verified (the drafter runs: the controller is
+    held aside, drafting whole blocks), gives plain decoding's tokens, and the controller comes
+    back the same object with nothing learnt: iterations, choices, acceptance counts and the
+    target's cost points as before."""
+    from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
+    from dflash_trt.checkpoints.zlab import load_drafter
+
+    drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32)
+    cfg = engine_config(block_size=4, adaptive=True, max_batch_size=4, max_num_tokens=256, kv_capacity=4096)
+    engine = LLMEngine(smollm2.model, drafter, (), cfg)
+    prompt = chat_prompt_ids(smollm2.tokenizer, "What is 7 * 8?")
+    engine.generate([Request(prompt, 12)])  # the controller has seen some iterations
+    ctl = engine.controller
+
+    def state():
+        return (
+            ctl.iteration,
+            len(ctl.history),
+            list(ctl.reached),
+            list(ctl.accepted),
+            [list(o) for o in ctl.target_cost.obs],
+        )
+
+    before = state()
+    seen = []
+    run = engine._run
+    engine._run = lambda plan: seen.append(plan.draft_block) or run(plan)
+    engine.warm_up([prompt], SamplingParams(), 6, rewarm=True)
+    assert engine.controller is ctl and state() == before
+    assert max(seen) == 4  # drafted whole blocks (block size 4)
+    assert engine.generate([Request(prompt, 6)])[0].output_ids == plain_outputs(smollm2.model, [prompt], 6)[0]

@@ -414,6 +414,8 @@ class _LoadRun:
         lanes: dict[str, Lane] = {}
         with tqdm(total=n * len(cfg.modes), desc=f"C={c}", unit="req", leave=False, disable=None) as bar:
             for group in groups:
+                for mode in group:  # (each engine warm again after the pause before this run)
+                    self.engine_for(mode).warm_up(self.prompts[:1], self.sampling, 3, rewarm=True)
                 for mode in group:
                     eng = self.engine_for(mode)
                     eng.stats = LoopStats(eng.block_size)  # count the timed requests only

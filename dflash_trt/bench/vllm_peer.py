@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from ..errors import DFlashError
@@ -183,6 +184,27 @@ def vllm_dtype(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def wait_until_quiet(busy: float = 30.0, window_s: float = 0.1, max_s: float = 5.0) -> float:
+    """Block until every CPU is mostly idle: each one's busy percentage over a ``window_s``
+    window (``psutil.cpu_percent(percpu=True)``) below ``busy``, or ``max_s`` passed; returns
+    the seconds waited.
+
+    vLLM's engine core keeps a core busy for about a second after its last request is out (2-core
+    AMX Xeon, 100-ms samples after each of three runs: the machine 40-62 % busy for 1.0 s, then
+    0-10 %). A run started meanwhile shares the CPUs with it: in the load benchmark our lanes
+    started right after vLLM's, and the lane that runs first (DFlash) took the hit: its first
+    iteration 0.3-1.8 s against plain decoding's 0.1-0.7 (TTFT p50 at 4 sequences 216-403 ms
+    against 72-131), a lane of ~2.5 s at 4 sequences losing 10-15 %; so did vLLM's DFlash
+    run right after its plain one. :meth:`VllmPeers.run` waits before and after each run."""
+    import psutil
+
+    start = time.perf_counter()
+    while time.perf_counter() - start < max_s:
+        if max(psutil.cpu_percent(interval=window_s, percpu=True)) < busy:
+            break
+    return time.perf_counter() - start
+
+
 class VllmPeers:
     """vLLM plain (``"vllm"``) and vLLM DFlash (``"vllm-dflash"``, ``block_size - 1`` draft
     tokens, ``drafter``'s weights through :func:`export_drafter`) loaded side by side, each in
@@ -237,16 +259,23 @@ class VllmPeers:
     def run(self, prompts: list[list[int]], max_new_tokens: int, concurrency: int = 1) -> dict[str, PeerResult]:
         """Greedy decoding of ``prompts`` with at most ``concurrency`` in flight by each peer, one
         after the other: ``{name: PeerResult}`` (the DFlash one with vLLM's acceptance length).
+        Each run starts, and the call returns, once the CPUs are quiet (:func:`wait_until_quiet`:
+        what ran before has let go of them, and the caller's next timed run starts on idle CPUs);
+        each starts with an untimed request of 3 tokens (the first forwards after a pause run
+        slow: :meth:`~dflash_trt.runtime.engine.LLMEngine.warm_up`'s ``rewarm``).
 
         Raises:
             DFlashError: a child died (the caller keeps what it measured before)."""
         results: dict[str, PeerResult] = {}
         stops = set(self.stop_token_ids)
         for s in self.sessions:
+            wait_until_quiet()
+            s.generate(prompts[:1], 3, self.stop_token_ids)  # warm again after its pause, untimed
             r = s.generate(prompts, max_new_tokens, self.stop_token_ids, concurrency)
             outputs = [cut_at_stop(o, stops) for o in r["outputs"]]
             tau = 1 + r["accepted"] / r["drafts"] if r["drafts"] else None
             results[s.name] = PeerResult(s.name, outputs, sum(map(len, outputs)), r["wall_s"], acceptance_length=tau)
+        wait_until_quiet()
         return results
 
     def close(self) -> None:

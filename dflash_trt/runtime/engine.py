@@ -722,12 +722,19 @@ class LLMEngine:
         self.run()
         return [self.result(sid) for sid in sids]
 
-    def warm_up(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: int = 8) -> float:
+    def warm_up(
+        self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: int = 8, rewarm: bool = False
+    ) -> float:
         """Untimed requests before a measured run: ``prompts[0]`` alone, ``max_new_tokens``
-        tokens. On the compiled path (``ModelConfig.compile``) then all ``prompts`` at once,
-        and ``prompts[0]`` again joining them while they decode: torch.compile specialises a
-        batch of one sequence and the shape of the attention metadata (one prompt, uniform
-        decode blocks, prompts beside decode blocks), so these graphs compile here rather than
+        tokens. With ``rewarm`` only that, the adaptive controller held aside meanwhile (it neither
+        chooses nor learns: the request drafts whole blocks, so the drafter runs too): between
+        measured runs, after the host left the engine idle, whose first forwards then run slow
+        (2-core VM, prefill of two prompts: 54-93 ms one after another, 365-407 ms after 1 s idle,
+        661 ms after 3 s; a run's first lane took it all). On the compiled path
+        (``ModelConfig.compile``) then all ``prompts`` at once, and ``prompts[0]`` again joining
+        them while they decode: torch.compile specialises a batch of one sequence and the shape
+        of the attention metadata (one prompt, uniform decode blocks, prompts beside decode
+        blocks), so these graphs compile here rather than
         in the first timed iterations; the adaptive controller then starts afresh and is
         calibrated again (what it measured meanwhile included compiling). Otherwise the
         controller keeps its forward costs and forgets the acceptance, host costs and achieved
@@ -737,6 +744,7 @@ class LLMEngine:
             prompts: prompt token ids (at least one; two or more to warm batched steps up).
             sampling: sampling parameters of the warm-up requests.
             max_new_tokens: tokens generated per warm-up request.
+            rewarm: the warm-up between measured runs (above).
 
         Returns:
             seconds spent (on the compiled path, mostly compiling: report it apart from tok/s).
@@ -750,6 +758,15 @@ class LLMEngine:
         def add(batch: list[list[int]]) -> list[int]:
             return [self.add_request(Request(p, max_new_tokens, sampling)) for p in batch]
 
+        if rewarm:
+            ctl, self.controller = self.controller, None
+            try:
+                for sid in add(prompts[:1]):
+                    self.run()
+                    self.result(sid)
+            finally:
+                self.controller = ctl
+            return time.perf_counter() - t
         sids = add(prompts[:1])
         self.run()
         if compiled and len(prompts) > 1:
