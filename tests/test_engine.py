@@ -855,7 +855,7 @@ def test_probe_verifies_feed_the_target_cost_at_batch_1_only(smollm2):
 
 
 def test_rewarm_leaves_the_adaptive_controller_as_it_was(smollm2):
-    """``warm_up(..., rewarm=True)`` (the load benchmark's warm-up before each measured run):
+    """``rewarm`` (the load benchmark's warm-up before each measured run):
     the request runs to the end with its drafts verified (the drafter runs: the controller is
     held aside, drafting whole blocks), gives plain decoding's tokens, and the controller comes
     back the same object with nothing learnt: iterations, choices, acceptance counts and the
@@ -883,7 +883,7 @@ def test_rewarm_leaves_the_adaptive_controller_as_it_was(smollm2):
     seen = []
     run = engine._run
     engine._run = lambda plan: seen.append(plan.draft_block) or run(plan)
-    engine.warm_up([prompt], SamplingParams(), 6, rewarm=True)
+    engine.rewarm(prompt, SamplingParams(), 6)
     assert engine.controller is ctl and state() == before
     assert max(seen) == 4  # drafted whole blocks (block size 4)
     assert engine.generate([Request(prompt, 6)])[0].output_ids == plain_outputs(smollm2.model, [prompt], 6)[0]

@@ -414,10 +414,10 @@ class _LoadRun:
         lanes: dict[str, Lane] = {}
         with tqdm(total=n * len(cfg.modes), desc=f"C={c}", unit="req", leave=False, disable=None) as bar:
             for group in groups:
-                for mode in group:  # (each engine warm again after the pause before this run)
-                    self.engine_for(mode).warm_up(self.prompts[:1], self.sampling, 3, rewarm=True)
                 for mode in group:
                     eng = self.engine_for(mode)
+                    if self.tp is None:  # warm again after the pause before this run (under TP: built anew)
+                        eng.rewarm(self.prompts[0], self.sampling)
                     eng.stats = LoopStats(eng.block_size)  # count the timed requests only
                     reqs = [Request(p, cfg.max_new_tokens, self.sampling) for p in req_prompts]
                     lanes[mode] = Lane(eng, reqs, arrivals, c, bar)

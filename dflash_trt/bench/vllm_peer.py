@@ -191,11 +191,9 @@ def wait_until_quiet(busy: float = 30.0, window_s: float = 0.1, max_s: float = 5
 
     vLLM's engine core keeps a core busy for about a second after its last request is out (2-core
     AMX Xeon, 100-ms samples after each of three runs: the machine 40-62 % busy for 1.0 s, then
-    0-10 %). A run started meanwhile shares the CPUs with it: in the load benchmark our lanes
-    started right after vLLM's, and the lane that runs first (DFlash) took the hit: its first
-    iteration 0.3-1.8 s against plain decoding's 0.1-0.7 (TTFT p50 at 4 sequences 216-403 ms
-    against 72-131), a lane of ~2.5 s at 4 sequences losing 10-15 %; so did vLLM's DFlash
-    run right after its plain one. :meth:`VllmPeers.run` waits before and after each run."""
+    0-10 %); a run started meanwhile (our lanes in the load benchmark, or vLLM's DFlash engine
+    right after its plain one) would share the CPUs with it. :meth:`VllmPeers.run` waits before
+    and after each run."""
     import psutil
 
     start = time.perf_counter()
@@ -262,7 +260,7 @@ class VllmPeers:
         Each run starts, and the call returns, once the CPUs are quiet (:func:`wait_until_quiet`:
         what ran before has let go of them, and the caller's next timed run starts on idle CPUs);
         each starts with an untimed request of 3 tokens (the first forwards after a pause run
-        slow: :meth:`~dflash_trt.runtime.engine.LLMEngine.warm_up`'s ``rewarm``).
+        slow: :meth:`~dflash_trt.runtime.engine.LLMEngine.rewarm`).
 
         Raises:
             DFlashError: a child died (the caller keeps what it measured before)."""

@@ -331,9 +331,9 @@ def load_pair(
 
     Args:
         drafter_weights: the drafter's own format: ``int4`` / ``int8`` (packed CPU linears as
-            above, and the draft vocabulary's rows of a dense target head packed int8:
-            :attr:`DFlashDrafter.head_format`), ``none`` (dense, ``dtype``), or None: as
-            ``weights``.
+            above, and the draft vocabulary's rows of a dense target head packed as ``--weights``
+            packs the head, :data:`DEFAULT_HEAD`: :attr:`DFlashDrafter.head_format`), ``none``
+            (dense, ``dtype``), or None: as ``weights``.
 
     Raises:
         DFlashError: anything :func:`load_target`, :func:`load_drafter` or :func:`validate_pair`
@@ -353,6 +353,6 @@ def load_pair(
         from ..quantization.packed import quantize_linears
 
         quantize_linears(drafter, fmt, DEFAULT_GROUP_SIZE, None, dtype)
-        drafter.head_format = fmt
+        drafter.head_format = DEFAULT_HEAD[fmt]
         drafter.to(dtype)
     return target, drafter.to(device)

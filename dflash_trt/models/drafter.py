@@ -140,10 +140,9 @@ class DFlashDrafter(nn.Module):
     ``1..B-1`` to get the draft tokens.
 
     Attributes:
-        head_format: ``int4`` / ``int8`` when the drafter's linears are packed
-            (:func:`~dflash_trt.quantization.packed.quantize_linears`): the draft vocabulary's
-            rows of a dense target head are packed int8 too (:meth:`propose`); None: they
-            multiply in the head's own kind.
+        head_format: the packed format (``int8``) of the draft vocabulary's rows of a dense
+            target head (:meth:`propose`), set where the drafter's linears are packed
+            (``checkpoints/loader.load_pair``); None: they multiply in the head's own kind.
     """
 
     def __init__(self, cfg: DrafterConfig):
@@ -304,9 +303,9 @@ class DFlashDrafter(nn.Module):
         only, built once per head weight in the head's own kind: packed int4 / int8 rows
         (:func:`packed_rows`; dense when int4 cannot pack them), oneDNN-prepacked bf16 rows,
         batch-invariant rows (the target in that mode), or dense rows (``rows`` cast to the head's
-        dtype); with :attr:`head_format` set, a dense head's rows packed int8 (its dtype the
-        scales': half the bytes of bf16 rows, a quarter of fp32's, for a drafting step that reads
-        them all)."""
+        dtype); with :attr:`head_format` set, a dense head's rows packed in it (its dtype the
+        scales'; int8: half the bytes of bf16 rows, a quarter of fp32's, for a drafting step that
+        reads them all)."""
         if isinstance(lm_head, PackedLinear):
             key = (lm_head.packed.data_ptr(), lm_head.scales.data_ptr(), lm_head.scales.dtype)
         else:
@@ -318,7 +317,7 @@ class DFlashDrafter(nn.Module):
                 head = packed_rows(lm_head, ids)
             elif self.head_format is not None:
                 w = lm_head.weight
-                head = packed_class("int8").from_weight(w[ids].float(), Q8_BLOCK, None, w.dtype)
+                head = packed_class(self.head_format).from_weight(w[ids].float(), Q8_BLOCK, None, w.dtype)
             elif isinstance(lm_head, BatchInvariantLinear):
                 head = lm_head.select_rows(ids)
             else:

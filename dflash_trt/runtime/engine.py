@@ -722,19 +722,33 @@ class LLMEngine:
         self.run()
         return [self.result(sid) for sid in sids]
 
-    def warm_up(
-        self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: int = 8, rewarm: bool = False
-    ) -> float:
+    def rewarm(self, prompt: list[int], sampling: SamplingParams, max_new_tokens: int = 3) -> float:
+        """One untimed request between measured runs, the adaptive controller held aside meanwhile
+        (it neither chooses nor learns: the request drafts whole blocks, so the drafter runs too).
+        After the host left the engine idle its first forwards run slow (2-core VM, a prefill of
+        two prompts: 54-93 ms one after another, 365-407 ms after 1 s idle, 661 ms after 3 s),
+        and a measured run started cold takes it all in its first iterations.
+
+        Returns:
+            seconds spent.
+
+        Raises:
+            DFlashError: as :meth:`generate`.
+        """
+        t = time.perf_counter()
+        ctl, self.controller = self.controller, None
+        try:
+            self.generate([Request(prompt, max_new_tokens, sampling)])
+        finally:
+            self.controller = ctl
+        return time.perf_counter() - t
+
+    def warm_up(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: int = 8) -> float:
         """Untimed requests before a measured run: ``prompts[0]`` alone, ``max_new_tokens``
-        tokens. With ``rewarm`` only that, the adaptive controller held aside meanwhile (it neither
-        chooses nor learns: the request drafts whole blocks, so the drafter runs too): between
-        measured runs, after the host left the engine idle, whose first forwards then run slow
-        (2-core VM, prefill of two prompts: 54-93 ms one after another, 365-407 ms after 1 s idle,
-        661 ms after 3 s; a run's first lane took it all). On the compiled path
-        (``ModelConfig.compile``) then all ``prompts`` at once, and ``prompts[0]`` again joining
-        them while they decode: torch.compile specialises a batch of one sequence and the shape
-        of the attention metadata (one prompt, uniform decode blocks, prompts beside decode
-        blocks), so these graphs compile here rather than
+        tokens. On the compiled path (``ModelConfig.compile``) then all ``prompts`` at once,
+        and ``prompts[0]`` again joining them while they decode: torch.compile specialises a
+        batch of one sequence and the shape of the attention metadata (one prompt, uniform
+        decode blocks, prompts beside decode blocks), so these graphs compile here rather than
         in the first timed iterations; the adaptive controller then starts afresh and is
         calibrated again (what it measured meanwhile included compiling). Otherwise the
         controller keeps its forward costs and forgets the acceptance, host costs and achieved
@@ -744,7 +758,6 @@ class LLMEngine:
             prompts: prompt token ids (at least one; two or more to warm batched steps up).
             sampling: sampling parameters of the warm-up requests.
             max_new_tokens: tokens generated per warm-up request.
-            rewarm: the warm-up between measured runs (above).
 
         Returns:
             seconds spent (on the compiled path, mostly compiling: report it apart from tok/s).
@@ -758,15 +771,6 @@ class LLMEngine:
         def add(batch: list[list[int]]) -> list[int]:
             return [self.add_request(Request(p, max_new_tokens, sampling)) for p in batch]
 
-        if rewarm:
-            ctl, self.controller = self.controller, None
-            try:
-                for sid in add(prompts[:1]):
-                    self.run()
-                    self.result(sid)
-            finally:
-                self.controller = ctl
-            return time.perf_counter() - t
         sids = add(prompts[:1])
         self.run()
         if compiled and len(prompts) > 1:
