@@ -524,6 +524,8 @@ class LLMEngine:
             ctl.observe_iteration(  # (less the ended sequences' KV injection: either mode does it)
                 len(sched.decode), any(drafting), wall_s - out.ingest_s, committed, out.target_s + out.draft_s, probe
             )
+        if decode_only:  # the probes' measured budget (every kind of iteration)
+            ctl.observe_wall(len(sched.decode), wall_s - out.ingest_s, committed)
 
     def _plan(self, sched: Schedule, drafts: list[int], unverified: tuple[int, int] | None = None) -> StepPlan:
         """Items for the schedule; decoding sequence ``j`` drafts ``drafts[j]`` tokens (0 past
