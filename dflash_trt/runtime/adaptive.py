@@ -348,7 +348,7 @@ class DraftLengthController:
             commits ~0.5 more tokens; at such costs, scripted, one every 8 iterations cost 1.8-2.7 %
             of plain decoding's time, within the budget 0.5-1.1 %); at most 4x ``probe`` apart on
             this account. Measured as well: every plain iteration adds ``probe_budget`` of its
-            wall time to a credit (at most one plain iteration's predicted time), every probe
+            wall time to a credit (at most one plain iteration's time), every probe
             iteration (one-sequence or every-sequence) takes what it cost beyond plain decoding
             committing as many tokens (:meth:`observe_wall`), and no probe starts while the
             credit is below zero, so the probes' measured loss stays within the budget over time
@@ -469,9 +469,8 @@ class DraftLengthController:
         self._close = True
         self.steady = steady
         self._steady, self._last_seqs = 0, -1  # iterations in a row at the same batch size, and that size
-        #: seconds the probes may still lose (see ``probe_budget``); ``_kind``: this iteration's choice's why
+        #: seconds the probes may still lose (see ``probe_budget``, :meth:`observe_wall`)
         self.probe_credit = 0.0
-        self._kind: str | None = None
 
     def acceptance(self) -> list[float]:
         """Current ``q_k`` estimates, k = 1..max_draft: each position's decayed counts shrunk
@@ -694,12 +693,6 @@ class DraftLengthController:
         """``(draft tokens per sequence, probe)`` for this iteration; ``seqs`` sequences are
         decoding. ``probe`` true means plain decoding wins but one sequence should draft the
         returned number of tokens to refresh the acceptance estimates."""
-        picked = self._choose(seqs, token_budget)
-        last = self.history[-1] if self.history else None
-        self._kind = last[3] if last is not None and last[0] == self.iteration else None
-        return picked
-
-    def _choose(self, seqs: int, token_budget: int | None) -> tuple[int, bool]:
         self.iteration += 1
         for m in (self.target_cost, self.draft_cost, self.cold_cost, *self.host_cost.values()):
             m.set_time(self.iteration)
@@ -906,20 +899,21 @@ class DraftLengthController:
 
     def observe_wall(self, seqs: int, seconds: float, committed: int) -> None:
         """A decode-only iteration of ``seqs`` sequences that committed ``committed`` tokens in
-        ``seconds`` of wall time, whatever it ran: a plain one adds ``probe_budget`` of its time
-        to :attr:`probe_credit` (at most one plain iteration's predicted time in all), a probe
-        (one-sequence or every-sequence, :meth:`choose`'s last choice) takes its cost beyond
-        plain decoding committing as many tokens (``seconds - committed / seqs * plain``, the
-        plain iteration's predicted time; negative where the probe gained)."""
-        if seqs <= 0 or not seconds > 0 or self._kind is None:
-            return
-        plain = self.target_cost(seqs) + self.host_cost[False](seqs)
-        last = self.history[-1]
-        if self._kind in ("probe", "probe-batch"):
-            self.probe_credit -= seconds - committed / seqs * plain
+        ``seconds`` of wall time, as :meth:`choose` chose it this iteration (its last history
+        entry): a plain one adds ``probe_budget`` of its time to :attr:`probe_credit` (the credit
+        at most that iteration's time), a probe (one-sequence or every-sequence) takes its cost
+        beyond plain decoding committing as many tokens (``seconds - committed / seqs * plain``,
+        ``plain`` the plain iteration's predicted time, the credit at most that; negative where
+        the probe gained). Plain iterations leave the cost models alone (no refit on their
+        account: see ``reuse``)."""
+        last = self.history[-1] if self.history else None
+        if seqs <= 0 or not seconds > 0 or last is None or last[0] != self.iteration:
+            return  # (no choice recorded for this iteration)
+        if last[3] in ("probe", "probe-batch"):
+            plain = self.target_cost(seqs) + self.host_cost[False](seqs)
+            self.probe_credit = min(self.probe_credit - (seconds - committed / seqs * plain), plain)
         elif last[2] == 0:
-            self.probe_credit += self.probe_budget * seconds
-        self.probe_credit = min(self.probe_credit, plain)
+            self.probe_credit = min(self.probe_credit + self.probe_budget * seconds, seconds)
 
     def state(self) -> dict:
         """The model as plain data: fitted costs (ms, at the current speed) per size (host costs
