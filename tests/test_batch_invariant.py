@@ -272,6 +272,18 @@ def test_bi_attention_queries_independent(dtype):
             q[:, :, t : t + 1], k[:, :, :p], v[:, :, :p], torch.ones(1, 1, 1, p, dtype=torch.bool), 0.125
         )
         assert torch.equal(alone[:, :, 0], out[:, :, t])
+    # a block whose positions see different keys (holes, one position that sees none): each
+    # position's output is its own alone, whether the kernel attends position by position or all of
+    # a sequence's positions in one task (AMX: the keys any of them sees, the others' weighing 0)
+    holes = causal & (torch.rand(S, 1, T, L, generator=torch.Generator().manual_seed(1)) > 0.2)
+    holes[1, 0, 2] = False
+    sinks = torch.randn(H)
+    for sk in (None, sinks):
+        block = bi_attention(q, k, v, holes, 0.125, sk)
+        for t in range(T):
+            alone = bi_attention(q[:, :, t : t + 1], k, v, holes[:, :, t : t + 1], 0.125, sk)
+            assert torch.equal(alone[:, :, 0], block[:, :, t])
+        assert sk is not None or not block[1, :, 2].any()  # (no key seen, no sink: zeros)
     # in flight: sequence s sees its first lens[s] keys, padded to L with masked keys
     lens = torch.tensor([7, L, 20])
     pad = (torch.arange(L)[None, :] < lens[:, None]).view(S, 1, 1, L)

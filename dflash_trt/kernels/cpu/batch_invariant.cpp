@@ -1819,6 +1819,148 @@ inline void amx_scores(const c10::BFloat16* q, int64_t ldq, const c10::BFloat16*
 }
 #endif
 
+// keys per tile of an attention task: 8 KiB of K (or V) rows at D = 64, fp32
+constexpr int64_t ATT_TK = 32;
+
+// The rest of an attention task once the raw scores of its R rows are in (row r at score + r * Lp,
+// over the same n keys, whose values are vr[0 .. n)): each row scaled by sc, its max (with its
+// sink, sink[r / every], where sink is not null), e_j = exp(s_j - max) in place, each row's sum
+// in key order (plus its sink's e), and its weighted sum of the values, acc[r * D ..] (not yet
+// divided by the sum). Where hidden is not null, row r does not see key j where
+// hidden[(r % every) * L + j] != 0 (rows r = g * every + t: head g, query position t): its score
+// is taken as -inf and its e_j is exactly 0, which adds nothing to the row's chains (its sum and
+// weighted sums are bit for bit those over the keys it sees alone).
+template <typename T>
+void softmax_values(float* score, int64_t Lp, int64_t R, int64_t n, float sc, const float* sink, int64_t every,
+                    const uint8_t* hidden, int64_t L, const T* const* vr, int64_t D, float* sum, float* maxes,
+                    float* acc) {
+  for (int64_t g = 0; g < R; ++g) {
+    float* sg = score + g * Lp;
+    const float* sk = sink ? sink + g / every : nullptr;
+    const uint8_t* hid = hidden ? hidden + (g % every) * L : nullptr;
+    if (hid)
+      for (int64_t l = 0; l < n; ++l)
+        if (hid[l]) sg[l] = -std::numeric_limits<float>::infinity();
+    // the scaled scores and their max (exact in any order: VL keys a step, lanes at the end)
+    const vf scv = bcast_value(sc);
+    vf mxv = bcast_value(-std::numeric_limits<float>::infinity());
+    int64_t j = 0;
+    for (; j + VL <= n; j += VL) {
+      const vf x = loadv(sg + j) * scv;
+      std::memcpy(sg + j, &x, sizeof(x));
+      mxv = x > mxv ? x : mxv;
+    }
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int i = 0; i < VL; ++i) mx = std::max(mx, mxv[i]);
+    for (; j < n; ++j) mx = std::max(mx, sg[j] *= sc);
+    if (sk) mx = std::max(mx, *sk);
+    // sg[] now holds e_j = exp(s_j - max), VL keys at a time (the last few through a zero-padded
+    // vector)
+    const vf mv = bcast_value(mx);
+    for (j = 0; j + VL <= n; j += VL) {
+      const vf e = expv(loadv(sg + j) - mv);
+      std::memcpy(sg + j, &e, sizeof(e));
+    }
+    if (j < n) {
+      float part[VL] = {};
+      std::memcpy(part, sg + j, (n - j) * sizeof(float));
+      const vf e = expv(loadv(part) - mv);
+      std::memcpy(sg + j, &e, (n - j) * sizeof(float));
+    }
+    if (hid)  // (exp clamps -inf to 0, but a row that sees no key has max -inf: NaN there)
+      for (int64_t l = 0; l < n; ++l)
+        if (hid[l]) sg[l] = 0.f;
+    maxes[g] = mx;
+  }
+  // each head's sum of its e_j in key order (the heads' chains interleaved, 4 at a time)
+  for (int64_t g0 = 0; g0 < R; g0 += 4) {
+    const int gn = static_cast<int>(std::min<int64_t>(4, R - g0));
+    exp_sums(gn, score + g0 * Lp, Lp, n, sum + g0);
+    for (int64_t g = g0; g < g0 + gn; ++g)
+      if (sink) sum[g] += std::exp(sink[g / every] - maxes[g]);
+  }
+  std::fill(acc, acc + R * D, 0.f);
+  for (int64_t j0 = 0; j0 < n; j0 += ATT_TK) {
+    const int64_t m = std::min(n, j0 + ATT_TK) - j0;
+    weighted_sums_heads(score + j0, Lp, R, vr + j0, m, D, acc);
+  }
+}
+
+#if DFLASH_AMX
+// attention_impl's AMX path with one task per (sequence, KV head) for all T_ > 1 query positions
+// at once (G * T_ <= 16 rows: a verify block's queries, 2 .. 5 positions of 3 heads a KV head):
+// the keys any of them sees are gathered, prefetched and laid out as B tiles once, the scores of
+// all G * T_ rows come from one tile product per 16 keys, and each value row is read once for
+// every row's weighted sums (a task per position did all of that T_ times). A row's keys it does
+// not see weigh exactly 0 (softmax_values), and each score of a tile is computed alone: the same
+// bits as a task per position. (bf16, 9 heads over 3 KV heads, D 64, 150 keys a sequence, 2
+// threads, 2-core AMX Xeon, the two paths alternated 41 times: 4 sequences x 2 / 3 / 4 positions
+// 0.98 / 0.89 / 0.85x the per-position time, 16 x 2 / 3 0.95 / 0.83x, 32 x 2 0.91x; most of the
+// rest is each row's own softmax and weighted sums.)
+template <typename Rows>
+void attention_amx_queries(const at::Tensor& q, const Rows& rows, int64_t Hkv, int64_t L, const at::Tensor& mask,
+                           float sc, const float* sinks, int64_t Lp, at::Tensor& out) {
+  using T = c10::BFloat16;
+  const int64_t S = q.size(0), H = q.size(1), T_ = q.size(2), D = q.size(3);
+  const int64_t G = H / Hkv, R = G * T_;
+  const T* qp = q.data_ptr<T>();
+  const bool* mp = mask.data_ptr<bool>();
+  float* op = out.data_ptr<float>();
+  const auto qs = q.strides(), ms = mask.strides();
+  at::parallel_for(0, S * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> score(R * Lp), acc(R * D), sum(R), maxes(R);
+    std::vector<T> qrows(R * D);  // row g * T_ + t: head g's query at position t, contiguous
+    std::vector<uint8_t> hidden(T_ * L);  // per position: 1 where it does not see the gathered key
+    std::vector<int64_t> seen(T_);
+    std::vector<const T*> krow(L), vrow(L);
+    std::vector<uint32_t> btv(D * 8 + 16);
+    uint32_t* bt = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(btv.data()) + 63) & ~uintptr_t{63});
+    amx_score_config(static_cast<int>(R));
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t s = i / Hkv, hk = i % Hkv;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t t = 0; t < T_; ++t)
+          std::memcpy(qrows.data() + (g * T_ + t) * D, qp + s * qs[0] + (hk * G + g) * qs[1] + t * qs[2], D * sizeof(T));
+      const bool* mrow = mp + s * ms[0];
+      std::fill(seen.begin(), seen.end(), 0);
+      int64_t n = 0;
+      for (int64_t l = 0; l < L; ++l) {
+        bool any = false;
+        for (int64_t t = 0; t < T_; ++t) any = any || mrow[t * ms[2] + l * ms[3]];
+        if (!any) continue;  // a key no position sees is never read
+        for (int64_t t = 0; t < T_; ++t) {
+          const bool sees = mrow[t * ms[2] + l * ms[3]];
+          hidden[t * L + n] = !sees;
+          seen[t] += sees;
+        }
+        krow[n] = rows.key(s, hk, l);
+        vrow[n++] = rows.value(s, hk, l);
+      }
+      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+      for (int64_t j0 = 0; j0 < n; j0 += ATT_TK) {
+        const int64_t j1 = std::min(n, j0 + ATT_TK);
+        for (int64_t j = j0 + ATT_TK; j < std::min(n, j0 + 2 * ATT_TK); ++j)  // (as attention_impl)
+          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(krow[j]) + b, 0, 3);
+        for (int64_t j = j0; j < j1; ++j)
+          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(vrow[j]) + b, 0, 2);
+        for (int64_t j = j0; j < j1; j += 16)
+          amx_scores(qrows.data(), D, krow.data() + j, static_cast<int>(std::min<int64_t>(16, j1 - j)), D, bt,
+                     score.data() + j, Lp);
+      }
+      softmax_values(score.data(), Lp, R, n, sc, sinks ? sinks + hk * G : nullptr, T_, hidden.data(), L, vrow.data(),
+                     D, sum.data(), maxes.data(), acc.data());
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t g = r / T_, t = r % T_;
+        float* o = op + ((s * H + hk * G + g) * T_ + t) * D;
+        const float inv = (seen[t] || sinks) ? 1.f / sum[r] : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // One task per (sequence, KV head, query position): the `group` query heads that share the KV
 // head see the same keys (one mask row), so each tile of TK keys is read into L1 once and used by
 // all of them, first for the scores (4 keys at a time per head; with AMX, every head against 16
@@ -1828,7 +1970,8 @@ inline void amx_scores(const c10::BFloat16* q, int64_t ldq, const c10::BFloat16*
 // and sum in key order, for the weighted sums of the values (blocks of up to 8 vectors of a
 // head's output held in registers across the tile). Every output element is the same arithmetic
 // as one head and one key at a time: score = (q . k) * scale; acc[d] = fma(e_j, v_j[d], acc[d])
-// in key order from 0; out = acc * (1 / sum).
+// in key order from 0; out = acc * (1 / sum). On AMX with several query positions (a verify
+// block) and enough sequences, one task per (sequence, KV head) instead: attention_amx_queries.
 template <typename T, typename Rows>
 void attention_impl(const at::Tensor& q, const Rows& rows, int64_t Hkv, int64_t L, const at::Tensor& mask,
                     double scale, const float* sinks, at::Tensor& out) {
@@ -1840,7 +1983,7 @@ void attention_impl(const at::Tensor& q, const Rows& rows, int64_t Hkv, int64_t 
   const auto qs = q.strides(), ms = mask.strides();
   const float sc = static_cast<float>(scale);
   constexpr int KB = 8;
-  constexpr int64_t TK = 32;  // keys per tile: 8 KiB of K (or V) rows at D = 64, fp32
+  constexpr int64_t TK = ATT_TK;
   // the scores on AMX (bf16, D a multiple of 32, at most 16 heads a KV head; amx_scores) for
   // every call of a process where it runs, else dots
   bool amx = false;
@@ -1848,6 +1991,14 @@ void attention_impl(const at::Tensor& q, const Rows& rows, int64_t Hkv, int64_t 
   if constexpr (std::is_same_v<T, c10::BFloat16>) amx = D % 32 == 0 && G <= 16 && qs[1] > 0 && amx_ready();
 #endif
   const int64_t Lp = (L + 15) / 16 * 16 + 16;  // a score row (room for a last tile of 16 keys)
+#if DFLASH_AMX
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // (with fewer (sequence, KV head) tasks than two a thread, the threads' loads are too uneven:
+    // a batch-1 verify's 3 tasks took 1.07x its 12 per-position ones on 2 threads)
+    if (amx && T_ > 1 && G * T_ <= 16 && S * Hkv >= 2 * at::get_num_threads())
+      return attention_amx_queries(q, rows, Hkv, L, mask, sc, sinks, Lp, out);
+  }
+#endif
   at::parallel_for(0, S * Hkv * T_, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> score(G * Lp), qf(G * D), acc(G * D), sum(G), maxes(G);
     std::vector<const T*> krow(L), vrow(L);
@@ -1897,48 +2048,9 @@ void attention_impl(const at::Tensor& q, const Rows& rows, int64_t Hkv, int64_t 
           for (; j < j1; ++j) dots<1>(qf.data() + g * D, krow.data() + j, D, sg + j);
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = score.data() + g * Lp;
-        // the scaled scores and their max (exact in any order: VL keys a step, lanes at the end)
-        const vf scv = bcast_value(sc);
-        vf mxv = bcast_value(-std::numeric_limits<float>::infinity());
-        int64_t j = 0;
-        for (; j + VL <= n; j += VL) {
-          const vf x = loadv(sg + j) * scv;
-          std::memcpy(sg + j, &x, sizeof(x));
-          mxv = x > mxv ? x : mxv;
-        }
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int i = 0; i < VL; ++i) mx = std::max(mx, mxv[i]);
-        for (; j < n; ++j) mx = std::max(mx, sg[j] *= sc);
-        if (sinks) mx = std::max(mx, sinks[hk * G + g]);
-        // sg[] now holds e_j = exp(s_j - max), VL keys at a time (the last few through a zero-padded
-        // vector)
-        const vf mv = bcast_value(mx);
-        for (j = 0; j + VL <= n; j += VL) {
-          const vf e = expv(loadv(sg + j) - mv);
-          std::memcpy(sg + j, &e, sizeof(e));
-        }
-        if (j < n) {
-          float part[VL] = {};
-          std::memcpy(part, sg + j, (n - j) * sizeof(float));
-          const vf e = expv(loadv(part) - mv);
-          std::memcpy(sg + j, &e, (n - j) * sizeof(float));
-        }
-        maxes[g] = mx;
-      }
-      // each head's sum of its e_j in key order (the heads' chains interleaved, 4 at a time)
-      for (int64_t g0 = 0; g0 < G; g0 += 4) {
-        const int gn = static_cast<int>(std::min<int64_t>(4, G - g0));
-        exp_sums(gn, score.data() + g0 * Lp, Lp, n, sum.data() + g0);
-        for (int64_t g = g0; g < g0 + gn; ++g)
-          if (sinks) sum[g] += std::exp(sinks[hk * G + g] - maxes[g]);
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j0 = 0; j0 < n; j0 += TK) {
-        const int64_t m = std::min(n, j0 + TK) - j0;
-        weighted_sums_heads(score.data() + j0, Lp, G, vrow.data() + j0, m, D, acc.data());
-      }
+      float* sg = score.data();
+      softmax_values(sg, Lp, G, n, sc, sinks ? sinks + hk * G : nullptr, 1, nullptr, L, vrow.data(), D, sum.data(),
+                     maxes.data(), acc.data());
       for (int64_t g = 0; g < G; ++g) {
         float* o = op + ((s * H + hk * G + g) * T_ + t) * D;
         const float inv = (n || sinks) ? 1.f / sum[g] : 0.f;
