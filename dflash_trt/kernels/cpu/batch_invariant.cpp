@@ -1822,11 +1822,24 @@ inline void amx_scores(const c10::BFloat16* q, int64_t ldq, const c10::BFloat16*
 // keys per tile of an attention task: 8 KiB of K (or V) rows at D = 64, fp32
 constexpr int64_t ATT_TK = 32;
 
+// The key rows of the next tile and the value rows of this one (keys [j0, min(n, j0 + ATT_TK)),
+// read after the softmax) into the caches ahead of their first use: the rows of a paged cache are
+// scattered blocks, and their first reads stalled the kernel (most of its time at 16 sequences)
+template <typename T>
+inline void prefetch_tile(const T* const* krow, const T* const* vrow, int64_t j0, int64_t n, int64_t D) {
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T)), j1 = std::min(n, j0 + ATT_TK);
+  for (int64_t j = j1; j < std::min(n, j0 + 2 * ATT_TK); ++j)
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(krow[j]) + b, 0, 3);
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(vrow[j]) + b, 0, 2);
+}
+
 // The rest of an attention task once the raw scores of its R rows are in (row r at score + r * Lp,
 // over the same n keys, whose values are vr[0 .. n)): each row scaled by sc, its max (with its
 // sink, sink[r / every], where sink is not null), e_j = exp(s_j - max) in place, each row's sum
-// in key order (plus its sink's e), and its weighted sum of the values, acc[r * D ..] (not yet
-// divided by the sum). Where hidden is not null, row r does not see key j where
+// in key order (plus its sink's e), and its output, acc[r * D ..]: the weighted sum of the values
+// times 1 / the sum (zeros where the row sees no key and has no sink). Where hidden is not null,
+// row r does not see key j where
 // hidden[(r % every) * L + j] != 0 (rows r = g * every + t: head g, query position t): its score
 // is taken as -inf and its e_j is exactly 0, which adds nothing to the row's chains (its sum and
 // weighted sums are bit for bit those over the keys it sees alone).
@@ -1834,13 +1847,16 @@ template <typename T>
 void softmax_values(float* score, int64_t Lp, int64_t R, int64_t n, float sc, const float* sink, int64_t every,
                     const uint8_t* hidden, int64_t L, const T* const* vr, int64_t D, float* sum, float* maxes,
                     float* acc) {
+  std::vector<uint8_t> sees(R, n > 0);  // (a row sees some key)
   for (int64_t g = 0; g < R; ++g) {
     float* sg = score + g * Lp;
     const float* sk = sink ? sink + g / every : nullptr;
     const uint8_t* hid = hidden ? hidden + (g % every) * L : nullptr;
-    if (hid)
+    if (hid) {
+      sees[g] = std::count(hid, hid + n, 0) > 0;
       for (int64_t l = 0; l < n; ++l)
         if (hid[l]) sg[l] = -std::numeric_limits<float>::infinity();
+    }
     // the scaled scores and their max (exact in any order: VL keys a step, lanes at the end)
     const vf scv = bcast_value(sc);
     vf mxv = bcast_value(-std::numeric_limits<float>::infinity());
@@ -1884,6 +1900,10 @@ void softmax_values(float* score, int64_t Lp, int64_t R, int64_t n, float sc, co
     const int64_t m = std::min(n, j0 + ATT_TK) - j0;
     weighted_sums_heads(score + j0, Lp, R, vr + j0, m, D, acc);
   }
+  for (int64_t g = 0; g < R; ++g) {
+    const float inv = (sees[g] || sink) ? 1.f / sum[g] : 0.f;
+    for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= inv;
+  }
 }
 
 #if DFLASH_AMX
@@ -1911,7 +1931,6 @@ void attention_amx_queries(const at::Tensor& q, const Rows& rows, int64_t Hkv, i
     std::vector<float> score(R * Lp), acc(R * D), sum(R), maxes(R);
     std::vector<T> qrows(R * D);  // row g * T_ + t: head g's query at position t, contiguous
     std::vector<uint8_t> hidden(T_ * L);  // per position: 1 where it does not see the gathered key
-    std::vector<int64_t> seen(T_);
     std::vector<const T*> krow(L), vrow(L);
     std::vector<uint32_t> btv(D * 8 + 16);
     uint32_t* bt = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(btv.data()) + 63) & ~uintptr_t{63});
@@ -1922,39 +1941,29 @@ void attention_amx_queries(const at::Tensor& q, const Rows& rows, int64_t Hkv, i
         for (int64_t t = 0; t < T_; ++t)
           std::memcpy(qrows.data() + (g * T_ + t) * D, qp + s * qs[0] + (hk * G + g) * qs[1] + t * qs[2], D * sizeof(T));
       const bool* mrow = mp + s * ms[0];
-      std::fill(seen.begin(), seen.end(), 0);
       int64_t n = 0;
       for (int64_t l = 0; l < L; ++l) {
         bool any = false;
-        for (int64_t t = 0; t < T_; ++t) any = any || mrow[t * ms[2] + l * ms[3]];
-        if (!any) continue;  // a key no position sees is never read
         for (int64_t t = 0; t < T_; ++t) {
           const bool sees = mrow[t * ms[2] + l * ms[3]];
           hidden[t * L + n] = !sees;
-          seen[t] += sees;
+          any = any || sees;
         }
+        if (!any) continue;  // a key no position sees is never read (its flags are overwritten)
         krow[n] = rows.key(s, hk, l);
         vrow[n++] = rows.value(s, hk, l);
       }
-      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
       for (int64_t j0 = 0; j0 < n; j0 += ATT_TK) {
         const int64_t j1 = std::min(n, j0 + ATT_TK);
-        for (int64_t j = j0 + ATT_TK; j < std::min(n, j0 + 2 * ATT_TK); ++j)  // (as attention_impl)
-          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(krow[j]) + b, 0, 3);
-        for (int64_t j = j0; j < j1; ++j)
-          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(vrow[j]) + b, 0, 2);
+        prefetch_tile(krow.data(), vrow.data(), j0, n, D);
         for (int64_t j = j0; j < j1; j += 16)
           amx_scores(qrows.data(), D, krow.data() + j, static_cast<int>(std::min<int64_t>(16, j1 - j)), D, bt,
                      score.data() + j, Lp);
       }
       softmax_values(score.data(), Lp, R, n, sc, sinks ? sinks + hk * G : nullptr, T_, hidden.data(), L, vrow.data(),
                      D, sum.data(), maxes.data(), acc.data());
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t g = r / T_, t = r % T_;
-        float* o = op + ((s * H + hk * G + g) * T_ + t) * D;
-        const float inv = (seen[t] || sinks) ? 1.f / sum[r] : 0.f;
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
-      }
+      for (int64_t r = 0; r < R; ++r)  // (row r = g * T_ + t is output (s, hk * G + g, t))
+        std::memcpy(op + ((s * H + hk * G + r / T_) * T_ + r % T_) * D, acc.data() + r * D, D * sizeof(float));
     }
     _tile_release();
   });
@@ -1962,7 +1971,7 @@ void attention_amx_queries(const at::Tensor& q, const Rows& rows, int64_t Hkv, i
 #endif
 
 // One task per (sequence, KV head, query position): the `group` query heads that share the KV
-// head see the same keys (one mask row), so each tile of TK keys is read into L1 once and used by
+// head see the same keys (one mask row), so each tile of ATT_TK keys is read into L1 once and used by
 // all of them, first for the scores (4 keys at a time per head; with AMX, every head against 16
 // keys in one tile product: bf16, 9 heads over 3 KV heads, D 64, 300 keys a sequence in blocks of
 // 16 slots, 2 threads, the call took 42 / 95 / 247 / 496 / 872 us at 1 / 4 / 4x3 / 16 / 32
@@ -1983,7 +1992,6 @@ void attention_impl(const at::Tensor& q, const Rows& rows, int64_t Hkv, int64_t 
   const auto qs = q.strides(), ms = mask.strides();
   const float sc = static_cast<float>(scale);
   constexpr int KB = 8;
-  constexpr int64_t TK = ATT_TK;
   // the scores on AMX (bf16, D a multiple of 32, at most 16 heads a KV head; amx_scores) for
   // every call of a process where it runs, else dots
   bool amx = false;
@@ -2020,16 +2028,9 @@ void attention_impl(const at::Tensor& q, const Rows& rows, int64_t Hkv, int64_t 
         krow[n] = rows.key(s, hk, l);
         vrow[n++] = rows.value(s, hk, l);
       }
-      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-      for (int64_t j0 = 0; j0 < n; j0 += TK) {
-        const int64_t j1 = std::min(n, j0 + TK);
-        // the next tile's key rows and this tile's value rows (read after the softmax), into
-        // the caches ahead of their first use: the rows of a paged cache are scattered blocks,
-        // and their first reads stalled the kernel (most of its time at 16 sequences)
-        for (int64_t j = j0 + TK; j < std::min(n, j0 + 2 * TK); ++j)
-          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(krow[j]) + b, 0, 3);
-        for (int64_t j = j0; j < j1; ++j)
-          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(vrow[j]) + b, 0, 2);
+      for (int64_t j0 = 0; j0 < n; j0 += ATT_TK) {
+        const int64_t j1 = std::min(n, j0 + ATT_TK);
+        prefetch_tile(krow.data(), vrow.data(), j0, n, D);
 #if DFLASH_AMX
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
           if (amx) {
@@ -2048,14 +2049,10 @@ void attention_impl(const at::Tensor& q, const Rows& rows, int64_t Hkv, int64_t 
           for (; j < j1; ++j) dots<1>(qf.data() + g * D, krow.data() + j, D, sg + j);
         }
       }
-      float* sg = score.data();
-      softmax_values(sg, Lp, G, n, sc, sinks ? sinks + hk * G : nullptr, 1, nullptr, L, vrow.data(), D, sum.data(),
-                     maxes.data(), acc.data());
-      for (int64_t g = 0; g < G; ++g) {
-        float* o = op + ((s * H + hk * G + g) * T_ + t) * D;
-        const float inv = (n || sinks) ? 1.f / sum[g] : 0.f;
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
-      }
+      softmax_values(score.data(), Lp, G, n, sc, sinks ? sinks + hk * G : nullptr, 1, nullptr, L, vrow.data(), D,
+                     sum.data(), maxes.data(), acc.data());
+      for (int64_t g = 0; g < G; ++g)
+        std::memcpy(op + ((s * H + hk * G + g) * T_ + t) * D, acc.data() + g * D, D * sizeof(float));
     }
 #if DFLASH_AMX
     if (amx) _tile_release();
