@@ -28,6 +28,7 @@ from ..models.cpu_linear import onednn_available, pack_linears, unpack_linears
 from ..models.drafter import DFlashDrafter
 from ..models.fused_layer import plan_dense_layers
 from ..models.layers import AttentionMetadata, set_cpu_norm_kernel
+from ..models.screened_head import ScreenedHead
 from ..models.target import TargetModel, TargetOutput
 from .attention_meta import MetaPlan, plan_packed
 from .compiled import compiled_forward
@@ -289,6 +290,12 @@ class ModelRunner:
         # the target's forward: eager, or compiled by inductor (runtime/compiled.py)
         self.forward = compiled_forward(target) if m.compile else target
         self.compile = m.compile
+        #: greedy steps' token choice through an int8 screen of the LM head (the full head's
+        #: tokens from a quarter of an fp32 head's bytes, half a bf16 one's: models/screened_head.py)
+        #: on the eager batch-invariant path without tensor parallelism, or None
+        self.screen = None
+        if batch_invariant and not m.compile and tp is None and ScreenedHead.supports(target.lm_head):
+            self.screen = ScreenedHead(target.lm_head)
         self.dtype, self.device = w.dtype, w.device
         if self.device.type == "cpu":
             retain_freed_memory()  # freed activations stay in the heap (runtime/cpu_memory.py)
@@ -430,6 +437,50 @@ class ModelRunner:
             probes, out.drafter_ran = self.proposer.propose([items[i] for i in probing], block), True
         return drafting, drafts, probing, probes
 
+    def _target(
+        self,
+        plan: StepPlan,
+        packed: _Packed,
+        prompt_keys: list[GraphKey],
+        graph: GraphKey | None,
+        inputs: tuple,
+        verify_in: dict,
+        out: StepOutput,
+    ) -> tuple[TargetOutput, torch.Tensor]:
+        """The iteration's target forward and the target's token after each logits row (int64
+        ``[R]``): prompt chunks replayed from their graphs (``prompt_keys``), a decode graph
+        (``graph``), or one eager (or compiled) forward of every item; ``inputs``: the uploaded
+        ``(ids, meta, index, off)`` (``off``: the decode part's first token). A greedy eager step
+        where the screened head pays (:attr:`screen`) takes its choice, the full head's argmax,
+        without the logits (``logits`` None then)."""
+        ids, meta, index, off = inputs
+        P = len(prompt_keys)
+        screen = None
+        if P:
+            res = self._replay_parts(plan.items[:P], prompt_keys, graph, ids[off:], meta, len(packed.flat) - off)
+            out.replayed, out.prompt_replays = True, P
+        elif graph is not None:  # (every token has logits, in order: the rows are 0 .. N - 1)
+            res = self.graphs.run(graph, ids, meta, len(packed.flat))
+            out.replayed = True
+        else:  # (compiled: the same layers always, as a change of them compiles a graph of its own)
+            greedy = "sampled" not in verify_in and "banned" not in verify_in
+            screen = self.screen if greedy and self.screen is not None and self.screen.pays(len(index)) else None
+            res = self.forward(
+                ids.unsqueeze(0),
+                meta,
+                self.tcache.layers,
+                self.capture if plan.capture or self.compile else (),
+                logits_index=index.unsqueeze(0) if screen is None else None,
+                hidden_only=screen is not None,
+            )
+        if screen is not None:
+            rows = res.hidden[0].index_select(0, index)
+            choice = screen(rows)
+            if choice is not None:
+                return res, choice
+            res.logits = self.target.lm_head(rows).unsqueeze(0)  # (a value not finite: argmax's rules)
+        return res, target_tokens(res.logits[0], verify_in.get("sampled"), verify_in.get("banned"))
+
     def _step(self, plan: StepPlan) -> StepOutput:
         ingest_s = 0.0
         if plan.ingest and self.proposer is not None:
@@ -467,21 +518,7 @@ class ModelRunner:
         verify_in = packed.device_inputs(extra)
         if drafting:  # drafts go into the packed input on the device
             ids[verify_in["dst"]] = drafts.view(-1)[verify_in["src"]]
-        if P:
-            res = self._replay_parts(items[:P], prompt_keys, graph, ids[off:], meta, len(packed.flat) - off)
-            out.replayed, out.prompt_replays = True, P
-        elif graph is not None:  # (every token has logits, in order: the rows are 0 .. N - 1)
-            res = self.graphs.run(graph, ids, meta, len(packed.flat))
-            out.replayed = True
-        else:  # (compiled: the same layers always, as a change of them compiles a graph of its own)
-            res = self.forward(
-                ids.unsqueeze(0),
-                meta,
-                self.tcache.layers,
-                self.capture if plan.capture or self.compile else (),
-                logits_index=index.unsqueeze(0),
-            )
-        choice = target_tokens(res.logits[0], verify_in.get("sampled"), verify_in.get("banned"))  # [R]
+        res, choice = self._target(plan, packed, prompt_keys, graph, (ids, meta, index, off), verify_in, out)
         to_host = [choice]
         if drafting:  # the longest matching prefix per drafting item, on the device
             acc = accepted(drafts, choice[verify_in["tgt"]], verify_in["n_draft"])
