@@ -79,14 +79,38 @@ def contender_engines(run, fixed: list[int], old: Path | None) -> list[str]:
     return names
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--runs", type=int, default=6)
-    ap.add_argument("--dtype", default="bf16")
+def lane_arguments(ap: argparse.ArgumentParser, concurrency: int, runs: int, dtype: str) -> None:
+    """The options every A/B of load-bench lanes takes (concurrency, runs, dtype, prompts, new
+    tokens, threads), with these defaults."""
+    ap.add_argument("--concurrency", type=int, default=concurrency)
+    ap.add_argument("--runs", type=int, default=runs)
+    ap.add_argument("--dtype", default=dtype)
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+
+
+def lane_run(a: argparse.Namespace, modes: tuple[str, ...] | None = None) -> load._LoadRun:
+    """The load bench's run for :func:`lane_arguments`' options ``a`` (GSM8K, adaptive DFlash,
+    torch's threads set), its engines built on demand (``run.engine_for``)."""
+    torch.set_num_threads(a.threads)
+    kw = {} if modes is None else {"modes": modes}
+    cfg = load.LoadConfig(
+        dataset="gsm8k",
+        num_prompts=a.num_prompts,
+        max_new_tokens=a.max_new_tokens,
+        concurrency=(a.concurrency,),
+        engine_args=EngineArgs(adaptive=True, dtype=a.dtype),
+        **kw,
+    )
+    cfg.validate()
+    kv_cap, _ = load.kv_capacity_for(cfg)
+    return load._LoadRun(cfg, kv_cap, None, lambda msg: print(msg, file=sys.stderr))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    lane_arguments(ap, concurrency=4, runs=6, dtype="bf16")
     ap.add_argument("--fixed", type=int, action="append", default=[], help="a fixed draft length (repeatable)")
     ap.add_argument("--old", type=Path, help="another runtime/adaptive.py whose controller runs beside")
     ap.add_argument("--json", type=Path)
@@ -94,18 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.old is not None and not a.old.is_file():
         print(f"error: --old {a.old}: no such file", file=sys.stderr)
         return 2
-    torch.set_num_threads(a.threads)
     c = a.concurrency
-    cfg = load.LoadConfig(
-        dataset="gsm8k",
-        num_prompts=a.num_prompts,
-        max_new_tokens=a.max_new_tokens,
-        concurrency=(c,),
-        engine_args=EngineArgs(adaptive=True, dtype=a.dtype),
-    )
-    cfg.validate()
-    kv_cap, _ = load.kv_capacity_for(cfg)
-    run = load._LoadRun(cfg, kv_cap, None, lambda msg: print(msg, file=sys.stderr))
+    run = lane_run(a)
     names = contender_engines(run, a.fixed, a.old)
     ratios: dict[str, list[float]] = {n: [] for n in names}
     drafts: dict[str, list[float]] = {n: [] for n in names}

@@ -22,34 +22,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
-
-from dflash_trt import EngineArgs  # noqa: E402
-from dflash_trt.bench import load  # noqa: E402
+from controller_ab import lane_arguments, lane_run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--concurrency", type=int, default=1)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--dtype", default="fp32")
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
+    lane_arguments(ap, concurrency=1, runs=5, dtype="fp32")
     a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads)
     c = a.concurrency
-    cfg = load.LoadConfig(
-        dataset="gsm8k",
-        num_prompts=a.num_prompts,
-        max_new_tokens=a.max_new_tokens,
-        concurrency=(c,),
-        engine_args=EngineArgs(adaptive=True, dtype=a.dtype),
-        modes=("ar",),
-    )
-    cfg.validate()
-    kv_cap, _ = load.kv_capacity_for(cfg)
-    run = load._LoadRun(cfg, kv_cap, None, lambda msg: print(msg, file=sys.stderr))
+    run = lane_run(a, modes=("ar",))
     screened = run.engine_for("ar")
     if screened.runner.screen is None:
         print("error: this target's head cannot be screened here (see ScreenedHead.supports)", file=sys.stderr)

@@ -17,16 +17,18 @@ passes (:class:`ScreenedHead`):
    float64 from the stored weight, codes and scales; ``||h - ĥ|| <= 0.5 * sqrt(32 * sum_b d_b^2)``
    from each 32-input block's activation scale ``d_b`` (round to nearest); the sums' rounding
    ``<= 2K * 2^-23 * (||h|| ||w_i|| + ||ĥ|| ||ŵ_i||)`` in any summation order (twice the unit
-   roundoff, for truncating accumulators too); bf16 outputs add ``2^-7`` of each magnitude.
-   Taking each norm's maximum over the vocabulary gives one bound ``B`` per hidden row.
-3. **Exact pass**: every token whose screened logit is within ``2B`` of the row's highest
-   (``A_i >= max A - 2B``; the top token ``j`` has ``L_max >= L_j >= A_j - B``, so a token that
-   reaches ``L_max`` has ``A_i >= L_max - B >= A_j - 2B``) is computed by the full head's own
-   kernel on just those weight rows (``dflash_cpu::bi_linear_packed`` over the gathered rows:
-   every output column is the same chain of instructions in any panel, so the same bits), for
-   every row of the call (the union of the rows' candidates, in vocabulary order), and the
-   first maximum among them is the token (a token outside a row's candidates is strictly below
-   that row's maximum, so ties resolve as ``argmax`` resolves them over the whole vocabulary).
+   roundoff, for truncating accumulators too); bf16 outputs add ``2^-8`` of each logit's
+   magnitude (bounded by the row's largest screened magnitude). ``E_i`` is thus ``||h||`` and
+   ``||h - ĥ||`` times two per-token coefficients (:attr:`ScreenedHead.coef_h`, ``coef_err``)
+   plus the rounding term.
+3. **Exact pass**: with ``T = max_j (A_j - E_j)`` (no more than the row's largest full-head
+   logit), every token with ``A_i + E_i >= T`` (``dflash_cpu::screen_candidates``: all tokens
+   that can reach that logit) is computed by the full head's own kernel on just those weight
+   rows (:meth:`BatchInvariantLinear.select_rows`: every output column is the same chain of
+   instructions in any panel, so the same bits), for every row of the call (the union of the
+   rows' candidates, in vocabulary order), and the first maximum among them is the token (a
+   token outside a row's candidates is strictly below that row's maximum, so ties resolve as
+   ``argmax`` resolves them over the whole vocabulary).
 
 On the default target the candidates number ~10 a row by the median (GSM8K decode rows, fp32
 and bf16; a few hundred at most). A row with a non-finite hidden value, or screened logits that
@@ -127,6 +129,4 @@ class ScreenedHead:
         if cand is None:
             return None
         # the full head's kernel over the candidates' weight rows: each column the same bits
-        packed = torch.ops.dflash_cpu.bi_pack(self.head.weight.detach().index_select(0, cand))
-        exact = torch.ops.dflash_cpu.bi_linear_packed(x, packed, len(cand), None)
-        return cand[argmax_rows(exact)]
+        return cand[argmax_rows(self.head.select_rows(cand)(x))]
