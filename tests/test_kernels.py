@@ -239,7 +239,7 @@ def test_runtime_drafts_through_kernels_equal_torch_modules(smollm2, window, lay
     mask = default_mask_token_id(smollm2.tokenizer, smollm2.model.cfg.vocab_size)
     d2t = torch.arange(0, 4096) * 3 if window else None  # a draft vocabulary on one of the two
     drafter = init_drafter(smollm2.model.cfg, 2, 8, mask, seed=5, sliding_window=window, draft_token_ids=d2t)
-    drafter = with_layout(drafter, layout)
+    drafter = with_layout(drafter, layout).to(smollm2.model.embed.weight.device)  # the target's device
     reqs = [Request(chat_prompt_ids(smollm2.tokenizer, t), 10) for t in mixed_prompts(3)]
     torch_calls, torch_hidden, torch_out = recorded_drafts(smollm2, drafter, reqs, "torch", monkeypatch)
     kern_calls, kern_hidden, kern_out = recorded_drafts(smollm2, drafter, reqs, "triton", monkeypatch)
