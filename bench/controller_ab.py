@@ -63,7 +63,10 @@ def contender_engines(run, fixed: list[int], old: Path | None) -> list[str]:
             fixed_controller(eng.controller, k)
         else:
             graphs = eng.config.model.cuda_graphs  # (as the engine makes its own controller)
-            eng.controller = controller_class(old)(eng.block_size - 1, uniform_probes=graphs, full_blocks=graphs)
+            cls = controller_class(old)
+            grows = "min_gain_seqs" in inspect.signature(cls).parameters  # (older: no such setting)
+            kw = {"min_gain_seqs": None if graphs else 4} if grows else {}
+            eng.controller = cls(eng.block_size - 1, uniform_probes=graphs, full_blocks=graphs, **kw)
             if not hasattr(eng.controller, "idle_iterations"):  # (older: every iteration keeps its features)
                 eng.controller.idle_iterations = lambda: 0
             observe = eng.controller.observe_drafter

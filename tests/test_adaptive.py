@@ -357,6 +357,29 @@ def test_near_ties_go_to_plain_decoding():
             assert (share > 0.9) if want else (share < 0.05), (q, seed, share)
 
 
+def test_least_gain_grows_with_the_batch_where_asked():
+    # drafting predicted ~12 % ahead of plain decoding at 16 sequences, ~18 % at 4 (one draft a
+    # sequence): drafted at both with the least gain ``min_gain_batch`` (5 %) everywhere; with ``min_gain_seqs``
+    # 4 (the engine's setting on the CPU) the least gain at 16 sequences is 20 %, so plain
+    # decoding there, and drafting still at 4
+    target = lambda n, it: 0.02 + 0.0005 * n  # noqa: E731  (16 tokens 28 ms, 32: 36 ms; 4: 22, 8: 24)
+    draft = lambda s, it: 0.004  # noqa: E731
+    for seqs, q, lo, hi in ((16, 0.6, 1.08, 1.16), (4, 0.5, 1.1, 1.25)):
+        for grows in (None, 4):
+            shares = []
+            for seed in range(3):
+                ctl = calibrated(1, target, draft, seqs)
+                ctl.min_gain_seqs = grows
+                predicted = ctl.rate(1, seqs, acceptance=[q]) / ctl.rate(0, seqs)
+                assert lo < predicted < hi, predicted
+                run(ctl, range(300), seqs, target, draft, lambda it, q=q: q, random.Random(seed), [])
+                chosen = [k > 0 for _, _, k, why in ctl.history if why == "model"]
+                shares.append(sum(chosen) / len(chosen))
+            want = grows is None or seqs <= 4
+            assert all(x > 0.75 for x in shares) if want else all(x < 0.05 for x in shares), (seqs, grows, shares)
+    assert DraftLengthController(3, min_gain_seqs=4)._min_gain(64) == 0.2  # (capped at max_min_gain)
+
+
 def test_cost_model_rules():
     m = CostModel(window=5, half_life=8)
     for s in (1.0, 1.0, 9.0, 1.0, 1.0):  # one outlier does not move a size's value

@@ -792,9 +792,13 @@ class LLMEngine:
 
     def _new_controller(self) -> DraftLengthController:
         """A fresh adaptive draft-length controller for this engine's block size; under CUDA
-        graphs its probes draft for every sequence (a ragged step would not be replayed)."""
+        graphs its probes draft for every sequence (a ragged step would not be replayed); with
+        eager iterations the least gain it drafts for grows past 4 sequences
+        (``min_gain_seqs``)."""
         graphs = self.config.model.cuda_graphs
-        return DraftLengthController(self.block_size - 1, uniform_probes=graphs, full_blocks=graphs)
+        return DraftLengthController(
+            self.block_size - 1, uniform_probes=graphs, full_blocks=graphs, min_gain_seqs=None if graphs else 4
+        )
 
     # ---- start-up cost measurement for the adaptive controller ----
     def calibrate(self, max_tokens: int = 256) -> None:
