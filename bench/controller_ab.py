@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from dflash_trt import EngineArgs  # noqa: E402
 from dflash_trt.bench import load  # noqa: E402
-from dflash_trt.runtime.adaptive import DraftLengthController  # noqa: E402
+from dflash_trt.runtime.adaptive import DraftLengthController, engine_settings  # noqa: E402
 
 
 def fixed_controller(ctl: DraftLengthController, k: int) -> None:
@@ -64,9 +64,9 @@ def contender_engines(run, fixed: list[int], old: Path | None) -> list[str]:
         else:
             graphs = eng.config.model.cuda_graphs  # (as the engine makes its own controller)
             cls = controller_class(old)
-            grows = "min_gain_seqs" in inspect.signature(cls).parameters  # (older: no such setting)
-            kw = {"min_gain_seqs": None if graphs else 4} if grows else {}
-            eng.controller = cls(eng.block_size - 1, uniform_probes=graphs, full_blocks=graphs, **kw)
+            known = inspect.signature(cls).parameters  # (an older one takes fewer settings)
+            kw = {k: v for k, v in engine_settings(graphs).items() if k in known}
+            eng.controller = cls(eng.block_size - 1, **kw)
             if not hasattr(eng.controller, "idle_iterations"):  # (older: every iteration keeps its features)
                 eng.controller.idle_iterations = lambda: 0
             observe = eng.controller.observe_drafter

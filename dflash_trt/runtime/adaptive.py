@@ -83,6 +83,14 @@ import math
 from collections import deque
 
 
+def engine_settings(cuda_graphs: bool) -> dict:
+    """The :class:`DraftLengthController` settings an engine uses (``LLMEngine``, and the
+    controller A/B in ``bench/controller_ab.py``): under CUDA graphs probes draft for every
+    sequence and the drafter runs whole blocks (a ragged step would not be replayed); with eager
+    iterations the least gain grows past 4 sequences (``min_gain_seqs``)."""
+    return {"uniform_probes": cuda_graphs, "full_blocks": cuda_graphs, "min_gain_seqs": None if cuda_graphs else 4}
+
+
 def _median(xs: list[float]) -> float:
     """``statistics.median`` of a non-empty list of floats (the same value: the middle one, or
     the mean of the two middle ones), without its generic number handling (the controller fits
@@ -791,7 +799,7 @@ class DraftLengthController:
         best_plausible = max(self.rate(k, seqs, acceptance=plausible) for k in range(1, top + 1))
         # (both relative to the least gain at which drafting would be chosen, where it grows with
         # the batch: ``min_gain_seqs``)
-        extra = self._min_gain(seqs) - self.min_gain_batch if seqs > 1 else 0.0
+        extra = max(self._min_gain(seqs) - self.min_gain_batch, 0.0)
         close = best_plausible >= (1 + extra - self.guard_margin / 2) * plain_rate
         self._close = close
         far = best_plausible < (1 + extra - self.far_behind) * plain_rate
@@ -870,9 +878,10 @@ class DraftLengthController:
         ``min_gain_seqs`` up to ``max_min_gain``)."""
         if seqs == 1:
             return self.min_gain
-        if self.min_gain_seqs is None or seqs <= self.min_gain_seqs:
+        if self.min_gain_seqs is None:
             return self.min_gain_batch
-        return min(self.min_gain_batch * seqs / self.min_gain_seqs, max(self.max_min_gain, self.min_gain_batch))
+        grown = min(self.min_gain_batch * seqs / self.min_gain_seqs, self.max_min_gain)
+        return max(grown, self.min_gain_batch)
 
     def _may_win(self, seqs: int, top: int, margin: float | None = None) -> bool:
         """Could drafting come within ``margin`` (relative; ``-guard_margin`` unless given) of

@@ -37,7 +37,7 @@ import torch
 from ..errors import ConfigError, DFlashError
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
-from .adaptive import DraftLengthController
+from .adaptive import DraftLengthController, engine_settings
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .model_runner import ModelRunner, StepItem, StepPlan
@@ -791,14 +791,9 @@ class LLMEngine:
         return time.perf_counter() - t
 
     def _new_controller(self) -> DraftLengthController:
-        """A fresh adaptive draft-length controller for this engine's block size; under CUDA
-        graphs its probes draft for every sequence (a ragged step would not be replayed); with
-        eager iterations the least gain it drafts for grows past 4 sequences
-        (``min_gain_seqs``)."""
-        graphs = self.config.model.cuda_graphs
-        return DraftLengthController(
-            self.block_size - 1, uniform_probes=graphs, full_blocks=graphs, min_gain_seqs=None if graphs else 4
-        )
+        """A fresh adaptive draft-length controller for this engine's block size, set for its
+        kind of iterations (:func:`~.adaptive.engine_settings`)."""
+        return DraftLengthController(self.block_size - 1, **engine_settings(self.config.model.cuda_graphs))
 
     # ---- start-up cost measurement for the adaptive controller ----
     def calibrate(self, max_tokens: int = 256) -> None:
