@@ -16,7 +16,7 @@
 #   train:   TRAIN_MINUTES [10]  STEPS [100000]  LAYERS [2]  BLOCK [8]  TARGET_LAYERS [1,7,14,21,27]
 #            TRAIN_BATCH [16]  ANCHORS [512]  CE_CHUNK [8192]  FEATURE_CACHE_GB [40]  SAVE_EVERY [200]
 #            DRAFT_VOCAB [8192]  HOLDOUT [0.02]  EXTRA_DATA [none: more data dirs, e.g. text-data output]
-#            INIT_DRAFTER [none: start from this drafter]
+#            INIT_DRAFTER [none: start from this drafter]  TRAIN_ARGS [none: more train flags, e.g. --lr 4e-4]
 #   bench:   BENCH_PROMPTS [20]  BENCH_TOKENS [128]  BENCH_SETS [gsm8k humaneval mtbench]  CONCURRENCY [none: e.g. 1,8,32]
 source "$(dirname "$0")/gpu_common.sh"
 need_model
@@ -30,7 +30,7 @@ step train cli train --target "$MODEL" --data "$WORK/data" ${EXTRA_DATA:-} --out
   --target-layers "${TARGET_LAYERS:-1,7,14,21,27}" --batch "${TRAIN_BATCH:-16}" --anchors "${ANCHORS:-512}" \
   --ce-chunk "${CE_CHUNK:-8192}" --feature-cache-gb "${FEATURE_CACHE_GB:-40}" --save-every "${SAVE_EVERY:-200}" \
   --draft-vocab "${DRAFT_VOCAB:-8192}" --holdout "${HOLDOUT:-0.02}" \
-  ${INIT_DRAFTER:+--init-drafter "$INIT_DRAFTER"} --device "$DEVICE" --dtype "$DTYPE"
+  ${INIT_DRAFTER:+--init-drafter "$INIT_DRAFTER"} ${TRAIN_ARGS:-} --device "$DEVICE" --dtype "$DTYPE"
 mkdir -p "$WORK/bench"
 for set in ${BENCH_SETS:-gsm8k humaneval mtbench}; do
   step "bench $set" cli bench --target "$MODEL" --drafter "$WORK/run/drafter" --prompts-file "$PACK/prompts/$set.jsonl" \
