@@ -57,6 +57,16 @@ def main_error(capsys, *args: str) -> str:
     return lines[0]
 
 
+def shipped_drafter(model, dtype: torch.dtype = torch.float32):
+    """The shipped default drafter (``dflash_trt/drafters``) in ``dtype`` on ``model``'s device
+    (``DFLASH_TRT_TEST_DEVICE=cuda`` puts the target on a GPU: a drafter left on the CPU beside it
+    fails there)."""
+    from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
+    from dflash_trt.checkpoints.zlab import load_drafter
+
+    return load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, dtype).to(model.embed.weight.device)
+
+
 def engine_config(**kw):
     """The engine configuration tree of ``EngineArgs(**kw)``."""
     return EngineArgs(**kw).create_engine_config()

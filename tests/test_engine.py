@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from helpers import OracleProposer, check_same, engine_config, make_engine, plain_outputs
+from helpers import OracleProposer, check_same, engine_config, make_engine, plain_outputs, shipped_drafter
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.prompts import chat_prompt_ids, mixed_prompts
@@ -541,10 +541,7 @@ def _forced_choice_run(smollm2, choice: tuple[int, bool], unverified_probes: boo
     returns the controller (plain acceptance counts: no decay), every iteration's ``(plan,
     StepOutput)``, the prompts and the results. ``unverified_probes``: probes run the drafter
     alone (else they verify; the controller's cost comparison is not what is tested here)."""
-    from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
-    from dflash_trt.checkpoints.zlab import load_drafter
-
-    drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32)
+    drafter = shipped_drafter(smollm2.model)
     cfg = engine_config(block_size=4, adaptive=True, max_batch_size=4, max_num_tokens=256, kv_capacity=4096)
     engine = LLMEngine(smollm2.model, drafter, (), cfg)  # (no stop tokens, as plain_outputs)
     ctl = engine.controller
@@ -566,10 +563,7 @@ def test_iterations_without_features_leave_the_drafts_unchanged(smollm2):
     exactly the same tokens, step for step, as when every iteration keeps them, once its window
     lies past the skipped positions; drafting chosen sooner waits (those sequences decode
     plainly) until it does. Two chat prompts, 72 tokens each, outputs equal to plain decoding."""
-    from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
-    from dflash_trt.checkpoints.zlab import load_drafter
-
-    drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32)
+    drafter = shipped_drafter(smollm2.model)
     W = drafter.cfg.sliding_window
     prompts = [chat_prompt_ids(smollm2.tokenizer, q) for q in ("What is 7 * 8?", "List three primes.")]
     plain = plain_outputs(smollm2.model, prompts, 72)
@@ -629,14 +623,12 @@ def test_windowed_drafter_sees_the_same_context_as_a_full_one(smollm2):
     drafter forward over the WHOLE context (every position's features, z-lab's window mask):
     two sequences, prompts longer than the window, plain-decoding stretches between drafts
     (features pile up unread), drafting and plain items in one iteration."""
-    from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
-    from dflash_trt.checkpoints.zlab import load_drafter
     from dflash_trt.models.layers import AttentionMetadata
     from dflash_trt.models.prefill import KVCache, features_and_predictions
     from dflash_trt.runtime.model_runner import StepItem, StepPlan
 
     model, dev = smollm2.model, smollm2.model.embed.weight.device
-    drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32).to(dev)
+    drafter = shipped_drafter(model)
     W, B = drafter.cfg.sliding_window, drafter.cfg.block_size
     assert W is not None and W >= B
     hidden: list[torch.Tensor] = []
@@ -759,10 +751,7 @@ def test_graph_path_gives_the_same_tokens_and_acceptance(smollm2, reqs16):
     outputs instead of copies change the accepted drafts (the bug class "tau 1.00 under CUDA
     graphs"; measured: 18 instead of 19 accepted third drafts over these 6 requests). In-flight
     batches over several buckets: ``tests/test_devices.py``."""
-    from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
-    from dflash_trt.checkpoints.zlab import load_drafter
-
-    drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32)
+    drafter = shipped_drafter(smollm2.model)
     reqs = [Request(r.prompt_ids, 32) for r in reqs16[:6]]
     runs = {}
     for graphs in (False, True):
@@ -832,10 +821,7 @@ def test_probe_verifies_feed_the_target_cost_at_batch_1_only(smollm2):
     batch 1, it is a plain verify of ``1 + k`` rows and the one measurement of the verify sizes
     while plain decoding wins: it does (left out, a batch-1 lane stayed plain on a 2-row verify
     measured once at 1.44x a decode step)."""
-    from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
-    from dflash_trt.checkpoints.zlab import load_drafter
-
-    drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32)
+    drafter = shipped_drafter(smollm2.model)
     prompts = [chat_prompt_ids(smollm2.tokenizer, q) for q in ("What is 7 * 8?", "List three primes.")]
     for batch in (1, 2):
         cfg = engine_config(block_size=4, adaptive=True, max_batch_size=4, max_num_tokens=256, kv_capacity=4096)
@@ -860,10 +846,7 @@ def test_rewarm_leaves_the_adaptive_controller_as_it_was(smollm2):
     held aside, drafting whole blocks), gives plain decoding's tokens, and the controller comes
     back the same object with nothing learnt: iterations, choices, acceptance counts and the
     target's cost points as before."""
-    from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
-    from dflash_trt.checkpoints.zlab import load_drafter
-
-    drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32)
+    drafter = shipped_drafter(smollm2.model)
     cfg = engine_config(block_size=4, adaptive=True, max_batch_size=4, max_num_tokens=256, kv_capacity=4096)
     engine = LLMEngine(smollm2.model, drafter, (), cfg)
     prompt = chat_prompt_ids(smollm2.tokenizer, "What is 7 * 8?")
