@@ -31,10 +31,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps --ignore-requires-python $(REFERENCE_PKGS)
 	touch $(STAMP)
 
-# Measured on this CPU (2 threads, GSM8K 20 x 128, one run, no AMX): in bf16 (oneDNN-prepacked
-# linears) the shipped drafter (run 11) at block size 4 is 1.34x plain decoding (tau 1.67) and, with
-# prompt lookup merged into its drafts (--prompt-lookup-min 2), 1.61x (tau 1.95), ahead of HF (0.84x),
-# HF prompt-lookup (0.92x) and z-lab (0.86x) in that run; the model's own 4-bit weights (--weights int4) are the fastest path
+# Measured on an AMX Xeon (2 threads, GSM8K 20 x 128, one run, bf16, batch-invariant mode on): the
+# shipped drafter (run 12) at block size 4 is 1.37x plain decoding (tau 1.76) and, with prompt
+# lookup merged into its drafts (--prompt-lookup-min 2), 1.68x (tau 2.10), ahead of HF (0.36x),
+# HF prompt-lookup (0.53x) and z-lab (0.46x) in that run; the model's own 4-bit weights (--weights int4) are the fastest path
 # (eager plain ~55 tok/s here; --compile ~100-120 after a first compile of minutes, not in the demo).
 # generate: int4; bench: the bf16 table with the peers, then int4's; DFlash with prompt lookup.
 demo: $(STAMP)
