@@ -506,10 +506,8 @@ def test_runner_puts_the_drafter_linears_on_the_kernel(smollm2, monkeypatch):
     the drafts and final hidden states of draft calls on a real answer's context are those of
     the same drafter (the shipped one) through ``nn.Linear`` (hidden states within fp32 summation-order
     differences). The compiled path gets ``nn.Linear`` back."""
-    from helpers import full_features, plain_outputs
+    from helpers import full_features, plain_outputs, shipped_drafter
 
-    from dflash_trt.checkpoints.loader import DEFAULT_DRAFTER, SHIPPED_DRAFTERS
-    from dflash_trt.checkpoints.zlab import load_drafter
     from dflash_trt.runtime import model_runner
     from dflash_trt.runtime.model_runner import ModelRunner, StepItem, cpu_weight_layout
 
@@ -519,7 +517,7 @@ def test_runner_puts_the_drafter_linears_on_the_kernel(smollm2, monkeypatch):
     nb = -(-(len(ids) + 8) // 16)
     runs = {}
     for kernel in (True, False):
-        drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32)
+        drafter = shipped_drafter(model)
         before = {k: v.clone() for k, v in drafter.state_dict().items()}
         monkeypatch.setattr(model_runner, "drafter_kernel_linears", lambda d, on=kernel: on)
         runner = ModelRunner(model, drafter, engine_config(block_size=4, kv_capacity=nb * 16).with_defaults(4))
@@ -544,7 +542,7 @@ def test_runner_puts_the_drafter_linears_on_the_kernel(smollm2, monkeypatch):
     assert dk == dd
     assert diff < 1e-5
     monkeypatch.undo()
-    drafter = load_drafter(SHIPPED_DRAFTERS / DEFAULT_DRAFTER, torch.float32)
+    drafter = shipped_drafter(model)
     cpu_weight_layout(model, drafter, False, False, True)
     assert model_runner.drafter_kernel_linears(drafter)
     assert all(isinstance(m, BatchInvariantLinear) for m in drafter.modules() if isinstance(m, nn.Linear))
