@@ -344,29 +344,35 @@ constexpr bool BF16_DOT = false;
 // tile(R, C, p, out + p * width) for p = 0, C, 2C, ... (R and C as std::integral_constant). The
 // register tiles it calls are kept out of line (noinline): inlined into these generic lambdas,
 // the float GEMM's 4-row tile ran at half its speed.
-template <int R, int C, typename Tile>
-inline void tile_panels(int panels, int64_t width, float* out, const Tile& tile) {
+// With Halve (the float GEMM's tiles, generic in C) the panels left after the C-panel tiles go
+// through tiles of C / 2, C / 4, ... panels instead of one at a time: a group of 2 panels swept
+// by a 1-row tile of 8 takes one 2-panel tile (two FMA chains) rather than two 1-panel ones.
+template <int R, int C, bool Halve = false, typename Tile>
+inline void tile_panels(int panels, int64_t width, float* out, const Tile& tile, int p = 0) {
   using RC = std::integral_constant<int, R>;
-  int p = 0;
   for (; p + C <= panels; p += C) tile(RC{}, std::integral_constant<int, C>{}, p, out + p * width);
-  for (; p < panels; ++p) tile(RC{}, std::integral_constant<int, 1>{}, p, out + p * width);
+  if constexpr (Halve && C > 1) {
+    tile_panels<R, C / 2, true>(panels, width, out, tile, p);
+  } else {
+    for (; p < panels; ++p) tile(RC{}, std::integral_constant<int, 1>{}, p, out + p * width);
+  }
 }
 
 // rows (1 .. sizeof...(Cs)) x panels through register tiles of Cs... panels for 1, 2, ... rows
 // (every kernel's tiles: the float GEMM's, int8's and int4's); rows past the last take its tile
-template <int R, int C, int... Cs, typename Tile>
+template <bool Halve, int R, int C, int... Cs, typename Tile>
 inline void tile_rows_from(int rows, int panels, int64_t width, float* out, const Tile& tile) {
   if constexpr (sizeof...(Cs) == 0) {
-    tile_panels<R, C>(panels, width, out, tile);
+    tile_panels<R, C, Halve>(panels, width, out, tile);
   } else {
-    if (rows == R) return tile_panels<R, C>(panels, width, out, tile);
-    tile_rows_from<R + 1, Cs...>(rows, panels, width, out, tile);
+    if (rows == R) return tile_panels<R, C, Halve>(panels, width, out, tile);
+    tile_rows_from<Halve, R + 1, Cs...>(rows, panels, width, out, tile);
   }
 }
 
 template <int... Cs, typename Tile>
 inline void tile_rows(int rows, int panels, int64_t width, float* out, const Tile& tile) {
-  tile_rows_from<1, Cs...>(rows, panels, width, out, tile);
+  tile_rows_from<false, 1, Cs...>(rows, panels, width, out, tile);
 }
 
 // the float / bf16 GEMM's tiles: up to FR rows (8: one sweep of the weight for an 8-row verify
@@ -607,11 +613,16 @@ void linear_amx(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat1
 // group of panels is swept by every register tile of rows in turn (panel_groups)
 template <typename X, typename W, typename O>
 void linear_impl(const X* x, int64_t M, int64_t K, const W* wp, const float* bias, int64_t N, O* out) {
+  // 1 or 2 rows stream the weight from memory (a decode step): the threads' shares of it, not the
+  // register tile's reuse (none to speak of), set the time, so groups come in units of 2 panels
+  // (split evenly: the 36 panels of a 576-output projection went 24 / 12 in units of 8), each
+  // swept by tiles of 8, 4 and 2 panels
+  const int64_t unit = M <= 2 ? 2 : PANELS[std::min<int64_t>(M, FR) - 1];
   panel_groups(
-      M, K, N, sizeof(W), PANELS[std::min<int64_t>(M, FR) - 1], FR, bias, out,
+      M, K, N, sizeof(W), unit, FR, bias, out,
       [&](int64_t m, int rows, int64_t p0, int64_t np, float* t, int64_t ldt) {
         const W* wg = wp + p0 * K * VL;
-        tile_rows<FLOAT_PANELS>(rows, static_cast<int>(np), VL, t, [&](auto r, auto c, int p, float* o) {
+        tile_rows_from<true, 1, FLOAT_PANELS>(rows, static_cast<int>(np), VL, t, [&](auto r, auto c, int p, float* o) {
           const W* w = wg + p * K * VL;
           if constexpr (std::is_same_v<X, float>) {
             tile<decltype(r)::value, decltype(c)::value>(x + m * K, K, w, o, ldt);
