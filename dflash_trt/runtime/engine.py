@@ -83,6 +83,11 @@ class LLMEngine:
             directory's memory plan); this constructor takes models already loaded.
         runner: the :class:`ModelRunner` to use (default: one built from the config).
         tp: TP group helper (rank 0's view) that broadcasts each plan, or None.
+        calibration_ids: token ids of natural text in the target's vocabulary for the adaptive
+            controller's start-up calibration (:meth:`calibrate`; :func:`~.engine_factory.calibration_ids`
+            makes them from the tokenizer, as :meth:`from_engine_args` does). None: token 0
+            throughout, whose flat logits make an fp32 CPU target's screened LM head weigh
+            thousands of candidates a row, and its verify steps look up to 2x their cost.
 
     Attributes:
         isolate_failures: False (default): an exception in an iteration propagates out of
@@ -102,6 +107,7 @@ class LLMEngine:
         config: EngineConfig | None = None,
         runner: ModelRunner | None = None,
         tp=None,
+        calibration_ids: list[int] | None = None,
     ):
         cfg = (config or EngineConfig()).with_defaults(drafter.cfg.block_size if drafter is not None else None)
         spec, sched = cfg.speculative, cfg.scheduler
@@ -164,6 +170,8 @@ class LLMEngine:
         # the sequences of failed iterations, in groups that run apart from the others (front first)
         self._suspects: deque[list[int]] = deque()
         self._suspects_turn = False
+        #: token ids of natural text the start-up calibration's steps read (:meth:`calibrate`)
+        self.calibration_ids = list(calibration_ids or [])
         if self.controller is not None:
             self.calibrate()
 
@@ -836,7 +844,7 @@ class LLMEngine:
             ctx = 0
         shared = reserve([-1], ctx)[0] if ctx else []
         if ctx:
-            self._run(StepPlan([StepItem(-1, [0] * ctx, 0, shared)]))
+            self._run(StepPlan([StepItem(-1, self._calibration_ids(0, ctx), 0, shared)]))
         at = ctx + 7  # each scratch sequence's 7 own tokens follow the shared context
 
         graphs = self.config.model.cuda_graphs
@@ -863,16 +871,17 @@ class LLMEngine:
             if own is None:
                 break
             tables = [shared + t for t in own]  # (the own blocks hold positions ctx on)
-            self._run(StepPlan([StepItem(sid, [0] * 7, ctx, t) for sid, t in zip(sids, tables)]))
+            self._run(StepPlan([StepItem(sid, self._calibration_ids(ctx, 7), ctx, t) for sid, t in zip(sids, tables)]))
             warm = j == 0 or graphs
             # a plain decode step of s sequences
-            out = measure(StepPlan([StepItem(sid, [0], at, t, num_logits=1) for sid, t in zip(sids, tables)]), warm)
+            last = self._calibration_ids(at, 1)
+            out = measure(StepPlan([StepItem(sid, last, at, t, num_logits=1) for sid, t in zip(sids, tables)]), warm)
             ctl.target_cost.observe(s, out.target_s)
             # a whole block each, and one draft each where the drafter's block follows the drafts
             for k in sorted({K - 1, K - 1 if graphs else 1}):
                 out = measure(
                     StepPlan(
-                        [StepItem(sid, [0], at, t, num_draft=k, num_logits=k + 1) for sid, t in zip(sids, tables)],
+                        [StepItem(sid, last, at, t, num_draft=k, num_logits=k + 1) for sid, t in zip(sids, tables)],
                         draft_block=self.draft_block(k),
                     ),
                     warm,
@@ -882,6 +891,12 @@ class LLMEngine:
         for sid in scratch:
             bm.release(sid)  # (a no-op for those already released)
         self._run(StepPlan([], release=scratch))  # the runner drops their features
+
+    def _calibration_ids(self, start: int, n: int) -> list[int]:
+        """Positions ``start .. start + n - 1`` of the calibration's text (:attr:`calibration_ids`,
+        repeated as far as needed; token 0 throughout without one)."""
+        ids = self.calibration_ids
+        return [ids[i % len(ids)] for i in range(start, start + n)] if ids else [0] * n
 
 
 def _sample_on_device(s: Sequence, item: StepItem) -> None:
