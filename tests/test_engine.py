@@ -535,6 +535,30 @@ def test_calibration_keeps_the_median_of_its_runs(smollm2, random_drafter):
     assert plain4 < max(others) + 0.1, (plain4, others)
 
 
+def test_calibration_reads_the_calibration_text(smollm2, random_drafter):
+    """An engine built the one way in (``from_engine_args``) calibrates over the calibration
+    text in the target's tokens, position by position: the shared context's prefill, each
+    scratch sequence's own tokens and the token every timed step decodes (on token 0 throughout,
+    an fp32 target's screened head weighed ~20,000 candidates a row and verifies measured ~2x
+    their cost in serving)."""
+    from dflash_trt import EngineArgs
+    from dflash_trt.runtime.engine_factory import CALIBRATION_TEXT, LoadedModels, calibration_ids
+
+    ids = calibration_ids(smollm2.tokenizer)
+    assert smollm2.tokenizer.decode(ids, skip_special_tokens=True).strip() == CALIBRATION_TEXT.strip()
+    assert len(set(ids)) > 50 and calibration_ids(None) is None
+    args = EngineArgs(block_size=4, adaptive=True, max_batch_size=4, max_num_tokens=64, kv_capacity=2048)
+    engine = LLMEngine.from_engine_args(args, LoadedModels.of(smollm2, random_drafter))
+    assert engine.calibration_ids == ids
+    run, plans = engine._run, []
+    engine._run = lambda plan: plans.append(plan) or run(plan)
+    engine.calibrate()
+    items = [it for p in plans for it in p.items]
+    assert items and all(it.tokens == [ids[(it.start + j) % len(ids)] for j in range(len(it.tokens))] for it in items)
+    assert {it.start for it in items if len(it.tokens) == 1} == {items[0].start + len(items[0].tokens) + 7}
+    assert LLMEngine(smollm2.model, random_drafter, smollm2.stop_token_ids, engine.config).calibration_ids == []
+
+
 def _forced_choice_run(smollm2, choice: tuple[int, bool], unverified_probes: bool = False):
     """The shipped drafter (fp32, block 4) with the adaptive controller's every choice forced
     to ``choice`` on two chat prompts, 24 tokens each, outputs checked against plain decoding;

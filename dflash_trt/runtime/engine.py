@@ -812,7 +812,9 @@ class LLMEngine:
         draft where :meth:`draft_block` follows the drafts), on scratch sequences that are freed
         afterwards: each has 7 tokens of its own after :data:`CALIBRATION_CONTEXT` positions that
         one prefill wrote once and every scratch sequence's block table shares (none where the
-        KV cache is too small for them). Each step runs :data:`CALIBRATION_REPEATS` times, its
+        KV cache is too small for them), all of them the calibration text's tokens
+        (:attr:`calibration_ids`, by position: what a step reads sets its cost where the screened
+        LM head weighs the candidates of its rows). Each step runs :data:`CALIBRATION_REPEATS` times, its
         median time kept; the first size's forwards run once more before (untimed): only a path's
         first call carries one-time costs (the drafter's: 0.78 s against 0.09 s warm, SmolLM2
         fp32, one thread); under CUDA graphs every forward runs twice (the first captures its
