@@ -389,17 +389,12 @@ class DraftLengthController:
             one draft each forced) ran at 0.965x plain decoding: the iterations where sequences
             end at different times and prompts are admitted beside verify blocks took the rest;
             under the model's choice the lane ran at 0.93x.
-        reuse: once the model (not the guard) chose plain decoding, every draft length predicted
-            below the rate at which it would draft (plain decoding's plus the least gain, see
-            ``min_gain``), the next ``reuse`` iterations at the same batch size take that choice
-            without evaluating the model again, unless a probe is due or the acceptance or the
-            drafter's cost changed meanwhile: the model's refits and ~8 predicted rates cost
-            ~0.2 ms an iteration (2-core AMD EPYC), ~1 % of a 4-sequence bf16 step, and a choice
-            only flips by tens of iterations' evidence. (Held only while drafting was predicted
-            below plain decoding itself, the model was evaluated every iteration at 16 bf16
-            sequences, drafting predicted ~2 % ahead where it is chosen from 20 %: 21-37 ms of a
-            ~2.9 s lane, 5-10 ms held, 2-core AMX Xeon, 2026-12-01.)
-            Where every draft length is predicted ``far_behind`` that rate, ``8 * reuse``,
+        reuse: once the model (not the guard, not a near tie) chose plain decoding, the next
+            ``reuse`` iterations at the same batch size take that choice without evaluating the
+            model again, unless a probe is due or the acceptance changed meanwhile: the model's
+            refits and ~8 predicted rates cost ~0.2 ms an iteration (2-core AMD EPYC), ~1 % of
+            a 4-sequence bf16 step, and a choice only flips by tens of iterations' evidence.
+            Where every draft length is predicted ``far_behind`` plain decoding, ``8 * reuse``,
             and an acceptance observed meanwhile (a probe's) does not end it (16 bf16 sequences
             of the load bench, 2-core AMX Xeon: the controller took 17-25 ms of a ~6 s lane, ~0.3 %,
             with ``reuse``; with ``4 * reuse``, ended by every probe's acceptance, it evaluated
@@ -624,8 +619,6 @@ class DraftLengthController:
         self._drafter_seen[seqs] = self.iteration
         if not cold:
             self._warm_seen.add(seqs)
-        if self._plain_until is not None and not self._plain_until[2]:  # (as a new acceptance: see ``reuse``)
-            self._plain_until = None
 
     def drafter_cost(self, seqs: int, k: int) -> float:
         """Predicted seconds of the drafter while ``seqs`` sequences draft ``k`` tokens each
@@ -780,11 +773,8 @@ class DraftLengthController:
         self.since_plain = 0
         self.explore_every = self.min_explore
         self.since_draft += 1
-        # (measured against the rate at which drafting would be chosen, the least gain included:
-        # in the band below it the model's choice is plain decoding too)
-        chosen_at = (1 + self._min_gain(seqs)) * rates[0]
-        if why == "model" and top > 0 and max(rates[1:]) < chosen_at and self.reuse:
-            far = max(rates[1:]) < (1 - self.far_behind) * chosen_at  # (a cost change cannot flip it soon)
+        if why == "model" and top > 0 and max(rates[1:]) < rates[0] and self.reuse:
+            far = max(rates[1:]) < (1 - self.far_behind) * rates[0]  # (a cost change cannot flip it soon)
             self._plain_until = (self.iteration + self.reuse * (8 if far else 1), seqs, far)
         if self.since_draft >= self.probe_every and top > 0:
             picked = self._probe(seqs, top, rates[0])
