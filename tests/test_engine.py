@@ -542,7 +542,8 @@ def test_calibration_reads_the_calibration_text(smollm2, random_drafter):
     an fp32 target's screened head weighed ~20,000 candidates a row and verifies measured ~2x
     their cost in serving)."""
     from dflash_trt import EngineArgs
-    from dflash_trt.runtime.engine_factory import CALIBRATION_TEXT, LoadedModels, calibration_ids
+    from dflash_trt.runtime.engine import CALIBRATION_TEXT
+    from dflash_trt.runtime.engine_factory import LoadedModels, calibration_ids
 
     ids = calibration_ids(smollm2.tokenizer)
     assert smollm2.tokenizer.decode(ids, skip_special_tokens=True).strip() == CALIBRATION_TEXT.strip()

@@ -191,30 +191,11 @@ def _create(config: EngineConfig, models: LoadedModels | None, tp):
     return engine
 
 
-#: the text the adaptive controller's start-up calibration decodes and verifies over
-#: (``LLMEngine.calibrate``): a worked word problem, like the requests an engine serves. Its
-#: steps' cost depends on what they read: on token 0 repeated, an fp32 CPU target's screened LM
-#: head weighed 19,000-34,000 candidates a row (its logits flat) where serving GSM8K weighs
-#: ~50-150, and a 4-sequence verify of 2 tokens each measured 55 ms against 28 in serving.
-CALIBRATION_TEXT = (
-    "Question: A baker makes 48 muffins in the morning and 36 in the afternoon. She sells three "
-    "quarters of them and gives 6 to her neighbours. How many muffins does she have left?\n"
-    "Answer: First, find the total number of muffins. 48 + 36 = 84 muffins. Next, find how many "
-    "she sells: three quarters of 84 is 84 * 3 / 4 = 63 muffins. After selling, she has "
-    "84 - 63 = 21 muffins. Then she gives 6 to her neighbours, so 21 - 6 = 15 muffins remain. "
-    "The answer is 15.\n"
-    "Question: A train travels at 60 miles per hour for 2 hours and then at 45 miles per hour for "
-    "3 hours. What is the total distance it travels, and what is its average speed?\n"
-    "Answer: In the first part the train covers 60 * 2 = 120 miles. In the second part it covers "
-    "45 * 3 = 135 miles. The total distance is 120 + 135 = 255 miles. The whole trip takes "
-    "2 + 3 = 5 hours, so the average speed is 255 / 5 = 51 miles per hour. The answer is 255 "
-    "miles at an average of 51 miles per hour.\n"
-)
-
-
 def calibration_ids(tokenizer) -> list[int] | None:
-    """:data:`CALIBRATION_TEXT` in ``tokenizer``'s ids (an HF tokenizer; special tokens as
+    """:data:`~.engine.CALIBRATION_TEXT` in ``tokenizer``'s ids (an HF tokenizer; special tokens as
     its ``encode`` adds them), for ``LLMEngine(calibration_ids=...)``; None without one."""
+    from .engine import CALIBRATION_TEXT
+
     return None if tokenizer is None else list(tokenizer.encode(CALIBRATION_TEXT))
 
 
