@@ -428,6 +428,39 @@ def test_cost_model_rules():
     assert _isotonic([1.0, 5.0, 2.0], [1.0, 3.0, 1.0]) == [1.0, 4.25, 4.25]
 
 
+def test_cost_model_fit_does_not_depend_on_when_it_is_read():
+    """The fit keeps each point's value until a measurement joins the point or a recent one
+    leaves the horizon; read every tick, it must equal the fit from the point values computed
+    afresh, and a model's read only now and then. The stream starts on the model's own clock
+    (start-up calibration: ticks 1..40) and goes on under the controller's (ticks from 1 again),
+    so a point's ticks are not in order, and sizes come and go (stale points age)."""
+    rng = random.Random(7)
+    every, fresh, sometimes = (CostModel(horizon=8, half_life=6) for _ in range(3))
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+
+    def check(tick):
+        fresh._points = None  # (its point values computed anew: the model as it was before caching them)
+        assert every.ys == fresh.ys, tick
+        if tick % 37 == 0:
+            assert sometimes.ys == every.ys, tick
+            assert [sometimes(x) for x in (1, 3, 40, 100)] == [every(x) for x in (1, 3, 40, 100)]
+
+    for i in range(40):
+        n, s = rng.choice(sizes), rng.uniform(0.01, 0.05)
+        for m in (every, fresh, sometimes):
+            m.observe(n, s)
+        check(-i)
+    for tick in range(1, 400):
+        for m in (every, fresh, sometimes):
+            m.set_time(tick)
+        if rng.random() < 0.3:  # (some ticks measure nothing: recent measurements only leave)
+            n = rng.choice(sizes[: 3 + tick // 100])
+            s = rng.uniform(0.01, 0.05) * n**0.5
+            for m in (every, fresh, sometimes):
+                m.observe(n, s)
+        check(tick)
+
+
 def test_cost_points_in_the_machines_long_run_time():
     # a 16-row verify measured through a slow period (1.5x) while the 4-row plain step is not
     # measured, then the plain step alone once the machine is fast again: as measured, the

@@ -210,9 +210,15 @@ class CostModel:
         self.now = 0
         self._own_clock = True
         self._fit: tuple[int, list[float]] | None = None
+        #: per point ``[value, count of recent measurements, the tick from which they no longer
+        #: hold]`` (:meth:`_point_value`; the fit is redone every tick, they change only as
+        #: measurements come or leave the horizon)
+        self._points: list[list] | None = None
 
     def set_time(self, tick: int) -> None:
         """Use an external clock (the controller's iteration count) from now on."""
+        if tick < self.now:  # (back from the own clock's count: which measurements are recent changes)
+            self._points = None
         self.now, self._own_clock = tick, False
 
     def observe(self, n: float, seconds: float) -> None:
@@ -231,7 +237,11 @@ class CostModel:
             j = i
             self.xs.insert(j, float(n))
             self.obs.insert(j, deque(maxlen=self._kept))
+            if self._points is not None:
+                self._points.insert(j, [0.0, 1, -math.inf])
         self.obs[j].append((self.now, seconds / self.speed.value if self.speed is not None else seconds))
+        if self._points is not None:
+            self._points[j][2] = -math.inf  # (its value is due again)
 
     @property
     def ys(self) -> list[float]:
@@ -239,16 +249,20 @@ class CostModel:
         (multiplied by the speed in :meth:`__call__`)."""
         if self._fit is not None and self._fit[0] == self.now:
             return self._fit[1]
-        values, weights, ages = [], [], []
-        for o in self.obs:
-            o = list(o)[-self.window :] if len(o) > self.window else o  # (the point's own measurements)
-            recent = [s for t, s in o if self.now - t <= self.horizon]
-            values.append(_median(recent or [s for t, s in o if o[-1][0] - t <= self.horizon]))
-            ages.append(self.now - o[-1][0])
-            weights.append(max(len(recent), 1) * 0.5 ** (ages[-1] / self.half_life))
+        now, horizon = self.now, self.horizon
+        if self._points is None:
+            self._points = [[0.0, 1, -math.inf] for _ in self.obs]
+        for j, p in enumerate(self._points):
+            if now >= p[2]:
+                p[:] = self._point_value(self.obs[j])
+        values = [p[0] for p in self._points]
+        ages = [now - o[-1][0] for o in self.obs]
+        weights = [p[1] * 0.5 ** (a / self.half_life) for p, a in zip(self._points, ages)]
         for i in range(len(values)):  # a stale point ages down toward what fresher smaller sizes imply
+            if not self.age_down or ages[i] <= horizon:
+                continue
             fresher = [j for j in range(i) if ages[j] < ages[i]]
-            if not self.age_down or ages[i] <= self.horizon or not fresher:
+            if not fresher:
                 continue
             if len(fresher) >= 2:  # the line through the two largest fresher sizes, at this size
                 a, b = fresher[-2], fresher[-1]
@@ -260,9 +274,25 @@ class CostModel:
             if goal < values[i] or len(fresher) >= 2 and goal > values[i]:  # (up only along a slope)
                 f = 0.5 ** ((ages[i] - self.horizon) / self.half_life)
                 values[i] = f * values[i] + (1 - f) * goal
-        fit = _isotonic(values, weights)
-        self._fit = (self.now, fit)
+        monotone = all(a <= b for a, b in zip(values, values[1:]))
+        fit = values if monotone else _isotonic(values, weights)  # (the isotonic fit of monotone values is them)
+        self._fit = (now, fit)
         return fit
+
+    def _point_value(self, o: deque) -> list:
+        """A point's ``[value, count, until]`` from its measurements ``o``: the median of its last
+        ``window`` of the last ``horizon`` ticks (or, with none that recent, of those within
+        ``horizon`` ticks before its latest one), how many those recent ones are (at least 1), and
+        the tick at which the earliest of them leaves the horizon (when this is due again)."""
+        now, horizon = self.now, self.horizon
+        if len(o) > self.window:  # (the point's own measurements)
+            o = list(o)[-self.window :]
+        recent = [(t, s) for t, s in o if now - t <= horizon]
+        if not recent:
+            return [_median([s for t, s in o if o[-1][0] - t <= horizon]), 1, math.inf]
+        # (the earliest tick, not the first: measurements on the own clock, before set_time, may
+        # carry later ticks than the controller's first iterations)
+        return [_median([s for _, s in recent]), len(recent), min(t for t, _ in recent) + horizon + 1]
 
     def near(self, a: float, b: float) -> bool:
         """Whether sizes ``a`` and ``b`` (> 0) are within a factor ``snap`` of each other."""
@@ -271,24 +301,31 @@ class CostModel:
     def age(self, n: float) -> float:
         """Ticks since the last measurement of the size point ``n`` would join (within ``snap``);
         infinite when there is none."""
-        near = [o[-1][0] for x, o in zip(self.xs, self.obs) if self.near(n, x)]
-        return self.now - max(near) if near else math.inf
+        xs, i = self.xs, bisect.bisect_left(self.xs, n)
+        lo, hi = i, i  # (the points within ``snap`` of ``n`` are the ones around where it sorts)
+        while lo > 0 and self.near(n, xs[lo - 1]):
+            lo -= 1
+        while hi < len(xs) and self.near(n, xs[hi]):
+            hi += 1
+        return self.now - max(self.obs[j][-1][0] for j in range(lo, hi)) if hi > lo else math.inf
 
     def __call__(self, n: float) -> float:
-        """Predicted seconds at size ``n`` at the machine's current speed."""
-        return self._fitted(n) * (self.speed.value if self.speed is not None else 1.0)
-
-    def _fitted(self, n: float) -> float:
-        ys = self.ys
-        if not self.xs:
+        """Predicted seconds at size ``n`` at the machine's current speed: the fit's piecewise-
+        linear value, extrapolated linearly past the last point (with a single point, its value,
+        or scaled by the size unless ``flat``)."""
+        xs = self.xs
+        if not xs:
             return 0.0
-        if len(self.xs) == 1:
-            return ys[0] if self.flat else ys[0] * max(n / self.xs[0], 1.0)
-        i = min(max(bisect.bisect_left(self.xs, n), 1), len(self.xs) - 1)
-        x0, x1, y0, y1 = self.xs[i - 1], self.xs[i], ys[i - 1], ys[i]
+        fit = self._fit
+        ys = fit[1] if fit is not None and fit[0] == self.now else self.ys
+        speed = self.speed.value if self.speed is not None else 1.0
+        if len(xs) == 1:
+            return (ys[0] if self.flat else ys[0] * max(n / xs[0], 1.0)) * speed
+        i = min(max(bisect.bisect_left(xs, n), 1), len(xs) - 1)
+        x0, y0 = xs[i - 1], ys[i - 1]
         if n <= x0:
-            return y0
-        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)  # extrapolates linearly past the last point
+            return y0 * speed
+        return (y0 + (ys[i] - y0) * (n - x0) / (xs[i] - x0)) * speed
 
 
 class _Realised:
@@ -389,11 +426,16 @@ class DraftLengthController:
             one draft each forced) ran at 0.965x plain decoding: the iterations where sequences
             end at different times and prompts are admitted beside verify blocks took the rest;
             under the model's choice the lane ran at 0.93x.
-        reuse: once the model (not the guard, not a near tie) chose plain decoding, the next
-            ``reuse`` iterations at the same batch size take that choice without evaluating the
-            model again, unless a probe is due or the acceptance changed meanwhile: the model's
-            refits and ~8 predicted rates cost ~0.2 ms an iteration (2-core AMD EPYC), ~1 % of
-            a 4-sequence bf16 step, and a choice only flips by tens of iterations' evidence.
+        reuse: once the model (not the guard) chose plain decoding, every draft length predicted
+            below the rate at which it would draft (plain decoding's plus the least gain: a near
+            tie too), the next ``reuse`` iterations at the same batch size take that choice
+            without evaluating the model again, unless a probe is due or the acceptance or the
+            drafter's cost changed meanwhile: the model's refits and ~8 predicted rates cost
+            ~0.2 ms an iteration (2-core AMD EPYC), ~1 % of a 4-sequence bf16 step, and a choice
+            only flips by tens of iterations' evidence. (Held only below plain decoding itself,
+            the model was evaluated every iteration at 16 bf16 sequences, where one draft each is
+            predicted ~3 % ahead and chosen from 20 %: choose() 0.22-0.28 ms a call, 1.4 % of the
+            lane's step time; held in the band, 0.07-0.09 ms, 0.55-0.65 %, 2-core AMX Xeon.)
             Where every draft length is predicted ``far_behind`` plain decoding, ``8 * reuse``,
             and an acceptance observed meanwhile (a probe's) does not end it (16 bf16 sequences
             of the load bench, 2-core AMX Xeon: the controller took 17-25 ms of a ~6 s lane, ~0.3 %,
@@ -458,6 +500,7 @@ class DraftLengthController:
         self._batch_probe: int | None = None  # the batch size of an every-sequence probe's first iteration
         self._drafter_seen: dict[int, int] = {}  # sequences drafting -> the iteration the drafter last ran for them
         self._warm_seen: set[int] = set()  # sequences drafting in a warm forward, ever
+        self._warm_near: dict[int, bool] = {}  # seqs -> near one of _warm_seen (drafter_cost asks often)
         self.host_cost = self._host_cost_models()
         self.min_probe, self.max_probe = probe, max_probe
         self.probe_every = probe
@@ -617,8 +660,11 @@ class DraftLengthController:
         it stayed plain where drafting won."""
         (self.cold_cost if cold else self.draft_cost).observe(tokens, seconds)
         self._drafter_seen[seqs] = self.iteration
-        if not cold:
+        if not cold and seqs not in self._warm_seen:
             self._warm_seen.add(seqs)
+            self._warm_near.clear()
+        if self._plain_until is not None and not self._plain_until[2]:  # (as a new acceptance: see ``reuse``)
+            self._plain_until = None
 
     def drafter_cost(self, seqs: int, k: int) -> float:
         """Predicted seconds of the drafter while ``seqs`` sequences draft ``k`` tokens each
@@ -633,7 +679,10 @@ class DraftLengthController:
         1.01x plain, 2-5 drafting iterations a run.)"""
         n = self.draft_tokens(seqs, k)
         warm = self.draft_cost(n)  # (0.0 before any warm forward)
-        if any(self.draft_cost.near(s, seqs) for s in self._warm_seen) or not self.cold_cost.xs:
+        near = self._warm_near.get(seqs)
+        if near is None:
+            near = self._warm_near[seqs] = any(self.draft_cost.near(s, seqs) for s in self._warm_seen)
+        if near or not self.cold_cost.xs:
             return warm
         return max(warm, self.cold_cost(n))
 
@@ -773,7 +822,9 @@ class DraftLengthController:
         self.since_plain = 0
         self.explore_every = self.min_explore
         self.since_draft += 1
-        if why == "model" and top > 0 and max(rates[1:]) < rates[0] and self.reuse:
+        # (held in the band below the rate at which drafting would be chosen too, the least gain
+        # included; far behind plain decoding itself, as before)
+        if why == "model" and top > 0 and max(rates[1:]) < (1 + self._min_gain(seqs)) * rates[0] and self.reuse:
             far = max(rates[1:]) < (1 - self.far_behind) * rates[0]  # (a cost change cannot flip it soon)
             self._plain_until = (self.iteration + self.reuse * (8 if far else 1), seqs, far)
         if self.since_draft >= self.probe_every and top > 0:
