@@ -210,10 +210,10 @@ class CostModel:
         self.now = 0
         self._own_clock = True
         self._fit: tuple[int, list[float]] | None = None
-        #: per point ``[value, count of recent measurements, the tick from which they no longer
-        #: hold]`` (:meth:`_point_value`; the fit is redone every tick, they change only as
-        #: measurements come or leave the horizon)
-        self._points: list[list] | None = None
+        #: per point ``(value, count of recent measurements, the tick from which they no longer
+        #: hold)``, None where due (:meth:`_point_value`; the fit is redone every tick, they change
+        #: only as measurements come or leave the horizon)
+        self._points: list[tuple | None] | None = None
 
     def set_time(self, tick: int) -> None:
         """Use an external clock (the controller's iteration count) from now on."""
@@ -237,11 +237,10 @@ class CostModel:
             j = i
             self.xs.insert(j, float(n))
             self.obs.insert(j, deque(maxlen=self._kept))
-            if self._points is not None:
-                self._points.insert(j, [0.0, 1, -math.inf])
+            self._points = None  # (a new size point: every value is due)
         self.obs[j].append((self.now, seconds / self.speed.value if self.speed is not None else seconds))
         if self._points is not None:
-            self._points[j][2] = -math.inf  # (its value is due again)
+            self._points[j] = None  # (its value is due again)
 
     @property
     def ys(self) -> list[float]:
@@ -250,14 +249,13 @@ class CostModel:
         if self._fit is not None and self._fit[0] == self.now:
             return self._fit[1]
         now, horizon = self.now, self.horizon
-        if self._points is None:
-            self._points = [[0.0, 1, -math.inf] for _ in self.obs]
-        for j, p in enumerate(self._points):
-            if now >= p[2]:
-                p[:] = self._point_value(self.obs[j])
-        values = [p[0] for p in self._points]
+        points = self._points = self._points or [None] * len(self.obs)
+        for j, p in enumerate(points):
+            if p is None or now >= p[2]:
+                points[j] = self._point_value(self.obs[j])
+        values = [p[0] for p in points]
         ages = [now - o[-1][0] for o in self.obs]
-        weights = [p[1] * 0.5 ** (a / self.half_life) for p, a in zip(self._points, ages)]
+        weights = [p[1] * 0.5 ** (a / self.half_life) for p, a in zip(points, ages)]
         for i in range(len(values)):  # a stale point ages down toward what fresher smaller sizes imply
             if not self.age_down or ages[i] <= horizon:
                 continue
@@ -279,8 +277,8 @@ class CostModel:
         self._fit = (now, fit)
         return fit
 
-    def _point_value(self, o: deque) -> list:
-        """A point's ``[value, count, until]`` from its measurements ``o``: the median of its last
+    def _point_value(self, o: deque) -> tuple[float, int, float]:
+        """A point's ``(value, count, until)`` from its measurements ``o``: the median of its last
         ``window`` of the last ``horizon`` ticks (or, with none that recent, of those within
         ``horizon`` ticks before its latest one), how many those recent ones are (at least 1), and
         the tick at which the earliest of them leaves the horizon (when this is due again)."""
@@ -289,10 +287,10 @@ class CostModel:
             o = list(o)[-self.window :]
         recent = [(t, s) for t, s in o if now - t <= horizon]
         if not recent:
-            return [_median([s for t, s in o if o[-1][0] - t <= horizon]), 1, math.inf]
+            return _median([s for t, s in o if o[-1][0] - t <= horizon]), 1, math.inf
         # (the earliest tick, not the first: measurements on the own clock, before set_time, may
         # carry later ticks than the controller's first iterations)
-        return [_median([s for _, s in recent]), len(recent), min(t for t, _ in recent) + horizon + 1]
+        return _median([s for _, s in recent]), len(recent), min(t for t, _ in recent) + horizon + 1
 
     def near(self, a: float, b: float) -> bool:
         """Whether sizes ``a`` and ``b`` (> 0) are within a factor ``snap`` of each other."""
@@ -316,8 +314,7 @@ class CostModel:
         xs = self.xs
         if not xs:
             return 0.0
-        fit = self._fit
-        ys = fit[1] if fit is not None and fit[0] == self.now else self.ys
+        ys = self.ys
         speed = self.speed.value if self.speed is not None else 1.0
         if len(xs) == 1:
             return (ys[0] if self.flat else ys[0] * max(n / xs[0], 1.0)) * speed
@@ -500,7 +497,6 @@ class DraftLengthController:
         self._batch_probe: int | None = None  # the batch size of an every-sequence probe's first iteration
         self._drafter_seen: dict[int, int] = {}  # sequences drafting -> the iteration the drafter last ran for them
         self._warm_seen: set[int] = set()  # sequences drafting in a warm forward, ever
-        self._warm_near: dict[int, bool] = {}  # seqs -> near one of _warm_seen (drafter_cost asks often)
         self.host_cost = self._host_cost_models()
         self.min_probe, self.max_probe = probe, max_probe
         self.probe_every = probe
@@ -660,11 +656,9 @@ class DraftLengthController:
         it stayed plain where drafting won."""
         (self.cold_cost if cold else self.draft_cost).observe(tokens, seconds)
         self._drafter_seen[seqs] = self.iteration
-        if not cold and seqs not in self._warm_seen:
+        if not cold:
             self._warm_seen.add(seqs)
-            self._warm_near.clear()
-        if self._plain_until is not None and not self._plain_until[2]:  # (as a new acceptance: see ``reuse``)
-            self._plain_until = None
+        self._end_hold()  # (as a new acceptance: see ``reuse``)
 
     def drafter_cost(self, seqs: int, k: int) -> float:
         """Predicted seconds of the drafter while ``seqs`` sequences draft ``k`` tokens each
@@ -679,10 +673,7 @@ class DraftLengthController:
         1.01x plain, 2-5 drafting iterations a run.)"""
         n = self.draft_tokens(seqs, k)
         warm = self.draft_cost(n)  # (0.0 before any warm forward)
-        near = self._warm_near.get(seqs)
-        if near is None:
-            near = self._warm_near[seqs] = any(self.draft_cost.near(s, seqs) for s in self._warm_seen)
-        if near or not self.cold_cost.xs:
+        if any(self.draft_cost.near(s, seqs) for s in self._warm_seen) or not self.cold_cost.xs:
             return warm
         return max(warm, self.cold_cost(n))
 
@@ -955,7 +946,12 @@ class DraftLengthController:
             self.reached[k] += 1
             self.accepted[k] += k < accepted
         self._acceptance = None
-        if self._plain_until is not None and not self._plain_until[2]:  # (far behind: it stands, see ``reuse``)
+        self._end_hold()
+
+    def _end_hold(self) -> None:
+        """A held plain choice (``reuse``) ends once the acceptance or the drafter's cost has
+        changed, unless it was held ``far_behind`` (then it stands)."""
+        if self._plain_until is not None and not self._plain_until[2]:
             self._plain_until = None
 
     def observe_iteration(
